@@ -1,0 +1,1 @@
+"""CellService: cgroups with optional namespaces, and the executables that run in them."""

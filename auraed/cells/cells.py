@@ -1,0 +1,227 @@
+"""Cells: allocation, freeing and the executables inside, persisted and recovered at start."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+from auraed.cells.errors import CellError
+from auraed.cells.executables import ExecutableRecord, Executables, Placement, State
+from auraed.cells.model import CellSpec, ExecutableSpec
+from auraed.errors import ErrorKind
+from auraed.names import parent_of
+from auraed.observe.events import ObserveHub
+from auraed.state.store import Store
+from auraed.system import namespaces
+from auraed.system.cgroupfs import CgroupError, Cgroupfs, CgroupLayout
+
+log = logging.getLogger(__name__)
+
+KIND = "cell"
+
+CGROUP_ERROR_KINDS = {
+    "invalid": ErrorKind.INVALID_ARGUMENT,
+    "unsupported": ErrorKind.FAILED_PRECONDITION,
+    "not_found": ErrorKind.NOT_FOUND,
+    "busy": ErrorKind.FAILED_PRECONDITION,
+    "os": ErrorKind.INTERNAL,
+}
+
+
+def cell_error(exc: CgroupError) -> CellError:
+    return CellError(CGROUP_ERROR_KINDS.get(exc.kind, ErrorKind.INTERNAL), str(exc))
+
+
+@dataclasses.dataclass
+class CellRecord:
+    spec: CellSpec
+    # "allocating" until every kernel object exists; a record left so is torn down at start.
+    state: str = "allocating"
+    netns_path: str | None = None
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"spec": self.spec.to_doc(), "state": self.state, "netns_path": self.netns_path}
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> CellRecord:
+        return cls(CellSpec.from_doc(doc["spec"]), doc["state"], doc.get("netns_path"))
+
+
+class Cells:
+    def __init__(
+        self, store: Store, hub: ObserveHub, cgroups: Cgroupfs, runtime_dir: Path, default_grace_period: float
+    ) -> None:
+        self._store = store
+        self._cgroups = cgroups
+        self._netns_dir = runtime_dir / "netns"
+        self.executables = Executables(store, hub, runtime_dir)
+        self._cells: dict[str, CellRecord] = {}
+        self._default_grace = default_grace_period
+        # One lifecycle change at a time: allocation, start and free touch the same tree.
+        self._lock = asyncio.Lock()
+
+    @property
+    def layout(self) -> CgroupLayout:
+        return self._cgroups.layout
+
+    def cgroup_path(self, name: str) -> str:
+        return self._cgroups.cgroup_path(name)
+
+    def get(self, name: str) -> CellRecord:
+        record = self._cells.get(name)
+        if record is None:
+            raise CellError.not_found(f"cell {name}")
+        return record
+
+    def children(self, name: str | None) -> list[CellRecord]:
+        return [r for n, r in sorted(self._cells.items()) if parent_of(n) == name]
+
+    def grace(self, milliseconds: int | None) -> float:
+        return self._default_grace if milliseconds is None else milliseconds / 1000.0
+
+    # -- allocate / free -------------------------------------------------------------------
+
+    async def allocate(self, spec: CellSpec) -> CellRecord:
+        async with self._lock:
+            if spec.name in self._cells:
+                raise CellError.already_exists(f"cell {spec.name}")
+            parent = parent_of(spec.name)
+            if parent is not None:
+                self.get(parent)
+                if any(r.state in (State.RUNNING, State.STARTING) for r in self.executables.in_cell(parent)):
+                    raise CellError.precondition(
+                        f"cell {parent} runs executables; a cell holds either executables or child cells"
+                    )
+            record = CellRecord(spec)
+            self._save(record)
+            try:
+                await asyncio.to_thread(self._make, record)
+            except BaseException:
+                await asyncio.to_thread(self._unmake, record)
+                self._delete(record)
+                raise
+            record.state = "ready"
+            self._save(record)
+            log.info("allocated cell %s", spec.name)
+            return record
+
+    def _make(self, record: CellRecord) -> None:
+        try:
+            self._cgroups.create(record.spec.name, record.spec.limits)
+        except CgroupError as exc:
+            raise cell_error(exc) from exc
+        if record.spec.isolate_network:
+            path = self._netns_dir / record.spec.name.replace("/", "_")
+            self._netns_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            record.netns_path = str(path)
+            namespaces.create_network_namespace(path)
+
+    def _unmake(self, record: CellRecord) -> None:
+        """Remove every kernel object of a cell; safe on half-made cells and repeatable."""
+        if record.netns_path:
+            namespaces.remove_network_namespace(Path(record.netns_path))
+        try:
+            if self._cgroups.exists(record.spec.name):
+                self._cgroups.kill_all(record.spec.name)
+            self._cgroups.remove(record.spec.name)
+        except CgroupError as exc:
+            raise cell_error(exc) from exc
+
+    async def free(self, name: str, grace_period: float) -> None:
+        async with self._lock:
+            record = self.get(name)
+            # Children first: a cgroup directory can only be removed once it has none.
+            for child in self._subtree(name):
+                await self._free_one(child, grace_period)
+            await self._free_one(record, grace_period)
+
+    def _subtree(self, name: str) -> list[CellRecord]:
+        below = [r for n, r in self._cells.items() if n.startswith(name + "/")]
+        return sorted(below, key=lambda r: r.spec.name.count("/"), reverse=True)
+
+    async def _free_one(self, record: CellRecord, grace_period: float) -> None:
+        executables = self.executables.in_cell(record.spec.name)
+        await asyncio.gather(*(self.executables.stop(e, grace_period) for e in executables))
+        await asyncio.to_thread(self._unmake, record)
+        for executable in executables:
+            with contextlib.suppress(CellError):
+                self.executables.forget(executable)
+        self._delete(record)
+        log.info("freed cell %s", record.spec.name)
+
+    # -- executables -----------------------------------------------------------------------
+
+    async def start(self, spec: ExecutableSpec) -> ExecutableRecord:
+        async with self._lock:
+            record = self.get(spec.cell_name)
+            if self.children(spec.cell_name):
+                raise CellError.precondition(
+                    f"cell {spec.cell_name} has child cells; a cell holds either executables or child cells"
+                )
+            placement = Placement(
+                cell=record.spec,
+                cgroup_procs_files=[str(p) for p in self._cgroups.procs_files(spec.cell_name)],
+                oom_counter_file=str(self._cgroups.oom_counter_file(spec.cell_name)),
+                netns_path=record.netns_path,
+            )
+            return await self.executables.start(spec, placement)
+
+    async def stop(self, cell_name: str, executable_name: str, grace_period: float) -> ExecutableRecord:
+        self.get(cell_name)
+        record = self.executables.get(f"{cell_name}/{executable_name}")
+        if record is None:
+            raise CellError.not_found(f"executable {executable_name} in cell {cell_name}")
+        if record.state not in (State.RUNNING, State.STARTING):
+            raise CellError.precondition(f"executable {record.key} is not running ({record.state})")
+        return await self.executables.stop(record, grace_period)
+
+    # -- persistence -----------------------------------------------------------------------
+
+    def _save(self, record: CellRecord) -> None:
+        self._cells[record.spec.name] = record
+        self._store.put(KIND, record.spec.name, record.to_doc())
+
+    def _delete(self, record: CellRecord) -> None:
+        self._cells.pop(record.spec.name, None)
+        self._store.delete(KIND, record.spec.name)
+
+    def recover(self) -> None:
+        """Reload cells from the store, checked against the kernel; clean what is half-made or gone."""
+        for name, doc in self._store.list(KIND):
+            try:
+                record = CellRecord.from_doc(doc)
+            except (KeyError, TypeError) as exc:
+                log.warning("dropping unreadable cell record %s: %s", name, exc)
+                self._store.delete(KIND, name)
+                continue
+            if record.state != "ready":
+                log.warning("cell %s was being allocated when auraed stopped; removing it", name)
+                self._unmake_quietly(record)
+                self._store.delete(KIND, name)
+            elif not self._cgroups.exists(name):
+                log.warning("cell %s is gone from the kernel (reboot?); forgetting it", name)
+                self._unmake_quietly(record)
+                self._store.delete(KIND, name)
+            else:
+                self._cells[name] = record
+        self.executables.recover(lambda cell: cell in self._cells)
+        log.info("recovered %d cells and %d executables", len(self._cells), len(self.executables.running()))
+
+    def _unmake_quietly(self, record: CellRecord) -> None:
+        try:
+            self._unmake(record)
+        except CellError as exc:
+            log.warning("could not fully remove cell %s: %s", record.spec.name, exc)
+
+    async def shutdown(self, stop_executables: bool, free_cells: bool) -> None:
+        if free_cells:
+            for record in self.children(None):
+                await self.free(record.spec.name, self._default_grace)
+        elif stop_executables:
+            running = self.executables.running()
+            await asyncio.gather(*(self.executables.stop(r, self._default_grace) for r in running))
+        await self.executables.close()

@@ -1,0 +1,321 @@
+"""Executables: processes auraed starts in cells, each supervised by a detached monitor.
+
+The monitor (``auraed.system.monitor``) holds the executable's stdout/stderr, writes them to a
+CRI-format log file and records the exit status, so an executable outlives a ``kill -9`` of
+auraed and a restarted auraed can still report how it ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal as signals
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from auraed.cells.errors import CellError
+from auraed.cells.model import CellSpec, ExecutableSpec
+from auraed.errors import ErrorKind
+from auraed.observe.events import ObserveHub, SignalEvent
+from auraed.state.store import Store
+from auraed.system import processes
+from auraed.system.monitor import MonitorSpec, monitor_command, read_exit_record
+
+log = logging.getLogger(__name__)
+
+KIND = "executable"
+MONITOR_START_TIMEOUT = 30.0  # seconds; generous because guests run under slow emulation
+
+
+class State:
+    STARTING = "starting"
+    RUNNING = "running"
+    EXITED = "exited"
+    UNKNOWN = "unknown"
+
+
+@dataclasses.dataclass
+class ExecutableRecord:
+    spec: ExecutableSpec
+    run_dir: str
+    state: str = State.STARTING
+    monitor_pid: int = 0
+    monitor_ticks: int | None = None
+    pid: int = 0
+    ticks: int | None = None
+    started_at: float = 0.0
+    finished_at: float | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    oom_killed: bool = False
+
+    @property
+    def key(self) -> str:
+        return self.spec.workload
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self.run_dir) / "output.log"
+
+    @property
+    def exit_path(self) -> Path:
+        return Path(self.run_dir) / "exit.json"
+
+    def to_doc(self) -> dict[str, Any]:
+        doc = dataclasses.asdict(self)
+        doc["spec"] = self.spec.to_doc()
+        return doc
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> ExecutableRecord:
+        return cls(**{**doc, "spec": ExecutableSpec.from_doc(doc["spec"])})
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where an executable of a cell runs: the cgroup files to join and namespaces to use."""
+
+    cell: CellSpec
+    cgroup_procs_files: list[str]
+    oom_counter_file: str | None
+    netns_path: str | None
+
+
+class Executables:
+    def __init__(self, store: Store, hub: ObserveHub, runtime_dir: Path) -> None:
+        self._store = store
+        self._hub = hub
+        self._runtime_dir = runtime_dir / "executables"
+        self._watchers: dict[str, asyncio.Task[None]] = {}
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+        self._records: dict[str, ExecutableRecord] = {}
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def get(self, workload: str) -> ExecutableRecord | None:
+        return self._records.get(workload)
+
+    def in_cell(self, cell_name: str) -> list[ExecutableRecord]:
+        return [r for r in self._records.values() if r.spec.cell_name == cell_name]
+
+    def running(self) -> list[ExecutableRecord]:
+        return [r for r in self._records.values() if r.state == State.RUNNING]
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def _run_dir(self, spec: ExecutableSpec) -> Path:
+        # "/" never appears in a DNS label and "_" never does either: the flattening is unambiguous.
+        return self._runtime_dir / spec.cell_name.replace("/", "_") / spec.name
+
+    async def start(self, spec: ExecutableSpec, placement: Placement) -> ExecutableRecord:
+        existing = self._records.get(spec.workload)
+        if existing is not None and existing.state in (State.RUNNING, State.STARTING):
+            raise CellError.already_exists(f"executable {spec.workload}")
+        run_dir = self._run_dir(spec)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(mode=0o700, parents=True)
+        record = ExecutableRecord(spec=spec, run_dir=str(run_dir), started_at=time.time())
+        # Written before the monitor exists, so a crash in between is found and cleaned at start.
+        self._save(record)
+        try:
+            await self._spawn(record, placement)
+        except BaseException:
+            self._forget(record)
+            raise
+        record.state = State.RUNNING
+        self._save(record)
+        self._watch(record)
+        log.info("started %s as pid %d: %s", spec.workload, record.pid, " ".join(spec.argv)[:200])
+        return record
+
+    async def _spawn(self, record: ExecutableRecord, placement: Placement) -> None:
+        spec, cell = record.spec, placement.cell
+        monitor_spec = MonitorSpec(
+            argv=list(spec.argv),
+            env=list(spec.env),
+            cwd=spec.cwd,
+            uid=spec.uid,
+            gid=spec.gid,
+            cgroup_procs_files=placement.cgroup_procs_files,
+            oom_counter_file=placement.oom_counter_file,
+            log_path=str(record.log_path),
+            exit_path=str(record.exit_path),
+            new_pid_ns=cell.isolate_process,
+            new_mount_ns=cell.isolate_process,
+            new_uts_ns=cell.isolate_process,
+            new_ipc_ns=cell.isolate_process,
+            hostname=cell.hostname if cell.isolate_process else None,
+            netns_path=placement.netns_path,
+        )
+        spec_path = Path(record.run_dir) / "monitor.json"
+        spec_path.write_text(monitor_spec.to_json())
+        read_end, write_end = os.pipe()
+        try:
+            child = _launch_monitor(spec_path, write_end, Path(record.run_dir) / "monitor.log")
+        finally:
+            os.close(write_end)
+        self._children[child.pid] = child
+        record.monitor_pid = child.pid
+        record.monitor_ticks = processes.start_ticks(child.pid)
+        try:
+            line = await asyncio.wait_for(asyncio.to_thread(_read_all, read_end), MONITOR_START_TIMEOUT)
+        except TimeoutError:
+            child.kill()
+            await asyncio.to_thread(child.wait)
+            self._children.pop(child.pid, None)
+            raise CellError(
+                ErrorKind.UNAVAILABLE, f"the monitor of {spec.workload} did not start in time"
+            ) from None
+        finally:
+            os.close(read_end)
+        report = _parse_sync_line(line)
+        if "error" in report:
+            await asyncio.to_thread(child.wait)
+            self._children.pop(child.pid, None)
+            raise CellError(ErrorKind.FAILED_PRECONDITION, f"cannot start {spec.workload}: {report['error']}")
+        record.pid = int(report["pid"])
+        record.ticks = report.get("start_ticks")
+
+    def _watch(self, record: ExecutableRecord) -> None:
+        task = asyncio.get_running_loop().create_task(self._await_exit(record), name=f"watch {record.key}")
+        self._watchers[record.key] = task
+        task.add_done_callback(
+            lambda t: self._watchers.pop(record.key, None) if self._watchers.get(record.key) is t else None
+        )
+
+    async def _await_exit(self, record: ExecutableRecord) -> None:
+        await processes.wait_for_exit(record.monitor_pid, record.monitor_ticks)
+        child = self._children.pop(record.monitor_pid, None)
+        if child is not None:
+            child.poll()  # reap the monitor
+        self._finish(record)
+
+    def _finish(self, record: ExecutableRecord) -> None:
+        """Record how the executable ended, from the monitor's exit file."""
+        exit_record = read_exit_record(record.exit_path)
+        if exit_record is None:
+            record.state = State.UNKNOWN
+            log.warning("%s: its monitor ended without recording an exit status", record.key)
+        else:
+            record.state = State.EXITED
+            record.exit_code = exit_record.exit_code
+            record.signal = exit_record.signal
+            record.oom_killed = exit_record.oom_killed
+            record.finished_at = exit_record.finished_at
+        if record.finished_at is None:
+            record.finished_at = time.time()
+        if record.signal is not None:
+            self._hub.signals.publish(SignalEvent(record.signal, record.pid, record.key, "terminated"))
+        if self._records.get(record.key) is record:
+            self._save(record)
+        log.info(
+            "%s exited: code=%s signal=%s oom_killed=%s",
+            record.key,
+            record.exit_code,
+            record.signal,
+            record.oom_killed,
+        )
+
+    async def stop(self, record: ExecutableRecord, grace_period: float) -> ExecutableRecord:
+        if record.state != State.RUNNING:
+            return record
+        watcher = self._watchers.get(record.key)
+        self._signal(record, signals.SIGTERM)
+        if watcher is not None:
+            done, _ = await asyncio.wait({watcher}, timeout=grace_period)
+            if not done:
+                self._signal(record, signals.SIGKILL)
+                await asyncio.wait({watcher}, timeout=30.0)
+        return record
+
+    def _signal(self, record: ExecutableRecord, signal: int) -> None:
+        if processes.send_signal(record.pid, signal, record.ticks):
+            self._hub.signals.publish(SignalEvent(signal, record.pid, record.key, "sent"))
+
+    def forget(self, record: ExecutableRecord) -> None:
+        """Drop an executable that is no longer running, with its logs."""
+        if record.state in (State.RUNNING, State.STARTING):
+            raise CellError.precondition(f"executable {record.key} is still running")
+        self._forget(record)
+
+    def _forget(self, record: ExecutableRecord) -> None:
+        self._store.delete(KIND, record.key)
+        if self._records.get(record.key) is record:
+            del self._records[record.key]
+        shutil.rmtree(record.run_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            Path(record.run_dir).parent.rmdir()
+
+    def _save(self, record: ExecutableRecord) -> None:
+        self._records[record.key] = record
+        self._store.put(KIND, record.key, record.to_doc())
+
+    # -- restart ---------------------------------------------------------------------------
+
+    def recover(self, cell_exists: Callable[[str], bool]) -> None:
+        """Rebuild the view from the store and the kernel after a start or a restart."""
+        for key, doc in self._store.list(KIND):
+            try:
+                record = ExecutableRecord.from_doc(doc)
+            except (KeyError, TypeError) as exc:
+                log.warning("dropping unreadable executable record %s: %s", key, exc)
+                self._store.delete(KIND, key)
+                continue
+            if not cell_exists(record.spec.cell_name):
+                self._forget(record)
+                continue
+            self._records[record.key] = record
+            if record.state == State.STARTING:
+                log.warning("%s was being started when auraed stopped; dropping it", record.key)
+                processes.send_signal(record.monitor_pid, signals.SIGKILL, record.monitor_ticks)
+                self._forget(record)
+            elif record.state == State.RUNNING:
+                if processes.is_alive(record.monitor_pid, record.monitor_ticks):
+                    log.info("found %s running as pid %d", record.key, record.pid)
+                    self._watch(record)
+                else:
+                    self._finish(record)
+
+    async def close(self) -> None:
+        """Stop watching (the executables themselves keep running)."""
+        for task in list(self._watchers.values()):
+            task.cancel()
+        await asyncio.gather(*self._watchers.values(), return_exceptions=True)
+
+
+def _launch_monitor(spec_path: Path, sync_fd: int, log_path: Path) -> subprocess.Popen[bytes]:
+    """Start the monitor detached in its own session, so signals aimed at auraed's group miss it."""
+    with log_path.open("ab") as monitor_log:
+        return subprocess.Popen(
+            monitor_command(str(spec_path), sync_fd),
+            pass_fds=[sync_fd],
+            stdin=subprocess.DEVNULL,
+            stdout=monitor_log,
+            stderr=monitor_log,
+            start_new_session=True,
+        )
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 4096):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse_sync_line(line: bytes) -> dict[str, Any]:
+    if not line.strip():
+        return {"error": "the monitor exited without reporting (see monitor.log in the run directory)"}
+    try:
+        report = json.loads(line.decode().strip().splitlines()[0])
+    except (ValueError, UnicodeDecodeError):
+        return {"error": f"the monitor reported garbage: {line[:200]!r}"}
+    return dict(report) if isinstance(report, dict) else {"error": f"the monitor reported {report!r}"}

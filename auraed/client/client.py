@@ -1,0 +1,214 @@
+"""An mTLS gRPC client for every aurae service, driven by the same proto descriptors as the server.
+
+    async with AuraeClient.connect() as client:
+        await client.call("aurae.cells.v0.CellService", "Allocate", request)
+        async for item in client.stream("aurae.observe.v0.ObserveService", "GetSubProcessStream", request):
+            ...
+
+``client.service("aurae.cells.v0.CellService").allocate(request)`` is the same with method names in
+snake_case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import betterproto2
+import grpc
+
+from auraed.errors import AuraeError, ErrorKind
+from auraed.server.rpc import message_class, service_descriptor, snake_case
+
+CONFIG_PATHS = (Path("~/.aurae/config"), Path("/etc/aurae/config"))
+DEFAULT_SERVER_NAME = "server.unsafe.aurae.io"
+# A booting guest must be reachable the moment it listens; grpc's default backoff waits seconds.
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 100),
+]
+
+
+class ClientError(AuraeError):
+    """A call failed; ``code`` is the gRPC status code name and ``message`` the server's detail."""
+
+    def __init__(self, code: str, message: str) -> None:
+        kind = ErrorKind[code] if code in ErrorKind.__members__ else ErrorKind.UNAVAILABLE
+        super().__init__(kind, message)
+        self.code = code
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientConfig:
+    ca_crt: Path
+    client_crt: Path
+    client_key: Path
+    # "unix:/path" or "host:port"
+    address: str
+    server_name: str = DEFAULT_SERVER_NAME
+
+
+def _config_file(explicit: Path | None) -> Path | None:
+    if explicit is not None:
+        return explicit
+    env = os.environ.get("AURAE_CONFIG")
+    if env:
+        return Path(env)
+    for candidate in CONFIG_PATHS:
+        path = candidate.expanduser()
+        if path.exists():
+            return path
+    return None
+
+
+def load_client_config(path: Path | None = None, address: str | None = None) -> ClientConfig:
+    """Read an Aurae-style client config: [auth] ca_crt, client_crt, client_key; [system] socket."""
+    config_path = _config_file(path)
+    if config_path is None:
+        raise ClientError(
+            "FAILED_PRECONDITION",
+            "no client config: pass --config, set AURAE_CONFIG, or "
+            "create ~/.aurae/config (see `aer pki init`)",
+        )
+    try:
+        table = tomllib.loads(config_path.read_text())
+        auth, system = table.get("auth", {}), table.get("system", {})
+        base = config_path.parent
+
+        def resolve(value: str) -> Path:
+            return (base / Path(value).expanduser()).resolve()
+
+        socket = system.get("socket", "/var/run/aurae/aurae.sock")
+        target = address or system.get("address") or f"unix:{socket}"
+        return ClientConfig(
+            ca_crt=resolve(auth["ca_crt"]),
+            client_crt=resolve(auth["client_crt"]),
+            client_key=resolve(auth["client_key"]),
+            address=target if ":" in target else f"unix:{target}",
+            server_name=system.get("server_name", DEFAULT_SERVER_NAME),
+        )
+    except KeyError as exc:
+        raise ClientError("FAILED_PRECONDITION", f"{config_path}: missing [auth] {exc.args[0]}") from exc
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ClientError("FAILED_PRECONDITION", f"{config_path}: {exc}") from exc
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ClientError("FAILED_PRECONDITION", f"cannot read the {what} {path}: {exc.strerror}") from exc
+
+
+def channel_for(config: ClientConfig) -> grpc.aio.Channel:
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=_read(config.ca_crt, "CA certificate"),
+        private_key=_read(config.client_key, "client key"),
+        certificate_chain=_read(config.client_crt, "client certificate"),
+    )
+    options = [
+        *CHANNEL_OPTIONS,
+        ("grpc.ssl_target_name_override", config.server_name),
+        ("grpc.default_authority", config.server_name),
+    ]
+    return grpc.aio.secure_channel(config.address, credentials, options=options)
+
+
+def _client_error(exc: grpc.aio.AioRpcError) -> ClientError:
+    return ClientError(exc.code().name, exc.details() or "")
+
+
+class ServiceStub:
+    """Methods of one service, as snake_case attributes, from its descriptor."""
+
+    def __init__(self, client: AuraeClient, service: str) -> None:
+        descriptor = service_descriptor(service)
+        for method in descriptor.methods:
+            if method.server_streaming:
+
+                def call(request: Any, timeout: float | None = None, _m: str = method.name) -> Any:
+                    return client.stream(service, _m, request, timeout)
+            else:
+
+                def call(request: Any, timeout: float | None = None, _m: str = method.name) -> Any:
+                    return client.call(service, _m, request, timeout)
+
+            setattr(self, snake_case(method.name), call)
+
+    def __getattr__(self, name: str) -> Any:  # for type checkers: attributes are set in __init__
+        raise AttributeError(name)
+
+
+class AuraeClient:
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.channel = channel
+
+    @classmethod
+    def connect(cls, config: ClientConfig | None = None) -> AuraeClient:
+        return cls(channel_for(config or load_client_config()))
+
+    async def __aenter__(self) -> AuraeClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    def service(self, name: str) -> ServiceStub:
+        return ServiceStub(self, name)
+
+    def _response_class(self, service: str, method: str) -> type[betterproto2.Message]:
+        descriptor = service_descriptor(service)
+        return message_class(descriptor.methods_by_name[method].output_type.full_name)
+
+    async def call(
+        self, service: str, method: str, request: betterproto2.Message, timeout: float | None = None
+    ) -> Any:
+        response = self._response_class(service, method)
+        callable_ = self.channel.unary_unary(
+            f"/{service}/{method}", request_serializer=bytes, response_deserializer=response.parse
+        )
+        try:
+            return await callable_(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise _client_error(exc) from None
+
+    async def stream(
+        self, service: str, method: str, request: betterproto2.Message, timeout: float | None = None
+    ) -> AsyncIterator[Any]:
+        response = self._response_class(service, method)
+        callable_ = self.channel.unary_stream(
+            f"/{service}/{method}", request_serializer=bytes, response_deserializer=response.parse
+        )
+        call = callable_(request, timeout=timeout)
+        try:
+            async for item in call:
+                yield item
+        except grpc.aio.AioRpcError as exc:
+            raise _client_error(exc) from None
+        finally:
+            call.cancel()
+
+    async def health(self, service: str = "", timeout: float | None = None) -> str:
+        """The health status name (SERVING, NOT_SERVING, SERVICE_UNKNOWN) of ``service``."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise _client_error(exc) from None
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))

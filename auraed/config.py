@@ -1,0 +1,228 @@
+"""Daemon configuration: documented defaults, overridden by a TOML file, then the environment, then flags.
+
+Every setting is declared once in ``SETTINGS`` with its default and help text; the TOML keys, the
+``AURAED_*`` environment variables and the ``--flags`` are all derived from that table, so
+``auraed --help`` always shows the truth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import field
+from pathlib import Path
+from typing import Any
+
+from auraed.errors import ConfigError
+
+DEFAULT_CONFIG_FILE = Path("/etc/aurae/auraed.toml")
+ENV_PREFIX = "AURAED_"
+ROLES = ("host", "guest", "nested")
+
+
+@dataclasses.dataclass(frozen=True)
+class AuthorizationPolicy:
+    """Which client identities may call which methods.
+
+    Patterns are shell-style globs on the full method path without the leading slash, e.g.
+    ``aurae.cells.v0.CellService/*``. An identity (certificate CN or DNS SAN) listed in
+    ``identities`` gets exactly its patterns; any other identity the CA signed gets ``default``.
+    """
+
+    default: tuple[str, ...] = ("*",)
+    identities: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclasses.dataclass(frozen=True)
+class DaemonConfig:
+    """Every daemon setting, with its default and the help text ``auraed --help`` shows."""
+
+    role: str = field(
+        default="",
+        metadata=_help(
+            "host, guest or nested; detected when empty (guest: PID 1 with auraed.role=guest on the "
+            "kernel command line; nested: --nested; otherwise host)"
+        ),
+    )
+    nested: bool = field(default=False, metadata=_help("run as a nested auraed inside a cell"))
+    socket: Path = field(
+        default=Path("/var/run/aurae/aurae.sock"), metadata=_help("unix socket serving the aurae API (mTLS)")
+    )
+    tcp_listen: str = field(
+        default="", metadata=_help("also serve on this host:port (mTLS), e.g. [::1]:8080; off when empty")
+    )
+    ca_crt: Path = field(
+        default=Path("/etc/aurae/pki/ca.crt"), metadata=_help("CA certificate clients must be signed by")
+    )
+    server_crt: Path = field(default=Path("/etc/aurae/pki/server.crt"), metadata=_help("server certificate"))
+    server_key: Path = field(default=Path("/etc/aurae/pki/server.key"), metadata=_help("server private key"))
+    state_dir: Path = field(
+        default=Path("/var/lib/aurae"), metadata=_help("persistent state (SQLite store, images)")
+    )
+    runtime_dir: Path = field(
+        default=Path("/var/run/aurae"), metadata=_help("runtime files (executable logs, namespaces)")
+    )
+    cgroup_root: Path = field(
+        default=Path("/sys/fs/cgroup"), metadata=_help("where the cgroup hierarchies are mounted")
+    )
+    cgroup_base: str = field(default="aurae", metadata=_help("cgroup under which every cell is created"))
+    stop_grace_period: float = field(
+        default=10.0, metadata=_help("seconds between SIGTERM and SIGKILL when stopping")
+    )
+    stop_executables_on_shutdown: bool = field(
+        default=True, metadata=_help("stop every executable when auraed shuts down")
+    )
+    free_cells_on_shutdown: bool = field(
+        default=False, metadata=_help("free every cell when auraed shuts down")
+    )
+    log_level: str = field(default="INFO", metadata=_help("DEBUG, INFO, WARNING or ERROR"))
+    log_buffer_lines: int = field(
+        default=10000, metadata=_help("how many of auraed's own log lines Observe keeps")
+    )
+    authorization: AuthorizationPolicy = dataclasses.field(default_factory=AuthorizationPolicy)
+    config_file: Path | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    name: str
+    kind: type
+    default: Any
+    help: str
+
+
+def _settings() -> tuple[Setting, ...]:
+    kinds = {"str": str, "bool": bool, "Path": Path, "float": float, "int": int}
+    return tuple(
+        Setting(f.name, kinds[str(f.type)], f.default, f.metadata["help"])
+        for f in dataclasses.fields(DaemonConfig)
+        if "help" in f.metadata
+    )
+
+
+SETTINGS = _settings()
+
+
+def _coerce(setting: Setting, value: Any, source: str) -> Any:
+    try:
+        if setting.kind is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"not a boolean: {value!r}")
+        if setting.kind in (int, float) and isinstance(value, bool):
+            raise ValueError(f"not a number: {value!r}")
+        return setting.kind(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{source}: {setting.name}: {exc}") from exc
+
+
+def _parse_authorization(table: Any, source: str) -> AuthorizationPolicy:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{source}: [authorization] must be a table")
+
+    def patterns(value: Any, where: str) -> tuple[str, ...]:
+        if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
+            raise ConfigError(f"{source}: {where} must be a list of method patterns")
+        return tuple(value)
+
+    unknown = set(table) - {"default", "identities"}
+    if unknown:
+        raise ConfigError(f"{source}: [authorization] has unknown keys: {', '.join(sorted(unknown))}")
+    identities = table.get("identities", {})
+    if not isinstance(identities, dict):
+        raise ConfigError(f"{source}: [authorization.identities] must be a table")
+    return AuthorizationPolicy(
+        default=patterns(table.get("default", ["*"]), "authorization.default"),
+        identities={k: patterns(v, f"authorization.identities.{k}") for k, v in identities.items()},
+    )
+
+
+def _validate(config: DaemonConfig) -> DaemonConfig:
+    if config.role and config.role not in ROLES:
+        raise ConfigError(f"role: must be one of {', '.join(ROLES)}, not {config.role!r}")
+    if config.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ConfigError(f"log_level: unknown level {config.log_level!r}")
+    if config.stop_grace_period < 0:
+        raise ConfigError("stop_grace_period: must not be negative")
+    if config.log_buffer_lines < 1:
+        raise ConfigError("log_buffer_lines: must be at least 1")
+    if config.tcp_listen and ":" not in config.tcp_listen:
+        raise ConfigError(f"tcp_listen: expected host:port, got {config.tcp_listen!r}")
+    return config
+
+
+def build_argument_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="auraed",
+        description="The aurae daemon: cells, VMs, containers and the CRI over mTLS gRPC.",
+        epilog=f"Each setting can also be set in the TOML file (same name) or as {ENV_PREFIX}<NAME> "
+        "in the environment; flags win over the environment, which wins over the file.",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help=f"TOML configuration file (default: {DEFAULT_CONFIG_FILE} when it exists)",
+    )
+    for setting in SETTINGS:
+        flag = "--" + setting.name.replace("_", "-")
+        if setting.kind is bool:
+            parser.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=f"{setting.help} (default: {setting.default})",
+            )
+        else:
+            parser.add_argument(
+                flag, type=str, default=None, help=f"{setting.help} (default: {setting.default})"
+            )
+    return parser
+
+
+def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> DaemonConfig:
+    """Defaults, then the TOML file, then ``AURAED_*`` variables, then flags."""
+    args = build_argument_parser().parse_args(argv)
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    authorization = AuthorizationPolicy()
+
+    config_file: Path | None = args.config or (
+        Path(env[ENV_PREFIX + "CONFIG"]) if ENV_PREFIX + "CONFIG" in env else None
+    )
+    if config_file is None and DEFAULT_CONFIG_FILE.exists():
+        config_file = DEFAULT_CONFIG_FILE
+    by_name = {s.name: s for s in SETTINGS}
+    if config_file is not None:
+        try:
+            table = tomllib.loads(config_file.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"{config_file}: {exc}") from exc
+        for key, value in table.items():
+            if key == "authorization":
+                authorization = _parse_authorization(value, str(config_file))
+            elif key in by_name:
+                values[key] = _coerce(by_name[key], value, str(config_file))
+            else:
+                raise ConfigError(f"{config_file}: unknown setting {key!r}")
+    for setting in SETTINGS:
+        raw = env.get(ENV_PREFIX + setting.name.upper())
+        if raw is not None:
+            values[setting.name] = _coerce(setting, raw, ENV_PREFIX + setting.name.upper())
+    for setting in SETTINGS:
+        flag_value = getattr(args, setting.name)
+        if flag_value is not None:
+            values[setting.name] = _coerce(setting, flag_value, "--" + setting.name.replace("_", "-"))
+    return _validate(DaemonConfig(**values, authorization=authorization, config_file=config_file))

@@ -1,0 +1,1 @@
+"""DiscoveryService: who this auraed is and what the machine can do."""

@@ -1,0 +1,1 @@
+"""Start-up: role detection and the duties of PID 1."""

@@ -1,0 +1,40 @@
+"""Which role this auraed plays: host, guest or nested."""
+
+from __future__ import annotations
+
+import enum
+import os
+from pathlib import Path
+
+
+class Role(enum.Enum):
+    HOST = "host"
+    GUEST = "guest"
+    NESTED = "nested"
+
+
+GUEST_KERNEL_ARG = "auraed.role=guest"
+
+
+def detect_role(
+    override: str = "",
+    nested: bool = False,
+    pid: int | None = None,
+    kernel_cmdline: str | None = None,
+) -> tuple[Role, str]:
+    """The role and the reason it was chosen (logged at start)."""
+    if override:
+        return Role(override), "set by configuration"
+    if nested:
+        return Role.NESTED, "--nested was given"
+    pid = os.getpid() if pid is None else pid
+    if pid == 1:
+        if kernel_cmdline is None:
+            try:
+                kernel_cmdline = Path("/proc/cmdline").read_text()
+            except OSError:
+                kernel_cmdline = ""
+        if GUEST_KERNEL_ARG in kernel_cmdline.split():
+            return Role.GUEST, f"PID 1 with {GUEST_KERNEL_ARG} on the kernel command line"
+        return Role.HOST, "PID 1 without a guest marker: bare-metal host"
+    return Role.HOST, "running as a daemon"

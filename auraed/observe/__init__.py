@@ -1,0 +1,1 @@
+"""ObserveService: auraed's own log, executables' output and the signals they received."""

@@ -1,0 +1,114 @@
+"""aurae.observe.v0.ObserveService over gRPC."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from auraed.api.aurae.observe import v0 as pb
+from auraed.cells.cells import Cells
+from auraed.cells.executables import State
+from auraed.errors import AuraeError, ErrorKind
+from auraed.names import validate_label, validate_path
+from auraed.observe.events import ObserveHub, SignalEvent
+from auraed.observe.logfile import stream_lines
+from auraed.server.rpc import Context
+
+SERVICE_NAME = "aurae.observe.v0.ObserveService"
+MAX_TAIL = 1_000_000
+CHANNEL_STREAMS = {
+    pb.LogChannelType.UNSPECIFIED: frozenset({"stdout", "stderr"}),
+    pb.LogChannelType.STDOUT: frozenset({"stdout"}),
+    pb.LogChannelType.STDERR: frozenset({"stderr"}),
+}
+STREAM_CHANNEL = {"stdout": pb.LogChannelType.STDOUT, "stderr": pb.LogChannelType.STDERR}
+
+
+def _tail(value: int | None) -> int | None:
+    if value is not None and value > MAX_TAIL:
+        raise AuraeError(ErrorKind.INVALID_ARGUMENT, f"tail: at most {MAX_TAIL}")
+    return value
+
+
+def _channel(value: Any) -> frozenset[str]:
+    streams = CHANNEL_STREAMS.get(value)
+    if streams is None:
+        raise AuraeError(ErrorKind.INVALID_ARGUMENT, f"channel_type: unknown value {value!r}")
+    return streams
+
+
+def _signal_message(event: SignalEvent) -> pb.ObserveServiceGetPosixSignalsStreamResponse:
+    return pb.ObserveServiceGetPosixSignalsStreamResponse(
+        signal=pb.PosixSignal(
+            signal=event.signal,
+            signal_name=event.name,
+            process_id=event.process_id,
+            workload=event.workload,
+            how=event.how,
+            timestamp=event.timestamp,
+        )
+    )
+
+
+class ObserveServicer:
+    def __init__(self, hub: ObserveHub, cells: Cells | None) -> None:
+        self._hub = hub
+        self._cells = cells
+
+    async def get_aurae_daemon_log_stream(
+        self, request: pb.ObserveServiceGetAuraeDaemonLogStreamRequest, context: Context
+    ) -> AsyncIterator[pb.ObserveServiceGetAuraeDaemonLogStreamResponse]:
+        tail = _tail(request.tail)
+        with self._hub.daemon_log.subscribe() as live:
+            for line in self._hub.daemon_log.recent(tail):
+                yield pb.ObserveServiceGetAuraeDaemonLogStreamResponse(
+                    item=pb.LogItem(item="auraed", line=line.line, timestamp=line.timestamp, level=line.level)
+                )
+            while request.follow:
+                line = await live.get()
+                yield pb.ObserveServiceGetAuraeDaemonLogStreamResponse(
+                    item=pb.LogItem(item="auraed", line=line.line, timestamp=line.timestamp, level=line.level)
+                )
+
+    async def get_sub_process_stream(
+        self, request: pb.ObserveServiceGetSubProcessStreamRequest, context: Context
+    ) -> AsyncIterator[pb.ObserveServiceGetSubProcessStreamResponse]:
+        cell_name = validate_path(request.cell_name, "cell_name")
+        name = validate_label(request.executable_name, "executable_name")
+        streams = _channel(request.channel_type)
+        tail = _tail(request.tail)
+        workload = f"{cell_name}/{name}"
+        record = self._cells.executables.get(workload) if self._cells is not None else None
+        if record is None:
+            raise AuraeError.not_found(f"executable {name} in cell {cell_name}")
+
+        def finished() -> bool:
+            return record.state not in (State.RUNNING, State.STARTING)
+
+        async for line in stream_lines(record.log_path, streams, tail, request.follow, finished):
+            yield pb.ObserveServiceGetSubProcessStreamResponse(
+                item=pb.LogItem(
+                    item=workload,
+                    channel=STREAM_CHANNEL[line.stream],
+                    line=line.content,
+                    timestamp=line.timestamp,
+                )
+            )
+
+    async def get_posix_signals_stream(
+        self, request: pb.ObserveServiceGetPosixSignalsStreamRequest, context: Context
+    ) -> AsyncIterator[pb.ObserveServiceGetPosixSignalsStreamResponse]:
+        workload = request.workload
+        if workload:
+            cell, _, name = workload.rpartition("/")
+            validate_path(cell, "workload")
+            validate_label(name, "workload")
+        with self._hub.signals.subscribe() as live:
+            if request.include_past:
+                for event in self._hub.signals.recent():
+                    if not workload or event.workload == workload:
+                        yield _signal_message(event)
+            while True:
+                event = await live.get()
+                if not workload or event.workload == workload:
+                    yield _signal_message(event)

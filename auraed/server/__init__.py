@@ -1,0 +1,1 @@
+"""The gRPC server: listeners, mTLS, authorization and the mapping of errors to status codes."""

@@ -1,0 +1,102 @@
+"""Authorization by client certificate identity, applied to every RPC of every service."""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from auraed.config import AuthorizationPolicy
+from auraed.server.rpc import Context
+
+log = logging.getLogger(__name__)
+
+
+def peer_identities(context: Context) -> list[str]:
+    """The client certificate's CN followed by its SAN entries, as TLS verified them."""
+    auth = context.auth_context()
+    names = [v.decode(errors="replace") for v in auth.get("x509_common_name", [])]
+    names += [v.decode(errors="replace") for v in auth.get("x509_subject_alternative_name", [])]
+    return list(dict.fromkeys(names))
+
+
+def allowed_patterns(policy: AuthorizationPolicy, identities: list[str]) -> tuple[str, ...]:
+    listed = [p for name in identities for p in policy.identities.get(name, ())]
+    if any(name in policy.identities for name in identities):
+        return tuple(listed)
+    return policy.default
+
+
+def is_allowed(policy: AuthorizationPolicy, identities: list[str], method: str) -> bool:
+    """``method`` is the gRPC path ("/pkg.Service/Method"); patterns omit the leading slash."""
+    if not identities:
+        return False
+    target = method.lstrip("/")
+    return any(fnmatch.fnmatchcase(target, pattern) for pattern in allowed_patterns(policy, identities))
+
+
+class AuthorizationInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    def __init__(self, policy: AuthorizationPolicy) -> None:
+        self._policy = policy
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        return self._guard(handler, handler_call_details.method)
+
+    async def _check(self, context: Context, method: str) -> None:
+        identities = peer_identities(context)
+        if not identities:
+            log.warning("refused %s: the peer presented no certificate identity", method)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a client certificate is required")
+        if not is_allowed(self._policy, identities, method):
+            log.warning(
+                "refused %s for identity %s: not allowed by the authorization policy",
+                method,
+                ",".join(identities),
+            )
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, f"identity {identities[0]!r} may not call {method}"
+            )
+
+    def _guard(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        inner, factory = _handler_parts(handler)
+        check = self._check
+        if inspect.isasyncgenfunction(inner):
+
+            async def generator(request: Any, context: Context) -> Any:
+                await check(context, method)
+                async for item in inner(request, context):
+                    yield item
+
+            behavior: Callable[..., Any] = generator
+        else:
+
+            async def coroutine(request: Any, context: Context) -> Any:
+                await check(context, method)
+                return await inner(request, context)
+
+            behavior = coroutine
+        return factory(behavior, handler.request_deserializer, handler.response_serializer)
+
+
+def _handler_parts(handler: grpc.RpcMethodHandler) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    for attribute, factory in (
+        ("unary_unary", grpc.unary_unary_rpc_method_handler),
+        ("unary_stream", grpc.unary_stream_rpc_method_handler),
+        ("stream_unary", grpc.stream_unary_rpc_method_handler),
+        ("stream_stream", grpc.stream_stream_rpc_method_handler),
+    ):
+        inner = getattr(handler, attribute)
+        if inner is not None:
+            return inner, factory
+    raise TypeError(f"handler without behavior: {handler!r}")

@@ -1,0 +1,184 @@
+"""The daemon: composes the services a role serves, serves them, and shuts down gracefully."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+
+from auraed.api.google_proto_descriptor_pool import default_google_proto_descriptor_pool
+from auraed.cells.cells import Cells
+from auraed.cells.servicer import SERVICE_NAME as CELLS
+from auraed.cells.servicer import CellServicer
+from auraed.config import DaemonConfig
+from auraed.discovery.capabilities import probe
+from auraed.discovery.servicer import SERVICE_NAME as DISCOVERY
+from auraed.discovery.servicer import DiscoveryServicer
+from auraed.init.roles import detect_role
+from auraed.observe.events import DaemonLogHandler, ObserveHub
+from auraed.observe.servicer import SERVICE_NAME as OBSERVE
+from auraed.observe.servicer import ObserveServicer
+from auraed.server.authz import AuthorizationInterceptor
+from auraed.server.listeners import (
+    add_tcp_listener,
+    add_unix_listener,
+    lock_state_dir,
+    prepare_unix_socket,
+    remove_unix_socket,
+    server_credentials,
+)
+from auraed.server.rpc import generic_handler
+from auraed.state.store import Store
+from auraed.system.cgroupfs import Cgroupfs
+
+log = logging.getLogger("auraed")
+
+HEALTH = "grpc.health.v1.Health"
+REFLECTION = reflection.SERVICE_NAME
+SERVER_STOP_GRACE = 2.0  # seconds in-flight calls get once shutdown begins
+SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
+
+
+def setup_logging(config: DaemonConfig, hub: ObserveHub) -> None:
+    root = logging.getLogger()
+    root.setLevel(config.log_level.upper())
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(console)
+    root.addHandler(DaemonLogHandler(hub.daemon_log))
+
+
+def _register_standard_descriptors() -> None:
+    """Reflection answers from our pool: it must also know health's and reflection's own files."""
+    pool = default_google_proto_descriptor_pool
+    for module in (health_pb2, reflection_pb2):
+        try:
+            pool.FindFileByName(module.DESCRIPTOR.name)
+        except KeyError:
+            pool.AddSerializedFile(module.DESCRIPTOR.serialized_pb)
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.hub = ObserveHub.create(config.log_buffer_lines)
+        self.role, self._role_reason = detect_role(config.role, config.nested)
+        self.health = HealthServicer()
+        self.cells: Cells | None = None
+        self.store: Store | None = None
+        self._server: grpc.aio.Server | None = None
+        self._stopping = asyncio.Event()
+        self._serving = False
+        self._state_lock: int | None = None
+        # Only a socket we bound is ours to remove: a refused start must not unlink a live one.
+        self._socket_bound = False
+
+    def services(self) -> list[str]:
+        """The aurae services this role serves (design table; more arrive with later subsystems)."""
+        return [CELLS, DISCOVERY, OBSERVE]
+
+    async def run(self) -> int:
+        setup_logging(self.config, self.hub)
+        self.hub.daemon_log.bind(asyncio.get_running_loop())
+        self.hub.signals.bind(asyncio.get_running_loop())
+        log.info("auraed starting as %s (%s)", self.role.value, self._role_reason)
+        try:
+            await self._start()
+        except Exception as exc:
+            log.error("cannot start: %s", exc)
+            await self._shutdown()
+            return 1
+        self._install_signal_handlers()
+        await self._stopping.wait()
+        await self._shutdown()
+        return 0
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: int) -> None:
+        log.info("received %s: shutting down", signal.Signals(sig).name)
+        self.request_stop()
+
+    async def _start(self) -> None:
+        config = self.config
+        for directory in (config.state_dir, config.runtime_dir):
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Before touching any state: two daemons on one state dir would fight over every record.
+        self._state_lock = lock_state_dir(config.state_dir)
+        prepare_unix_socket(config.socket)
+        self.store = Store(config.state_dir / "auraed.db")
+        cgroups = Cgroupfs(root=config.cgroup_root, base=config.cgroup_base)
+        log.info("cgroup layout: %s", cgroups.layout.value)
+        self.cells = Cells(self.store, self.hub, cgroups, config.runtime_dir, config.stop_grace_period)
+        self.cells.recover()
+        capabilities = await asyncio.to_thread(probe, cgroups)
+
+        services = self.services()
+        server = grpc.aio.server(
+            interceptors=[AuthorizationInterceptor(config.authorization)], options=SERVER_OPTIONS
+        )
+        self._server = server
+        server.add_generic_rpc_handlers(
+            [
+                generic_handler(CELLS, CellServicer(self.cells)),
+                generic_handler(OBSERVE, ObserveServicer(self.hub, self.cells)),
+                generic_handler(
+                    DISCOVERY, DiscoveryServicer(self.role, services, capabilities, lambda: self._serving)
+                ),
+            ]
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        _register_standard_descriptors()
+        reflection.enable_server_reflection(
+            [*services, HEALTH, REFLECTION], server, pool=default_google_proto_descriptor_pool
+        )
+        credentials = server_credentials(config.ca_crt, config.server_crt, config.server_key)
+        add_unix_listener(server, config.socket, credentials)
+        self._socket_bound = True
+        if config.tcp_listen:
+            port = add_tcp_listener(server, config.tcp_listen, credentials)
+            log.info("serving on %s (port %d)", config.tcp_listen, port)
+        await server.start()
+        log.info("serving on unix:%s", config.socket)
+        await self._set_health([*services, ""], serving=True)
+
+    async def _set_health(self, services: list[str], serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        self._serving = serving
+        for name in services:
+            await self.health.set(name, status)
+
+    async def _shutdown(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._set_health([*self.services(), ""], serving=False)
+        if self.cells is not None:
+            try:
+                await self.cells.shutdown(
+                    self.config.stop_executables_on_shutdown, self.config.free_cells_on_shutdown
+                )
+            except Exception:
+                log.exception("error while stopping cells")
+        if self._server is not None:
+            await self._server.stop(SERVER_STOP_GRACE)
+        if self._socket_bound:
+            remove_unix_socket(self.config.socket)
+        if self.store is not None:
+            self.store.close()
+        log.info("auraed stopped")

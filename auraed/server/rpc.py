@@ -1,0 +1,194 @@
+"""Serve betterproto2 servicers through grpc.aio generic handlers, built from the proto descriptors.
+
+The protos are the single source of truth: for each service we look the methods up in the
+descriptor pool the generated code registers, find the request/response classes in the message pool,
+and bind each RPC to the servicer method of the same name in snake_case. Every call goes through
+one wrapper that turns :class:`~auraed.errors.AuraeError` into the matching gRPC status and any
+other exception into INTERNAL (logged with its traceback), so nothing a request does can take the
+daemon down.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeAlias
+
+import betterproto2
+import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
+
+from auraed.api.google_proto_descriptor_pool import default_google_proto_descriptor_pool
+from auraed.api.message_pool import default_message_pool
+from auraed.errors import AuraeError, ErrorKind
+
+log = logging.getLogger(__name__)
+
+# grpc ships no type information; at run time this is grpc.aio.ServicerContext.
+Context: TypeAlias = Any
+
+STATUS_FOR_KIND: dict[ErrorKind, grpc.StatusCode] = {
+    ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorKind.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorKind.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The one mapping from exceptions to what the client is told."""
+    if isinstance(exc, AuraeError):
+        return STATUS_FOR_KIND[exc.kind], exc.message
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the auraed log"
+
+
+def snake_case(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def _import_package_of(full_name: str) -> None:
+    """Import the generated module defining ``full_name``, registering its descriptors and messages.
+
+    A proto package maps to one module (aurae.cells.v0 -> auraed.api.aurae.cells.v0), so only what
+    is used gets imported: a guest never pays for the CRI's large module.
+    """
+    parts = full_name.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        try:
+            importlib.import_module("auraed.api." + ".".join(parts[:end]))
+            return
+        except ModuleNotFoundError:
+            continue
+
+
+def service_descriptor(service: str) -> ServiceDescriptor:
+    _import_package_of(service)
+    return default_google_proto_descriptor_pool.FindServiceByName(service)
+
+
+def message_class(full_name: str) -> type[betterproto2.Message]:
+    url = f"type.googleapis.com/{full_name}"
+    if url not in default_message_pool.url_to_type:
+        _import_package_of(full_name)
+    return default_message_pool.url_to_type[url]
+
+
+class _MalformedRequest(AuraeError):
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorKind.INVALID_ARGUMENT, message)
+
+
+@functools.cache
+def _wire_checker(cls: type[betterproto2.Message]) -> Callable[[bytes], Any]:
+    descriptor = default_google_proto_descriptor_pool.FindMessageTypeByName(
+        default_message_pool.type_to_url[cls].removeprefix("type.googleapis.com/")
+    )
+    return message_factory.GetMessageClass(descriptor).FromString
+
+
+def _parse(cls: type[betterproto2.Message], data: bytes) -> betterproto2.Message:
+    # Parsed here rather than by grpc's deserializer hook: grpc answers a failing hook with
+    # INTERNAL, but a malformed message is the client's mistake. betterproto2 accepts some
+    # malformed input (leaving fields None), so protobuf's strict C parser checks the wire first.
+    try:
+        _wire_checker(cls)(data)
+        return cls.parse(data)
+    except Exception as exc:
+        raise _MalformedRequest(f"malformed {cls.__name__}: {exc}") from exc
+
+
+async def _parse_stream(cls: type[betterproto2.Message], raw: AsyncIterator[bytes]) -> AsyncIterator[Any]:
+    async for data in raw:
+        yield _parse(cls, data)
+
+
+def _is_grpc_abort(exc: BaseException) -> bool:
+    # context.abort() raises grpc's own exception, which must reach grpc to end the call.
+    return type(exc).__module__.startswith("grpc")
+
+
+async def _abort(context: Context, exc: BaseException, method: str) -> None:
+    code, detail = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.error("%s failed", method, exc_info=exc)
+    else:
+        log.info("%s: %s: %s", method, code.name, detail)
+    await context.abort(code, detail)
+
+
+Behavior = Callable[[Any, Context], Any]
+
+
+def _unary_response(
+    method: str, func: Callable[..., Awaitable[Any]], request: Callable[[Any], Any]
+) -> Behavior:
+    async def behavior(raw: Any, context: Context) -> Any:
+        try:
+            return await func(request(raw), context)
+        except Exception as exc:
+            if _is_grpc_abort(exc):
+                raise
+            await _abort(context, exc, method)
+
+    return behavior
+
+
+def _streaming_response(
+    method: str, func: Callable[..., AsyncIterator[Any]], request: Callable[[Any], Any]
+) -> Behavior:
+    async def behavior(raw: Any, context: Context) -> AsyncIterator[Any]:
+        try:
+            async for item in func(request(raw), context):
+                yield item
+        except Exception as exc:
+            if _is_grpc_abort(exc):
+                raise
+            await _abort(context, exc, method)
+
+    return behavior
+
+
+def _method_handler(method: MethodDescriptor, servicer: object, service_name: str) -> grpc.RpcMethodHandler:
+    request_cls = message_class(method.input_type.full_name)
+    func = getattr(servicer, snake_case(method.name))
+    path = f"/{service_name}/{method.name}"
+    if method.client_streaming:
+
+        def request(raw: Any) -> Any:
+            return _parse_stream(request_cls, raw)
+    else:
+
+        def request(raw: Any) -> Any:
+            return _parse(request_cls, raw)
+
+    make = _streaming_response if method.server_streaming else _unary_response
+    behavior = make(path, func, request)
+    factory = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(method.client_streaming, method.server_streaming)]
+    # No deserializer: requests arrive as bytes and are parsed inside the behavior (see _parse).
+    return factory(behavior, request_deserializer=None, response_serializer=bytes)
+
+
+def generic_handler(service_name: str, servicer: object) -> grpc.GenericRpcHandler:
+    """A handler serving every RPC of ``service_name`` (e.g. "aurae.cells.v0.CellService")."""
+    descriptor = service_descriptor(service_name)
+    missing = [m.name for m in descriptor.methods if not hasattr(servicer, snake_case(m.name))]
+    if missing:
+        raise TypeError(
+            f"{type(servicer).__name__} lacks {', '.join(map(snake_case, missing))} for {service_name}"
+        )
+    handlers = {m.name: _method_handler(m, servicer, service_name) for m in descriptor.methods}
+    return grpc.method_handlers_generic_handler(service_name, handlers)

@@ -1,0 +1,1 @@
+"""Persistent state: the SQLite store every subsystem keeps its records in."""

@@ -1,0 +1,1 @@
+"""Low-level Linux system access: cgroups, namespaces and processes."""

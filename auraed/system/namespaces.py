@@ -1,0 +1,176 @@
+"""Linux namespace primitives through ctypes on libc (Python 3.11 has no os.unshare/os.setns).
+
+Stdlib only and lean at import (ctypes + os): the per-executable monitor imports this module only when
+an executable asks for namespaces. socket/fcntl/struct/threading are imported inside the functions
+that need them.
+"""
+
+# Lean on purpose (imported by the monitor): no contextlib for try/except/pass.
+# ruff: noqa: SIM105
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 0x40000
+MS_SLAVE = 0x80000
+MS_SHARED = 0x100000
+
+MNT_DETACH = 0x2
+
+_SIOCGIFFLAGS = 0x8913
+_SIOCSIFFLAGS = 0x8914
+_IFF_UP = 0x1
+
+# dlopen(NULL): the symbols already loaded into the interpreter, libc included (glibc or musl).
+_libc = ctypes.CDLL(None, use_errno=True)
+
+_unshare = _libc.unshare
+_unshare.argtypes = [ctypes.c_int]
+_unshare.restype = ctypes.c_int
+
+_setns = _libc.setns
+_setns.argtypes = [ctypes.c_int, ctypes.c_int]
+_setns.restype = ctypes.c_int
+
+_mount = _libc.mount
+_mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_mount.restype = ctypes.c_int
+
+_umount2 = _libc.umount2
+_umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+_umount2.restype = ctypes.c_int
+
+_sethostname = _libc.sethostname
+_sethostname.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+_sethostname.restype = ctypes.c_int
+
+
+def _raise(call: str) -> None:
+    err = ctypes.get_errno()
+    raise OSError(err, f"{call}: {os.strerror(err)}")
+
+
+def _b(value: str | os.PathLike[str] | bytes | None) -> bytes | None:
+    if value is None:
+        return None
+    return os.fsencode(value)
+
+
+def unshare(flags: int) -> None:
+    """unshare(2) for the calling thread (CLONE_NEWNET/NEWUTS/NEWIPC/NEWNS) or its future children
+    (CLONE_NEWPID)."""
+    if _unshare(flags) != 0:
+        _raise(f"unshare({flags:#x})")
+
+
+def setns(fd: int, nstype: int = 0) -> None:
+    """setns(2): move the calling thread into the namespace that ``fd`` refers to."""
+    if _setns(fd, nstype) != 0:
+        _raise(f"setns({fd}, {nstype:#x})")
+
+
+def mount(
+    source: str | os.PathLike[str] | None,
+    target: str | os.PathLike[str],
+    fstype: str | None = None,
+    flags: int = 0,
+    data: str | None = None,
+) -> None:
+    if _mount(_b(source), _b(target), _b(fstype), flags, _b(data)) != 0:
+        _raise(f"mount {source} on {os.fspath(target)} ({fstype}, {flags:#x})")
+
+
+def umount(target: str | os.PathLike[str], flags: int = 0) -> None:
+    if _umount2(_b(target), flags) != 0:
+        _raise(f"umount {os.fspath(target)}")
+
+
+def sethostname(name: str) -> None:
+    raw = name.encode()
+    if _sethostname(raw, len(raw)) != 0:
+        _raise(f"sethostname {name!r}")
+
+
+def bring_loopback_up() -> None:
+    """Set IFF_UP on "lo" of the calling thread's network namespace (ioctl, no `ip`, no netlink)."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        ifreq = struct.pack("16sH22x", b"lo", 0)  # struct ifreq: name[16] + 24-byte union
+        res = fcntl.ioctl(sock.fileno(), _SIOCGIFFLAGS, ifreq)
+        flags = struct.unpack_from("16sH", res)[1]
+        if not flags & _IFF_UP:
+            fcntl.ioctl(sock.fileno(), _SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | _IFF_UP))
+
+
+def create_network_namespace(path: str | os.PathLike[str]) -> None:
+    """Create a new network namespace with lo up, pinned by a bind mount on ``path``.
+
+    Runs in a dedicated short-lived thread: unshare(CLONE_NEWNET) changes only the calling thread,
+    so it must never happen on the caller's thread or a pool thread that is reused afterwards. The
+    bind mount lives in the caller's mount namespace, so every process of the host sees it; the
+    namespace outlives the thread and is released by remove_network_namespace. ``path`` must not
+    exist (FileExistsError); errors from the thread are raised in the caller.
+    """
+    import threading
+
+    target = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
+    os.close(fd)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            unshare(CLONE_NEWNET)
+            bring_loopback_up()
+            tid = threading.get_native_id()
+            mount(f"/proc/self/task/{tid}/ns/net", target, None, MS_BIND)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=worker, name="aurae-netns-create", daemon=True)
+    thread.start()
+    thread.join()
+    if errors:
+        try:
+            os.unlink(target)
+        except OSError:
+            pass
+        raise errors[0]
+
+
+def remove_network_namespace(path: str | os.PathLike[str]) -> None:
+    """Unmount (lazily) and delete a namespace file made by create_network_namespace; idempotent.
+
+    The namespace itself disappears once no process is inside it and nothing else pins it.
+    """
+    import errno
+
+    target = os.fspath(path)
+    try:
+        umount(target, MNT_DETACH)
+    except OSError as exc:
+        # EINVAL: not a mount point (already unmounted); ENOENT: gone.
+        if exc.errno not in (errno.EINVAL, errno.ENOENT):
+            raise
+    try:
+        os.unlink(target)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,76 @@
+"""Processes by pid without pid-reuse mistakes: identity by start time, exit by pidfd."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from pathlib import Path
+
+
+def start_ticks(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat (start time in clock ticks since boot), None when gone.
+
+    A pid plus its start time names one process for the life of the machine, so a pid
+    recycled while auraed was down is never mistaken for the process we started.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # comm (field 2) may contain spaces and parentheses: split after its closing parenthesis.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    if fields[0] == "Z":  # a zombie has already exited
+        return None
+    return int(fields[19])
+
+
+def is_alive(pid: int, ticks: int | None) -> bool:
+    return ticks is not None and start_ticks(pid) == ticks
+
+
+def send_signal(pid: int, signal: int, ticks: int | None) -> bool:
+    """Signal the process if it is still the one identified by ``ticks``; False when gone."""
+    if not is_alive(pid, ticks):
+        return False
+    try:
+        os.kill(pid, signal)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def reap(pid: int) -> int | None:
+    """Collect a child's exit status if it is our child and has exited; never blocks."""
+    try:
+        waited, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return None
+    return status if waited == pid else None
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def wait_for_exit(pid: int, ticks: int | None) -> None:
+    """Return once the process has exited; works for processes that are not our children."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        # The pidfd was opened after the identity check could race a pid reuse: check again.
+        if not is_alive(pid, ticks):
+            return
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+        loop.add_reader(fd, _resolve, exited)
+        try:
+            await exited
+        finally:
+            loop.remove_reader(fd)
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)

@@ -1,0 +1,138 @@
+"""mTLS on every listener and authorization by client identity, against a real daemon."""
+
+from __future__ import annotations
+
+import datetime as dt
+import socket
+from pathlib import Path
+
+import grpc
+import pytest
+
+from auraed.api.aurae.cells import v0 as cells
+from auraed.api.aurae.discovery import v0 as discovery
+from auraed.client import AuraeClient, ClientConfig, ClientError
+from auraed.pki import create_ca, issue_client_cert, write_pem_files
+from auraed.pki.certs import load_ca
+from tests.conftest import DaemonFactory, DaemonProcess
+
+DISCOVER = ("aurae.discovery.v0.DiscoveryService", "Discover", discovery.DiscoveryServiceDiscoverRequest())
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _with_client_cert(daemon: DaemonProcess, crt: Path, key: Path, address: str) -> ClientConfig:
+    return ClientConfig(ca_crt=daemon.pki.ca_crt, client_crt=crt, client_key=key, address=address)
+
+
+@pytest.fixture
+def tcp_daemon(daemon_factory: DaemonFactory) -> tuple[DaemonProcess, str]:
+    port = _free_port()
+    return daemon_factory("--tcp-listen", f"127.0.0.1:{port}"), f"127.0.0.1:{port}"
+
+
+def _addresses(tcp_daemon: tuple[DaemonProcess, str]) -> list[str]:
+    daemon, tcp = tcp_daemon
+    return [f"unix:{daemon.socket}", tcp]
+
+
+async def _discover(config: ClientConfig) -> str:
+    async with AuraeClient.connect(config) as client:
+        reply = await client.call(*DISCOVER, timeout=5)
+        return str(reply.role)
+
+
+async def _refused(config: ClientConfig) -> ClientError:
+    with pytest.raises(ClientError) as error:
+        await _discover(config)
+    return error.value
+
+
+async def test_valid_client_is_served_on_unix_and_tcp(tcp_daemon: tuple[DaemonProcess, str]) -> None:
+    daemon, _ = tcp_daemon
+    for address in _addresses(tcp_daemon):
+        config = daemon.client_config()
+        config = ClientConfig(config.ca_crt, config.client_crt, config.client_key, address)
+        assert await _discover(config) == "host"
+
+
+async def test_client_without_certificate_is_refused(tcp_daemon: tuple[DaemonProcess, str]) -> None:
+    daemon, _ = tcp_daemon
+    for address in _addresses(tcp_daemon):
+        credentials = grpc.ssl_channel_credentials(root_certificates=daemon.pki.ca_crt.read_bytes())
+        options = [("grpc.ssl_target_name_override", "server.unsafe.aurae.io")]
+        async with grpc.aio.secure_channel(address, credentials, options=options) as channel:
+            call = channel.unary_unary("/aurae.discovery.v0.DiscoveryService/Discover")
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await call(b"", timeout=5)
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_plaintext_client_is_refused(tcp_daemon: tuple[DaemonProcess, str]) -> None:
+    for address in _addresses(tcp_daemon):
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = channel.unary_unary("/aurae.discovery.v0.DiscoveryService/Discover")
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await call(b"", timeout=5)
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_certificate_from_another_ca_is_refused(
+    tcp_daemon: tuple[DaemonProcess, str], tmp_path: Path
+) -> None:
+    daemon, _ = tcp_daemon
+    foreign_ca = create_ca("someone-else")
+    crt, key = write_pem_files(tmp_path, "foreign", *issue_client_cert(foreign_ca, "aurae-client"))
+    for address in _addresses(tcp_daemon):
+        error = await _refused(_with_client_cert(daemon, crt, key, address))
+        assert error.code == "UNAVAILABLE"
+
+
+async def test_expired_certificate_is_refused(tcp_daemon: tuple[DaemonProcess, str], tmp_path: Path) -> None:
+    daemon, _ = tcp_daemon
+    ca = load_ca(daemon.pki.ca_crt.parent)
+    now = dt.datetime.now(dt.UTC)
+    cert, key = issue_client_cert(
+        ca, "aurae-client", not_before=now - dt.timedelta(days=10), not_after=now - dt.timedelta(days=1)
+    )
+    crt, key_path = write_pem_files(tmp_path, "expired", cert, key)
+    for address in _addresses(tcp_daemon):
+        error = await _refused(_with_client_cert(daemon, crt, key_path, address))
+        assert error.code == "UNAVAILABLE"
+
+
+POLICY = """
+[authorization]
+default = []
+[authorization.identities]
+"aurae-client" = ["*"]
+"reader" = ["aurae.discovery.v0.DiscoveryService/*", "grpc.health.v1.Health/*"]
+"""
+
+
+async def test_authorization_by_identity(daemon_factory: DaemonFactory) -> None:
+    daemon = daemon_factory(config_text=POLICY)
+    # Allowed everything.
+    assert await _discover(daemon.client_config("aurae-client")) == "host"
+    # reader: discovery yes, cells no.
+    assert await _discover(daemon.client_config("reader")) == "host"
+    async with daemon.client("reader") as reader:
+        assert await reader.health() == "SERVING"
+        with pytest.raises(ClientError) as error:
+            await reader.call("aurae.cells.v0.CellService", "List", cells.CellServiceListRequest())
+        assert error.value.code == "PERMISSION_DENIED"
+        assert "reader" in error.value.message
+    # intruder: signed by the CA but not listed, and the default allows nothing.
+    error_ = await _refused(daemon.client_config("intruder"))
+    assert error_.code == "PERMISSION_DENIED"
+    log = daemon.log()
+    assert "refused /aurae.cells.v0.CellService/List for identity reader" in log
+    assert "identity intruder" in log
+
+
+async def test_default_policy_allows_any_identity_signed_by_the_ca(daemon: DaemonProcess) -> None:
+    assert await _discover(daemon.client_config("intruder")) == "host"
