@@ -18,6 +18,7 @@ from auraed.observe.events import ObserveHub
 from auraed.state.store import Store
 from auraed.system import namespaces
 from auraed.system.cgroupfs import CgroupError, Cgroupfs, CgroupLayout
+from auraed.system.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +54,19 @@ class CellRecord:
 
 class Cells:
     def __init__(
-        self, store: Store, hub: ObserveHub, cgroups: Cgroupfs, runtime_dir: Path, default_grace_period: float
+        self,
+        store: Store,
+        hub: ObserveHub,
+        cgroups: Cgroupfs,
+        *,
+        runtime_dir: Path,
+        default_grace_period: float,
+        supervisor: Supervisor,
     ) -> None:
         self._store = store
         self._cgroups = cgroups
         self._netns_dir = runtime_dir / "netns"
-        self.executables = Executables(store, hub, runtime_dir)
+        self.executables = Executables(store, hub, runtime_dir, supervisor)
         self._cells: dict[str, CellRecord] = {}
         self._default_grace = default_grace_period
         # One lifecycle change at a time: allocation, start and free touch the same tree.

@@ -10,12 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
-import os
 import shutil
 import signal as signals
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,12 +24,12 @@ from auraed.errors import ErrorKind
 from auraed.observe.events import ObserveHub, SignalEvent
 from auraed.state.store import Store
 from auraed.system import processes
-from auraed.system.monitor import MonitorSpec, monitor_command, read_exit_record
+from auraed.system.monitor import ExitRecord, MonitorSpec, read_exit_record
+from auraed.system.supervisor import MonitorStartError, Supervised, Supervisor
 
 log = logging.getLogger(__name__)
 
 KIND = "executable"
-MONITOR_START_TIMEOUT = 30.0  # seconds; generous because guests run under slow emulation
 
 
 class State:
@@ -66,6 +63,10 @@ class ExecutableRecord:
         return Path(self.run_dir) / "output.log"
 
     @property
+    def supervised(self) -> Supervised:
+        return Supervised(self.monitor_pid, self.monitor_ticks, self.pid, self.ticks)
+
+    @property
     def exit_path(self) -> Path:
         return Path(self.run_dir) / "exit.json"
 
@@ -90,12 +91,12 @@ class Placement:
 
 
 class Executables:
-    def __init__(self, store: Store, hub: ObserveHub, runtime_dir: Path) -> None:
+    def __init__(self, store: Store, hub: ObserveHub, runtime_dir: Path, supervisor: Supervisor) -> None:
         self._store = store
         self._hub = hub
         self._runtime_dir = runtime_dir / "executables"
         self._watchers: dict[str, asyncio.Task[None]] = {}
-        self._children: dict[int, subprocess.Popen[bytes]] = {}
+        self._supervisor = supervisor
         self._records: dict[str, ExecutableRecord] = {}
 
     # -- queries ---------------------------------------------------------------------------
@@ -155,34 +156,13 @@ class Executables:
             hostname=cell.hostname if cell.isolate_process else None,
             netns_path=placement.netns_path,
         )
-        spec_path = Path(record.run_dir) / "monitor.json"
-        spec_path.write_text(monitor_spec.to_json())
-        read_end, write_end = os.pipe()
         try:
-            child = _launch_monitor(spec_path, write_end, Path(record.run_dir) / "monitor.log")
-        finally:
-            os.close(write_end)
-        self._children[child.pid] = child
-        record.monitor_pid = child.pid
-        record.monitor_ticks = processes.start_ticks(child.pid)
-        try:
-            line = await asyncio.wait_for(asyncio.to_thread(_read_all, read_end), MONITOR_START_TIMEOUT)
-        except TimeoutError:
-            child.kill()
-            await asyncio.to_thread(child.wait)
-            self._children.pop(child.pid, None)
-            raise CellError(
-                ErrorKind.UNAVAILABLE, f"the monitor of {spec.workload} did not start in time"
-            ) from None
-        finally:
-            os.close(read_end)
-        report = _parse_sync_line(line)
-        if "error" in report:
-            await asyncio.to_thread(child.wait)
-            self._children.pop(child.pid, None)
-            raise CellError(ErrorKind.FAILED_PRECONDITION, f"cannot start {spec.workload}: {report['error']}")
-        record.pid = int(report["pid"])
-        record.ticks = report.get("start_ticks")
+            supervised = await self._supervisor.launch(monitor_spec, Path(record.run_dir))
+        except MonitorStartError as exc:
+            kind = ErrorKind.UNAVAILABLE if exc.timed_out else ErrorKind.FAILED_PRECONDITION
+            raise CellError(kind, f"cannot start {spec.workload}: {exc}") from None
+        record.monitor_pid, record.monitor_ticks = supervised.monitor_pid, supervised.monitor_ticks
+        record.pid, record.ticks = supervised.pid, supervised.ticks
 
     def _watch(self, record: ExecutableRecord) -> None:
         task = asyncio.get_running_loop().create_task(self._await_exit(record), name=f"watch {record.key}")
@@ -192,15 +172,10 @@ class Executables:
         )
 
     async def _await_exit(self, record: ExecutableRecord) -> None:
-        await processes.wait_for_exit(record.monitor_pid, record.monitor_ticks)
-        child = self._children.pop(record.monitor_pid, None)
-        if child is not None:
-            child.poll()  # reap the monitor
-        self._finish(record)
+        self._finish(record, await self._supervisor.wait(record.supervised, record.exit_path))
 
-    def _finish(self, record: ExecutableRecord) -> None:
-        """Record how the executable ended, from the monitor's exit file."""
-        exit_record = read_exit_record(record.exit_path)
+    def _finish(self, record: ExecutableRecord, exit_record: ExitRecord | None) -> None:
+        """Record how the executable ended, from the monitor's exit record."""
         if exit_record is None:
             record.state = State.UNKNOWN
             log.warning("%s: its monitor ended without recording an exit status", record.key)
@@ -278,44 +253,14 @@ class Executables:
                 processes.send_signal(record.monitor_pid, signals.SIGKILL, record.monitor_ticks)
                 self._forget(record)
             elif record.state == State.RUNNING:
-                if processes.is_alive(record.monitor_pid, record.monitor_ticks):
+                if Supervisor.alive(record.supervised):
                     log.info("found %s running as pid %d", record.key, record.pid)
                     self._watch(record)
                 else:
-                    self._finish(record)
+                    self._finish(record, read_exit_record(record.exit_path))
 
     async def close(self) -> None:
         """Stop watching (the executables themselves keep running)."""
         for task in list(self._watchers.values()):
             task.cancel()
         await asyncio.gather(*self._watchers.values(), return_exceptions=True)
-
-
-def _launch_monitor(spec_path: Path, sync_fd: int, log_path: Path) -> subprocess.Popen[bytes]:
-    """Start the monitor detached in its own session, so signals aimed at auraed's group miss it."""
-    with log_path.open("ab") as monitor_log:
-        return subprocess.Popen(
-            monitor_command(str(spec_path), sync_fd),
-            pass_fds=[sync_fd],
-            stdin=subprocess.DEVNULL,
-            stdout=monitor_log,
-            stderr=monitor_log,
-            start_new_session=True,
-        )
-
-
-def _read_all(fd: int) -> bytes:
-    chunks = []
-    while chunk := os.read(fd, 4096):
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _parse_sync_line(line: bytes) -> dict[str, Any]:
-    if not line.strip():
-        return {"error": "the monitor exited without reporting (see monitor.log in the run directory)"}
-    try:
-        report = json.loads(line.decode().strip().splitlines()[0])
-    except (ValueError, UnicodeDecodeError):
-        return {"error": f"the monitor reported garbage: {line[:200]!r}"}
-    return dict(report) if isinstance(report, dict) else {"error": f"the monitor reported {report!r}"}

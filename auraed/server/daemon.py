@@ -37,6 +37,7 @@ from auraed.server.listeners import (
 from auraed.server.rpc import generic_handler
 from auraed.state.store import Store
 from auraed.system.cgroupfs import Cgroupfs
+from auraed.system.supervisor import Supervisor
 
 log = logging.getLogger("auraed")
 
@@ -124,7 +125,14 @@ class Daemon:
         self.store = Store(config.state_dir / "auraed.db")
         cgroups = Cgroupfs(root=config.cgroup_root, base=config.cgroup_base)
         log.info("cgroup layout: %s", cgroups.layout.value)
-        self.cells = Cells(self.store, self.hub, cgroups, config.runtime_dir, config.stop_grace_period)
+        self.cells = Cells(
+            self.store,
+            self.hub,
+            cgroups,
+            runtime_dir=config.runtime_dir,
+            default_grace_period=config.stop_grace_period,
+            supervisor=Supervisor(),
+        )
         self.cells.recover()
         capabilities = await asyncio.to_thread(probe, cgroups)
 

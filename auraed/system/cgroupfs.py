@@ -24,8 +24,8 @@ DEFAULT_MOUNTINFO = Path("/proc/self/mountinfo")
 DEFAULT_CPU_PERIOD_US = 100_000
 
 # Controllers we drive. v1 adds cpuacct (usage) and freezer (race-free kill_all).
-V2_CONTROLLERS = ("cpu", "cpuset", "memory", "pids")
-V1_CONTROLLERS = ("cpu", "cpuacct", "cpuset", "freezer", "memory", "pids")
+V2_CONTROLLERS = ("cpu", "cpuset", "io", "memory", "pids")
+V1_CONTROLLERS = ("blkio", "cpu", "cpuacct", "cpuset", "freezer", "memory", "pids")
 
 # Largest CPU/NUMA index accepted in a list; bounds memory use for hostile input like "0-999999999".
 MAX_CPU_INDEX = 65_535
@@ -465,6 +465,43 @@ class Cgroupfs:
     def memory_current(self, path: str) -> int:
         name = "memory.current" if self.is_v2 else "memory.usage_in_bytes"
         return int(_read(self._controller_file("memory", path, name)))
+
+    def memory_max(self, path: str) -> int | None:
+        """The memory limit in bytes; None when unlimited."""
+        name = "memory.max" if self.is_v2 else "memory.limit_in_bytes"
+        value = _read(self._controller_file("memory", path, name)).strip()
+        # v1 reports "unlimited" as a huge page-rounded number.
+        return None if value == "max" or int(value) >= 1 << 62 else int(value)
+
+    def pids_current(self, path: str) -> int:
+        return int(_read(self._controller_file("pids", path, "pids.current")))
+
+    def pids_max(self, path: str) -> int | None:
+        value = _read(self._controller_file("pids", path, "pids.max")).strip()
+        return None if value == "max" else int(value)
+
+    def io_bytes(self, path: str) -> tuple[int, int]:
+        """Bytes read and written by the cgroup's processes on block devices; (0, 0) when unknown."""
+        try:
+            if self.is_v2:
+                text = _read(self._controller_file("io", path, "io.stat"))
+                fields = [f.split("=", 1) for line in text.splitlines() for f in line.split()[1:] if "=" in f]
+                totals = {"rbytes": 0, "wbytes": 0}
+                for key, value in fields:
+                    if key in totals:
+                        totals[key] += int(value)
+                return totals["rbytes"], totals["wbytes"]
+            text = _read(self._controller_file("blkio", path, "blkio.throttle.io_service_bytes"))
+        except CgroupError:
+            return 0, 0
+        read = write = 0
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[1] == "Read":
+                read += int(parts[2])
+            elif len(parts) == 3 and parts[1] == "Write":
+                write += int(parts[2])
+        return read, write
 
     def cpu_stat(self, path: str) -> dict[str, int]:
         """v2 cpu.stat as is; v1 normalised to the v2 names and units (usec)."""

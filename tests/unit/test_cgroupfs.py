@@ -254,12 +254,12 @@ ALL_V2 = CgroupLimits(
 def test_v2_create_writes_limits(v2: tuple[Cgroupfs, FakeCgroupOps, Path]) -> None:
     fs, ops, root = v2
     assert fs.layout is CgroupLayout.V2
-    assert fs.controllers() == ["cpu", "cpuset", "memory", "pids"]
+    assert fs.controllers() == ["cpu", "cpuset", "io", "memory", "pids"]
     fs.create("web", ALL_V2)
     web = root / "aurae" / "web"
     assert ops.mkdirs == [root / "aurae", web]
-    assert read(root / "cgroup.subtree_control") == "+cpu +cpuset +memory +pids"
-    assert read(root / "aurae" / "cgroup.subtree_control") == "+cpu +cpuset +memory +pids"
+    assert read(root / "cgroup.subtree_control") == "+cpu +cpuset +io +memory +pids"
+    assert read(root / "aurae" / "cgroup.subtree_control") == "+cpu +cpuset +io +memory +pids"
     assert read(web / "cgroup.subtree_control") == ""  # a leaf: processes go here
     assert read(web / "cpu.weight") == "500"
     assert read(web / "cpu.max") == "50000 100000"
@@ -280,7 +280,7 @@ def test_v2_nested_enables_parent_and_untouched_defaults(v2: tuple[Cgroupfs, Fak
     fs.create("web", CgroupLimits())
     fs.create("web/api", CgroupLimits(cpu_max_us=20_000, cpu_period_us=50_000))
     api = root / "aurae" / "web" / "api"
-    assert read(root / "aurae" / "web" / "cgroup.subtree_control") == "+cpu +cpuset +memory +pids"
+    assert read(root / "aurae" / "web" / "cgroup.subtree_control") == "+cpu +cpuset +io +memory +pids"
     assert read(api / "cpu.max") == "20000 50000"
     assert read(api / "memory.max") == "max"  # None leaves the kernel default
     assert fs.list_children("") == ["web"]
