@@ -36,6 +36,20 @@ class AuthorizationPolicy:
     identities: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
+@dataclasses.dataclass(frozen=True)
+class RegistryHost:
+    """How to reach one registry, from ``[registries."<host>"]`` (containerd hosts.toml in spirit).
+
+    ``mirrors`` are base URLs tried in order before the registry itself; ``insecure`` means plain
+    HTTP; ``skip_verify`` HTTPS without certificate checks; ``ca_file`` a PEM bundle to trust.
+    """
+
+    mirrors: tuple[str, ...] = ()
+    insecure: bool = False
+    skip_verify: bool = False
+    ca_file: str = ""
+
+
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
 
@@ -79,14 +93,29 @@ class DaemonConfig:
     stop_executables_on_shutdown: bool = field(
         default=True, metadata=_help("stop every executable when auraed shuts down")
     )
+    stop_containers_on_shutdown: bool = field(
+        default=False,
+        metadata=_help("stop every container when auraed shuts down (they outlive it otherwise)"),
+    )
     free_cells_on_shutdown: bool = field(
         default=False, metadata=_help("free every cell when auraed shuts down")
     )
     log_level: str = field(default="INFO", metadata=_help("DEBUG, INFO, WARNING or ERROR"))
+    oci_runtime: str = field(
+        default="",
+        metadata=_help("OCI runtime binary; runc on cgroup v1/hybrid hosts and crun on v2 when empty"),
+    )
+    docker_config: Path = field(
+        default=Path("/root/.docker/config.json"), metadata=_help("registry credentials in docker's format")
+    )
+    allow_device_nodes: bool = field(
+        default=False, metadata=_help("create device nodes found in image layers (skipped otherwise)")
+    )
     log_buffer_lines: int = field(
         default=10000, metadata=_help("how many of auraed's own log lines Observe keeps")
     )
     authorization: AuthorizationPolicy = dataclasses.field(default_factory=AuthorizationPolicy)
+    registries: Mapping[str, RegistryHost] = dataclasses.field(default_factory=dict)
     config_file: Path | None = None
 
 
@@ -149,6 +178,31 @@ def _parse_authorization(table: Any, source: str) -> AuthorizationPolicy:
     )
 
 
+def _parse_registries(table: Any, source: str) -> dict[str, RegistryHost]:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{source}: [registries] must be a table of registry hosts")
+    hosts = {}
+    for host, settings in table.items():
+        where = f"{source}: [registries.{host!r}]"
+        if not isinstance(settings, dict):
+            raise ConfigError(f"{where} must be a table")
+        unknown = set(settings) - {"mirrors", "insecure", "skip_verify", "ca_file"}
+        if unknown:
+            raise ConfigError(f"{where} has unknown keys: {', '.join(sorted(unknown))}")
+        mirrors = settings.get("mirrors", [])
+        if not isinstance(mirrors, list) or not all(isinstance(m, str) for m in mirrors):
+            raise ConfigError(f"{where} mirrors must be a list of URLs")
+        flags = {key: settings.get(key, False) for key in ("insecure", "skip_verify")}
+        if not all(isinstance(v, bool) for v in flags.values()) or not isinstance(
+            settings.get("ca_file", ""), str
+        ):
+            raise ConfigError(f"{where}: insecure and skip_verify are booleans, ca_file a path")
+        hosts[host] = RegistryHost(
+            tuple(mirrors), flags["insecure"], flags["skip_verify"], settings.get("ca_file", "")
+        )
+    return hosts
+
+
 def _validate(config: DaemonConfig) -> DaemonConfig:
     if config.role and config.role not in ROLES:
         raise ConfigError(f"role: must be one of {', '.join(ROLES)}, not {config.role!r}")
@@ -198,6 +252,7 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     authorization = AuthorizationPolicy()
+    registries: dict[str, RegistryHost] = {}
 
     config_file: Path | None = args.config or (
         Path(env[ENV_PREFIX + "CONFIG"]) if ENV_PREFIX + "CONFIG" in env else None
@@ -213,6 +268,8 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
         for key, value in table.items():
             if key == "authorization":
                 authorization = _parse_authorization(value, str(config_file))
+            elif key == "registries":
+                registries = _parse_registries(value, str(config_file))
             elif key in by_name:
                 values[key] = _coerce(by_name[key], value, str(config_file))
             else:
@@ -225,4 +282,6 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
         flag_value = getattr(args, setting.name)
         if flag_value is not None:
             values[setting.name] = _coerce(setting, flag_value, "--" + setting.name.replace("_", "-"))
-    return _validate(DaemonConfig(**values, authorization=authorization, config_file=config_file))
+    return _validate(
+        DaemonConfig(**values, authorization=authorization, registries=registries, config_file=config_file)
+    )

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -18,6 +20,36 @@ from auraed.client import AuraeClient, ClientConfig
 from auraed.pki import PkiPaths, ensure_dev_pki
 
 READY_TIMEOUT = 30.0
+REQUIRED_PROGRAMS = (
+    "runc",
+    "crun",
+    "busybox",
+    "gcc",
+    "skopeo",
+    "docker-registry",
+    "qemu-system-x86_64",
+    "ip",
+)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Tests never skip for something missing: the machine must have it, or the run fails here."""
+    from auraed.system.cgroupfs import CgroupLayout, detect_layout
+
+    problems = []
+    if os.geteuid() != 0:
+        problems.append("the tests run as root")
+    problems += [f"{name} is not installed" for name in REQUIRED_PROGRAMS if shutil.which(name) is None]
+    if not Path("/bin/busybox").exists():
+        problems.append("busybox-static (/bin/busybox) is not installed")
+    if detect_layout() is CgroupLayout.V2:
+        problems.append("the host tests exercise cgroup v1/hybrid (the v2 path runs in guests)")
+    if not Path("/dev/kvm").exists():
+        problems.append("/dev/kvm is missing (the KVM probe is tested on it)")
+    if problems:
+        pytest.exit(
+            "this machine cannot run the suite: " + "; ".join(problems) + " (hack/test sets it up)", 1
+        )
 
 
 @pytest.fixture(scope="session")
@@ -127,13 +159,36 @@ def _kill_procs(directory: Path) -> None:
 DaemonFactory = Callable[..., "DaemonProcess"]
 
 
+def remove_daemon_leftovers(daemon: DaemonProcess) -> None:
+    """Whatever a test did: kill its monitors, delete runtime state, unmount, remove its files."""
+    root = str(daemon.root).encode()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                if root in (proc / "cmdline").read_bytes():
+                    os.kill(int(proc.name), signal.SIGKILL)
+    runtime_root = daemon.root / "run" / "runtime"
+    if runtime_root.is_dir():
+        for state in runtime_root.iterdir():
+            subprocess.run(
+                ["runc", "--root", str(runtime_root), "delete", "--force", state.name],
+                capture_output=True,
+                check=False,
+            )
+    mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
+    for mount in sorted((m for m in mounts if m.startswith(str(daemon.root))), key=len, reverse=True):
+        subprocess.run(["umount", "-l", mount], capture_output=True, check=False)
+    free_all_cells(daemon)
+    subprocess.run(["rm", "-rf", str(daemon.root)], check=False)
+
+
 @pytest.fixture
-def daemon_factory(tmp_path: Path, pki: PkiPaths) -> Iterator[DaemonFactory]:
+def daemon_factory(pki: PkiPaths) -> Iterator[DaemonFactory]:
     made: list[DaemonProcess] = []
 
     def make(*extra_args: str, config_text: str = "", name: str = "d") -> DaemonProcess:
-        root = tmp_path / f"{name}{len(made)}"
-        root.mkdir()
+        # Short paths: unix socket paths (ours, and console sockets) are limited to 107 bytes.
+        root = Path(tempfile.mkdtemp(prefix=f"aurae-{name}{len(made)}-", dir="/tmp"))
         daemon = DaemonProcess(root, pki, list(extra_args), config_text)
         made.append(daemon)
         daemon.start()
@@ -143,9 +198,7 @@ def daemon_factory(tmp_path: Path, pki: PkiPaths) -> Iterator[DaemonFactory]:
     for daemon in made:
         with contextlib.suppress(Exception):
             daemon.stop()
-        free_all_cells(daemon)
-        for netns in (daemon.root / "run" / "netns").glob("*"):
-            subprocess.run(["umount", "-l", str(netns)], check=False, capture_output=True)
+        remove_daemon_leftovers(daemon)
 
 
 @pytest.fixture

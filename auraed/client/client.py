@@ -202,6 +202,44 @@ class AuraeClient:
         finally:
             call.cancel()
 
+    async def duplex(
+        self,
+        service: str,
+        method: str,
+        requests: AsyncIterator[betterproto2.Message],
+        timeout: float | None = None,
+    ) -> AsyncIterator[Any]:
+        """A bidirectional-streaming call: send ``requests``, yield the replies as they come."""
+        response = self._response_class(service, method)
+        callable_ = self.channel.stream_stream(
+            f"/{service}/{method}", request_serializer=bytes, response_deserializer=response.parse
+        )
+        call = callable_(requests, timeout=timeout)
+        try:
+            async for item in call:
+                yield item
+        except grpc.aio.AioRpcError as exc:
+            raise _client_error(exc) from None
+        finally:
+            call.cancel()
+
+    async def upload(
+        self,
+        service: str,
+        method: str,
+        requests: AsyncIterator[betterproto2.Message],
+        timeout: float | None = None,
+    ) -> Any:
+        """A client-streaming call: send ``requests``, return the one reply."""
+        response = self._response_class(service, method)
+        callable_ = self.channel.stream_unary(
+            f"/{service}/{method}", request_serializer=bytes, response_deserializer=response.parse
+        )
+        try:
+            return await callable_(requests, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise _client_error(exc) from None
+
     async def health(self, service: str = "", timeout: float | None = None) -> str:
         """The health status name (SERVING, NOT_SERVING, SERVICE_UNKNOWN) of ``service``."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc

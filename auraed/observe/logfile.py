@@ -38,8 +38,8 @@ class _Assembler:
         return LogLine(timestamp, stream, "".join([*parts, content]))
 
 
-def read_lines(path: Path, streams: frozenset[str]) -> tuple[list[LogLine], int]:
-    """Every complete line so far, and the byte offset reading stopped at."""
+def read_lines(path: Path, streams: frozenset[str], since: float | None = None) -> tuple[list[LogLine], int]:
+    """Every complete line so far (logged at or after ``since``), and the byte offset reading stopped at."""
     lines: list[LogLine] = []
     offset = 0
     assembler = _Assembler()
@@ -50,7 +50,7 @@ def read_lines(path: Path, streams: frozenset[str]) -> tuple[list[LogLine], int]
                     break  # the writer is mid-record; the next read picks it up
                 offset += len(raw)
                 line = assembler.feed(raw.decode(errors="replace").rstrip("\n"))
-                if line is not None and line.stream in streams:
+                if line is not None and line.stream in streams and (since is None or line.timestamp >= since):
                     lines.append(line)
     except FileNotFoundError:
         pass
@@ -63,9 +63,11 @@ async def stream_lines(
     tail: int | None,
     follow: bool,
     finished: Callable[[], bool],
+    *,
+    since: float | None = None,
 ) -> AsyncIterator[LogLine]:
     """The last ``tail`` lines (all when None), then, with ``follow``, new lines until ``finished()``."""
-    lines, offset = await asyncio.to_thread(read_lines, path, streams)
+    lines, offset = await asyncio.to_thread(read_lines, path, streams, since)
     for line in lines if tail is None else lines[len(lines) - tail :] if tail else []:
         yield line
     if not follow:

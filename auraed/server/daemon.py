@@ -7,6 +7,7 @@ import contextlib
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -18,10 +19,12 @@ from auraed.cells.cells import Cells
 from auraed.cells.servicer import SERVICE_NAME as CELLS
 from auraed.cells.servicer import CellServicer
 from auraed.config import DaemonConfig
+from auraed.containers.containers import Containers
 from auraed.discovery.capabilities import probe
 from auraed.discovery.servicer import SERVICE_NAME as DISCOVERY
 from auraed.discovery.servicer import DiscoveryServicer
-from auraed.init.roles import detect_role
+from auraed.images.images import Images
+from auraed.init.roles import Role, detect_role
 from auraed.observe.events import DaemonLogHandler, ObserveHub
 from auraed.observe.servicer import SERVICE_NAME as OBSERVE
 from auraed.observe.servicer import ObserveServicer
@@ -39,8 +42,13 @@ from auraed.state.store import Store
 from auraed.system.cgroupfs import Cgroupfs
 from auraed.system.supervisor import Supervisor
 
+if TYPE_CHECKING:
+    from auraed.containers.containers import Containers
+    from auraed.images.images import Images
+
 log = logging.getLogger("auraed")
 
+CONTAINERS = "aurae.containers.v0.ContainerService"
 HEALTH = "grpc.health.v1.Health"
 REFLECTION = reflection.SERVICE_NAME
 SERVER_STOP_GRACE = 2.0  # seconds in-flight calls get once shutdown begins
@@ -75,6 +83,8 @@ class Daemon:
         self.role, self._role_reason = detect_role(config.role, config.nested)
         self.health = HealthServicer()
         self.cells: Cells | None = None
+        self.images: Images | None = None
+        self.containers: Containers | None = None
         self.store: Store | None = None
         self._server: grpc.aio.Server | None = None
         self._stopping = asyncio.Event()
@@ -84,8 +94,11 @@ class Daemon:
         self._socket_bound = False
 
     def services(self) -> list[str]:
-        """The aurae services this role serves (design table; more arrive with later subsystems)."""
-        return [CELLS, DISCOVERY, OBSERVE]
+        """The aurae services this role serves (the design's table)."""
+        services = [CELLS, DISCOVERY, OBSERVE]
+        if self.role is not Role.NESTED:
+            services.append(CONTAINERS)
+        return sorted(services)
 
     async def run(self) -> int:
         setup_logging(self.config, self.hub)
@@ -125,15 +138,21 @@ class Daemon:
         self.store = Store(config.state_dir / "auraed.db")
         cgroups = Cgroupfs(root=config.cgroup_root, base=config.cgroup_base)
         log.info("cgroup layout: %s", cgroups.layout.value)
+        supervisor = Supervisor()
         self.cells = Cells(
             self.store,
             self.hub,
             cgroups,
             runtime_dir=config.runtime_dir,
             default_grace_period=config.stop_grace_period,
-            supervisor=Supervisor(),
+            supervisor=supervisor,
         )
         self.cells.recover()
+        if self.role is not Role.NESTED:
+            from auraed.containers import setup
+
+            self.images, self.containers = setup.build(config, self.store, cgroups, supervisor)
+            await self.containers.recover()
         capabilities = await asyncio.to_thread(probe, cgroups)
 
         services = self.services()
@@ -141,8 +160,14 @@ class Daemon:
             interceptors=[AuthorizationInterceptor(config.authorization)], options=SERVER_OPTIONS
         )
         self._server = server
+        handlers = []
+        if self.containers is not None and self.images is not None:
+            from auraed.containers.servicer import ContainerServicer
+
+            handlers.append(generic_handler(CONTAINERS, ContainerServicer(self.images, self.containers)))
         server.add_generic_rpc_handlers(
             [
+                *handlers,
                 generic_handler(CELLS, CellServicer(self.cells)),
                 generic_handler(OBSERVE, ObserveServicer(self.hub, self.cells)),
                 generic_handler(
@@ -183,6 +208,15 @@ class Daemon:
                 )
             except Exception:
                 log.exception("error while stopping cells")
+        if self.containers is not None:
+            try:
+                if self.config.stop_containers_on_shutdown:
+                    await self.containers.stop_all()
+                await self.containers.close()
+            except Exception:
+                log.exception("error while stopping containers")
+        if self.images is not None:
+            self.images.close()
         if self._server is not None:
             await self._server.stop(SERVER_STOP_GRACE)
         if self._socket_bound:

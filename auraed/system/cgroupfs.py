@@ -455,6 +455,11 @@ class Cgroupfs:
             found.update(_read_pids(procs))
         return sorted(found)
 
+    def oom_counter_path(self, path: str) -> Path:
+        """Where the OOM-kill counter of a cgroup lives, whether or not the cgroup exists yet."""
+        name = "memory.events" if self.is_v2 else "memory.oom_control"
+        return self._dir_for("memory", path) / name
+
     def oom_counter_file(self, path: str) -> Path:
         name = "memory.events" if self.is_v2 else "memory.oom_control"
         return self._controller_file("memory", path, name)

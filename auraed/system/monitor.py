@@ -10,10 +10,27 @@ N}``) as one JSON line on SYNC_FD, copies the child's stdout/stderr into a Kuber
 file, and finally writes ``exit.json`` atomically. SIGUSR1 makes it reopen the log file (log
 rotation, CRI ReopenContainerLog).
 
+Containers (OCI runtimes) use three more spec options:
+
+- ``subreaper``: the monitor becomes a child subreaper (prctl), so the processes a runtime forks
+  and abandons are reparented to it; it then reaps every child, not only the supervised one.
+- ``pid_file``: argv is a runtime command that starts the real process and exits (``runc create
+  --pid-file P``, ``runc exec --detach --pid-file P``). The monitor waits for argv (its output
+  is kept apart, not logged: it is the runtime's), reports ``{"error": ...}`` with the runtime's
+  last stderr lines when it fails, else reads the pid from pid_file, reports it, and supervises
+  that process, which inherited argv's stdout/stderr pipes. Implies ``subreaper``.
+- ``console_socket``: the monitor listens there before running argv (which carries
+  ``--console-socket``), receives the terminal master the runtime sends, and logs its output as
+  stdout.
+
+With an empty ``log_path`` the monitor copies nothing: argv inherits the monitor's own stdin,
+stdout and stderr, which the monitor then drops (pass-through, used for exec sessions).
+
 The monitor path imports only builtins and tiny C modules (os, sys, time, select, _signal, _json);
 the ``signal`` and ``json`` packages cost ~10 ms (enum, re, collections) natively and ~10x that in
-emulated guests. ctypes comes in (through auraed.system.namespaces) only when namespaces are asked
-for. The classes and parsers at the bottom are for auraed, not for the monitor path.
+emulated guests. ctypes comes in (through auraed.system.namespaces) only when namespaces or a
+subreaper are asked for; auraed.system.pty (``_socket``) only with a console socket. The classes
+and parsers at the bottom are for auraed, not for the monitor path.
 """
 
 # contextlib.suppress would pull contextlib (+collections, functools) into the lean monitor path.
@@ -40,7 +57,11 @@ LOG_LINE_MAX = 16 * 1024
 EXIT_GRACE_SECONDS = 2.0
 """How long output is still collected after the executable died while a descendant holds its pipes."""
 
+RUNTIME_OUTPUT_MAX = 16 * 1024
+"""How much of a runtime command's own output is kept for its error message."""
+
 _READ_SIZE = 64 * 1024
+_EIO = 5  # errno.EIO: a terminal master once the last slave descriptor is closed
 _START_FAILED_EXIT_CODE = 127
 _INF = float("inf")
 
@@ -172,22 +193,52 @@ def _namespaces() -> ModuleType:
     try:
         from auraed.system import namespaces
     except ImportError:
-        here = os.path.dirname(os.path.abspath(__file__))
-        sys.path.append(os.path.dirname(os.path.dirname(here)))  # appended: the stdlib keeps priority
+        _add_source_root()
         from auraed.system import namespaces
     return namespaces
+
+
+def _pty() -> ModuleType:
+    """auraed.system.pty (console socket helpers), also under ``python -I -S``."""
+    try:
+        from auraed.system import pty
+    except ImportError:
+        _add_source_root()
+        from auraed.system import pty
+    return pty
+
+
+def _add_source_root() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    if root not in sys.path:
+        sys.path.append(root)  # appended: the stdlib keeps priority
+
+
+def _tail_lines(data: bytes, lines: int = 5, limit: int = 2000) -> str:
+    """The last lines of a runtime's output for an error message; of runc's logrus lines
+    (``time=... level=error msg="..."``) only the message."""
+    kept = []
+    for raw in data.decode(errors="replace").strip().splitlines()[-lines:]:
+        start = raw.find(' msg="')
+        end = raw.rfind('"')
+        line = raw[start + 6 : end].replace('\\"', '"') if start >= 0 and end > start + 5 else raw
+        if line.strip():
+            kept.append(line.strip())
+    return "; ".join(kept)[-limit:]
 
 
 # -------------------------------------------------------------------------------------- CRI writer
 
 
 class _Stream:
-    __slots__ = ("buf", "fd", "name")
+    __slots__ = ("buf", "crlf", "fd", "name")
 
-    def __init__(self, fd: int, name: bytes) -> None:
+    def __init__(self, fd: int, name: bytes, crlf: bool = False) -> None:
         self.fd = fd
         self.name = name
         self.buf = b""
+        self.crlf = crlf  # a terminal: lines end in \r\n (ONLCR); the \r is not logged
 
 
 class _CriLog:
@@ -252,7 +303,8 @@ class _CriLog:
             newline = buf.find(b"\n", start)
             if newline < 0:
                 break
-            self._line(head, buf, start, newline, records)
+            end = newline - 1 if stream.crlf and newline > start and buf[newline - 1] == 13 else newline
+            self._line(head, buf, start, end, records)
             start = newline + 1
         # An unterminated tail longer than one record: emit full-size partial records now.
         while len(buf) - start > LOG_LINE_MAX:
@@ -284,11 +336,21 @@ class _CriLog:
 def _child(  # noqa: PLR0915 - one straight line of setup steps
     spec: dict[str, Any], ns: ModuleType | None, out_w: int, err_w: int, err_pipe: int
 ) -> NoReturn:
-    """Runs in the forked child: set up, then exec. Never returns; failures go to err_pipe."""
+    """Runs in the forked child: set up, then exec. Never returns; failures go to err_pipe.
+
+    ``out_w`` < 0: pass-through, the monitor's own stdin/stdout/stderr are kept.
+    """
     step = "setup"
     try:
         step = "setsid"
         os.setsid()
+        if spec.get("pid_file") and ns is not None:
+            # A runtime command: if the monitor is killed while it runs, it must not live on.
+            step = "set parent death signal"
+            parent = os.getppid()
+            ns.set_parent_death_signal(_signal.SIGKILL)
+            if os.getppid() != parent:
+                os._exit(_START_FAILED_EXIT_CODE)
         for procs in spec.get("cgroup_procs_files") or ():
             step = f"join cgroup {procs}"
             fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
@@ -325,12 +387,13 @@ def _child(  # noqa: PLR0915 - one straight line of setup steps
             if hostname:
                 step = f"sethostname {hostname}"
                 ns.sethostname(hostname)
-        step = "open /dev/null"
-        null = os.open("/dev/null", os.O_RDWR)
-        step = "redirect stdio"
-        os.dup2(null, 0)
-        os.dup2(out_w, 1)
-        os.dup2(err_w, 2)
+        if out_w >= 0:
+            step = "open /dev/null"
+            null = os.open("/dev/null", os.O_RDWR)
+            step = "redirect stdio"
+            os.dup2(null, 0)
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
         uid, gid = spec.get("uid"), spec.get("gid")
         if uid is not None or gid is not None:
             step = "setgroups"
@@ -373,7 +436,33 @@ def _child(  # noqa: PLR0915 - one straight line of setup steps
 
 
 def _noop(signum: int, frame: object) -> None:
-    """SIGUSR1 handler: the work happens through the wakeup fd."""
+    """SIGUSR1/SIGCHLD handler: the work happens through the wakeup fd."""
+
+
+def _proc_stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, ...), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2 :].split()
+    except (OSError, ValueError):
+        return None
+
+
+def _runs(pid: int, ticks: int | None) -> bool:
+    """Whether pid is still the same, not yet dead, process."""
+    fields = _proc_stat_fields(pid)
+    if fields is None or len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return False
+    return ticks is None or int(fields[19]) == ticks
+
+
+def _describe_status(name: str, status: int) -> str:
+    if os.WIFEXITED(status):
+        return f"{name} exited with status {os.WEXITSTATUS(status)}"
+    if os.WIFSIGNALED(status):
+        return f"{name} was killed by signal {os.WTERMSIG(status)}"
+    return f"{name} ended with wait status {status}"
 
 
 class _Monitor:
@@ -384,14 +473,20 @@ class _Monitor:
         self.exit_path: str | None = None
         self.exit_written = False
         self.pid = 0
+        self.ticks: int | None = None
         self.status: int | None = None
         self.reaped = False
+        self.subreaper = False
+        self.foreign = False  # the supervised pid is not our child: no exit status, only its end
+        self.runtime_running = False  # self.pid is a runtime command (pid_file mode) still running
         self.started_at = time.time()
         self.finished_at: float | None = None
         self.oom_file: str | None = None
         self.oom_before: int | None = None
         self.log: _CriLog | None = None
         self.pipes: list[int] = []
+        self.console_path: str | None = None
+        self.listener: Any = None
 
     # ---- reporting
 
@@ -451,19 +546,50 @@ class _Monitor:
 
     # ---- child state
 
+    def ended(self, status: int | None) -> None:
+        self.reaped = True
+        self.status = status
+        self.finished_at = time.time()
+
     def check_child(self, block: bool = False) -> None:
+        if self.foreign:
+            while not self.reaped and self.pid > 0:
+                if not _runs(self.pid, self.ticks):
+                    self.ended(None)  # its parent collects the status; we only see the end
+                elif block:
+                    time.sleep(0.1)
+                    continue
+                break
+            if self.subreaper:
+                self.reap_all(False)
+            return
+        if self.subreaper:
+            self.reap_all(block)
+            return
         if self.reaped or self.pid <= 0:
             return
         try:
             pid, status = os.waitpid(self.pid, 0 if block else os.WNOHANG)
         except ChildProcessError:  # someone else reaped it (cannot happen with SIGCHLD at SIG_DFL)
-            self.reaped = True
-            self.finished_at = time.time()
+            self.ended(None)
             return
         if pid == self.pid:
-            self.reaped = True
-            self.status = status
-            self.finished_at = time.time()
+            self.ended(status)
+
+    def reap_all(self, block: bool) -> None:
+        """As a subreaper: reap every child that ended (orphans too); with block, until ours did."""
+        while True:
+            ours_pending = not self.reaped and self.pid > 0 and not self.foreign
+            try:
+                pid, status = os.waitpid(-1, 0 if block and ours_pending else os.WNOHANG)
+            except ChildProcessError:  # no children left at all
+                if ours_pending:
+                    self.ended(None)
+                return
+            if pid == 0:
+                return
+            if pid == self.pid and ours_pending:
+                self.ended(status)
 
     # ---- main path
 
@@ -488,23 +614,37 @@ class _Monitor:
         self.exit_path = str(spec["exit_path"])
         if not spec.get("argv"):
             raise ValueError("empty argv")
-        need_ns = any(
+        pid_file = spec.get("pid_file")
+        console = spec.get("console_socket")
+        log_path = spec.get("log_path")
+        self.subreaper = bool(spec.get("subreaper") or pid_file)
+        need_ns = self.subreaper or any(
             spec.get(key)
             for key in ("new_pid_ns", "new_mount_ns", "new_uts_ns", "new_ipc_ns", "hostname", "netns_path")
         )
         ns = _namespaces() if need_ns else None
+        if self.subreaper and ns is not None:
+            self.step = "become a child subreaper"
+            ns.set_child_subreaper()
 
-        self.step = f"open log {spec['log_path']}"
-        self.log = _CriLog(str(spec["log_path"]))
-        self.log.open()
+        if log_path:
+            self.step = f"open log {log_path}"
+            self.log = _CriLog(str(log_path))
+            self.log.open()
         self.oom_file = spec.get("oom_counter_file")
         self.oom_before = _read_counter(self.oom_file)
 
         self.step = "pipes"
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
+        out_r = out_w = err_r = err_w = -1
+        if log_path:
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            self.pipes = [out_r, err_r]
         report_r, report_w = os.pipe()
-        self.pipes = [out_r, err_r]
+        if console:
+            self.step = f"listen on console socket {console}"
+            self.console_path = str(console)
+            self.listener = _pty().listen_console_socket(self.console_path)
         if spec.get("new_pid_ns") and ns is not None:
             self.step = "unshare pid namespace"
             ns.unshare(ns.CLONE_NEWPID)  # only our children go there: the next fork is its PID 1
@@ -515,8 +655,12 @@ class _Monitor:
         if pid == 0:
             _child(spec, ns, out_w, err_w, report_w)
         self.pid = pid
+        self.runtime_running = bool(pid_file)
         for fd in (out_w, err_w, report_w):
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
+        if not log_path:
+            self.drop_stdio()
 
         self.step = "wait for exec"
         chunks = []
@@ -526,17 +670,167 @@ class _Monitor:
         if chunks:
             code_s, _, message = b"".join(chunks).decode(errors="replace").partition(" ")
             self.check_child(block=True)
+            self.runtime_running = False
+            self.close_console()
             self.sync({"error": message, "errno": int(code_s) if code_s.isdigit() else 0})
             self.write_exit(error=message)
             return
 
-        self.sync({"pid": pid, "start_ticks": _proc_start_ticks(pid)})
-        self.supervise(_Stream(out_r, b"stdout"), _Stream(err_r, b"stderr"))
+        streams = [_Stream(out_r, b"stdout"), _Stream(err_r, b"stderr")] if log_path else []
+        if pid_file:
+            name = os.path.basename(str(spec["argv"][0]))
+            master = self.start_through_runtime(name, str(pid_file), out_r, err_r)
+            if master < -1:
+                return
+            if master >= 0:
+                streams.append(_Stream(master, b"stdout", crlf=True))
+        else:
+            self.ticks = _proc_start_ticks(pid)
+        self.sync({"pid": self.pid, "start_ticks": self.ticks})
+        self.supervise(*streams)
         self.write_exit()
+
+    def drop_stdio(self) -> None:
+        """Pass-through: the child has the caller's stdio; the monitor must not hold it open."""
+        null = os.open("/dev/null", os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        if null > 2:
+            os.close(null)
+
+    def start_through_runtime(self, name: str, pid_file: str, out_r: int, err_r: int) -> int:
+        """pid_file mode: wait for the runtime command, then adopt the process it started.
+
+        Returns the terminal master (console socket), -1 without one, or -2 after a failure that
+        was reported (sync line and exit.json).
+        """
+        self.step = f"wait for {name}"
+        status, output, master = self.await_runtime([fd for fd in (out_r, err_r) if fd >= 0])
+        self.runtime_running = False
+        if output:
+            _stderr(f"{name} said: {output.decode(errors='replace').strip()}")
+        error: str | None = None
+        pid = 0
+        if not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0):
+            error = _describe_status(name, status)
+            tail = _tail_lines(output)
+            if tail:
+                error = f"{error}: {tail}"
+        else:
+            self.step = f"read pid file {pid_file}"
+            try:
+                with open(pid_file, "rb") as f:
+                    pid = int(f.read().strip())
+                if pid <= 0:
+                    raise ValueError(f"bad pid {pid}")
+            except (OSError, ValueError) as exc:
+                error = f"{name} wrote no usable pid file {pid_file}: {_describe(exc)}"
+            if error is None and self.console_path and master < 0:
+                error = f"{name} sent no terminal on the console socket {self.console_path}"
+        self.close_console()
+        if error is not None:
+            if master >= 0:
+                os.close(master)
+            self.sync({"error": error, "errno": 0})
+            self.write_exit(error=error)
+            return -2
+        self.pid = pid
+        self.status = None
+        self.reaped = False
+        self.finished_at = None
+        fields = _proc_stat_fields(pid)
+        self.ticks = int(fields[19]) if fields is not None and len(fields) > 19 else None
+        # Adopted: its parent (the runtime) exited and we are the subreaper. Otherwise (another
+        # runtime design) only its end can be observed, not its status.
+        self.foreign = fields is None or int(fields[1]) != os.getpid()
+        if self.oom_before is None:
+            self.oom_before = _read_counter(self.oom_file)  # the runtime made the cgroup just now
+        if master >= 0:
+            self.pipes.append(master)
+        return master
+
+    def await_runtime(self, fds: list[int]) -> tuple[int, bytes, int]:
+        """Wait for the runtime command (self.pid), keeping its output and accepting the console.
+
+        Returns (wait status, the runtime's last output, terminal master or -1).
+        """
+        poller = select.poll()
+        for fd in fds:
+            os.set_blocking(fd, False)
+            poller.register(fd, select.POLLIN)
+        readable = set(fds)
+        listen_fd = -1
+        if self.listener is not None:
+            self.listener.setblocking(False)
+            listen_fd = self.listener.fileno()
+            poller.register(listen_fd, select.POLLIN)
+        pidfd = -1
+        try:
+            pidfd = os.pidfd_open(self.pid)
+            poller.register(pidfd, select.POLLIN)
+        except (AttributeError, OSError):
+            pidfd = -1
+        output = b""
+        master = -1
+        try:
+            while True:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid == self.pid:
+                    break
+                for fd, _event in poller.poll(None if pidfd >= 0 else 100):
+                    if fd == pidfd:
+                        poller.unregister(pidfd)
+                        os.close(pidfd)
+                        pidfd = -1
+                    elif fd == listen_fd:
+                        poller.unregister(listen_fd)
+                        master = self.accept_console()
+                    elif fd in readable:
+                        data = self.read_some(fd)
+                        if data:
+                            output = (output + data)[-RUNTIME_OUTPUT_MAX:]
+                        else:
+                            poller.unregister(fd)
+                            readable.discard(fd)
+            self.ended(status)
+            for fd in readable:  # what it wrote just before exiting
+                while data := self.read_some(fd):
+                    output = (output + data)[-RUNTIME_OUTPUT_MAX:]
+            if self.listener is not None and master < 0:
+                try:
+                    master = self.accept_console()
+                except BlockingIOError:
+                    pass  # it never connected
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
+        return status, output, master
+
+    @staticmethod
+    def read_some(fd: int) -> bytes:
+        try:
+            return os.read(fd, _READ_SIZE)
+        except BlockingIOError:
+            return b""
+
+    def accept_console(self) -> int:
+        self.step = f"receive the terminal on {self.console_path}"
+        master: int = _pty().accept_pty_master(self.listener)
+        self.close_console()
+        return master
+
+    def close_console(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+            if self.console_path:
+                try:
+                    os.unlink(self.console_path)
+                except OSError:
+                    pass
 
     def supervise(self, *streams: _Stream) -> None:  # noqa: PLR0915
         log = self.log
-        assert log is not None
         poller = select.poll()
         active: dict[int, _Stream] = {}
         for stream in streams:
@@ -556,11 +850,13 @@ class _Monitor:
         os.set_blocking(wake_w, False)
         _signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         _signal.signal(_signal.SIGUSR1, _noop)
+        if self.subreaper:
+            _signal.signal(_signal.SIGCHLD, _noop)  # orphans that end wake us up to be reaped
         poller.register(wake_r, select.POLLIN)
 
         deadline: float | None = None
         self.check_child()
-        while active:
+        while active or not self.reaped:
             timeout: float | None
             if self.reaped:
                 if deadline is None:
@@ -581,7 +877,7 @@ class _Monitor:
                         signals = os.read(wake_r, 256)
                     except BlockingIOError:
                         signals = b""
-                    if _signal.SIGUSR1 in signals:
+                    if _signal.SIGUSR1 in signals and log is not None:
                         log.reopen()
                 elif fd in active and not self.pump(active[fd]):
                     poller.unregister(fd)
@@ -602,6 +898,10 @@ class _Monitor:
             data = os.read(stream.fd, _READ_SIZE)
         except BlockingIOError:
             return True
+        except OSError as exc:
+            if exc.errno == _EIO:  # a terminal whose last slave closed: its EOF
+                return False
+            raise
         if not data:
             return False
         self.log.feed(stream, data)
@@ -633,11 +933,21 @@ class _Monitor:
                 pass
         self.pipes = []
         try:
+            self.close_console()
+        except BaseException:
+            pass
+        if self.runtime_running:  # a runtime command we will not adopt anything from
+            try:
+                os.kill(self.pid, _signal.SIGKILL)
+            except OSError:
+                pass
+        try:
             self.check_child(block=True)
         except BaseException as reap_exc:
             _stderr(f"waitpid {self.pid}: {_describe(reap_exc)}")
+        failed_to_start = self.pid <= 0 or self.runtime_running
         try:
-            self.write_exit(error=None if self.pid > 0 else message)
+            self.write_exit(error=message if failed_to_start else None)
         except BaseException as write_exc:
             _stderr(f"write {self.exit_path}: {_describe(write_exc)}")
 
@@ -673,11 +983,18 @@ def monitor_command(spec_path: str, sync_fd: int, python: str | None = None) -> 
 
 
 class MonitorSpec:
-    """What the monitor should run; ``to_json()`` is the SPEC_JSON_PATH file's content."""
+    """What the monitor should run; ``to_json()`` is the SPEC_JSON_PATH file's content.
+
+    ``log_path`` "": pass-through, argv inherits the monitor's stdin/stdout/stderr. ``pid_file``:
+    argv is an OCI runtime command (``create --pid-file``, ``exec --detach --pid-file``) and the
+    process to supervise is the pid it writes there (implies ``subreaper``). ``console_socket``:
+    the path given to the runtime as ``--console-socket``; the terminal's output is logged as stdout.
+    """
 
     __slots__ = (
         "argv",
         "cgroup_procs_files",
+        "console_socket",
         "cwd",
         "env",
         "exit_path",
@@ -690,6 +1007,8 @@ class MonitorSpec:
         "new_pid_ns",
         "new_uts_ns",
         "oom_counter_file",
+        "pid_file",
+        "subreaper",
         "uid",
     )
 
@@ -711,6 +1030,9 @@ class MonitorSpec:
         new_ipc_ns: bool = False,
         hostname: str | None = None,
         netns_path: str | None = None,
+        subreaper: bool = False,
+        pid_file: str | None = None,
+        console_socket: str | None = None,
     ) -> None:
         self.argv = list(argv)
         self.env = list(env) if env is not None else []
@@ -727,6 +1049,9 @@ class MonitorSpec:
         self.new_ipc_ns = new_ipc_ns
         self.hostname = hostname
         self.netns_path = netns_path
+        self.subreaper = subreaper
+        self.pid_file = pid_file
+        self.console_socket = console_socket
 
     def to_dict(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in self.__slots__}

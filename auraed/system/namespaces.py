@@ -58,6 +58,14 @@ _sethostname = _libc.sethostname
 _sethostname.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
 _sethostname.restype = ctypes.c_int
 
+_prctl = _libc.prctl
+_prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+_prctl.restype = ctypes.c_int
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+PR_GET_CHILD_SUBREAPER = 37
+
 
 def _raise(call: str) -> None:
     err = ctypes.get_errno()
@@ -103,6 +111,25 @@ def sethostname(name: str) -> None:
     raw = name.encode()
     if _sethostname(raw, len(raw)) != 0:
         _raise(f"sethostname {name!r}")
+
+
+def set_child_subreaper(enabled: bool = True) -> None:
+    """prctl(PR_SET_CHILD_SUBREAPER): orphaned descendants are reparented to this process, not init."""
+    if _prctl(PR_SET_CHILD_SUBREAPER, 1 if enabled else 0, 0, 0, 0) != 0:
+        _raise("prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def is_child_subreaper() -> bool:
+    value = ctypes.c_int(0)
+    if _prctl(PR_GET_CHILD_SUBREAPER, ctypes.addressof(value), 0, 0, 0) != 0:
+        _raise("prctl(PR_GET_CHILD_SUBREAPER)")
+    return bool(value.value)
+
+
+def set_parent_death_signal(signum: int) -> None:
+    """prctl(PR_SET_PDEATHSIG): ``signum`` when the parent (thread) dies; kept across execve."""
+    if _prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
+        _raise("prctl(PR_SET_PDEATHSIG)")
 
 
 def bring_loopback_up() -> None:

@@ -18,6 +18,7 @@ from tests.conftest import DaemonFactory, DaemonProcess
 
 AURAE_SERVICES = {
     "aurae.cells.v0.CellService",
+    "aurae.containers.v0.ContainerService",
     "aurae.discovery.v0.DiscoveryService",
     "aurae.observe.v0.ObserveService",
 }

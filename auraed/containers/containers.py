@@ -1,0 +1,394 @@
+"""Containers: created from stored images, run by the OCI runtime under our monitor, persisted.
+
+Each container owns ``state_dir/containers/<id>/``: the overlay upper and work dirs, the mounted
+rootfs, the OCI bundle, the CRI-format log and the monitor's exit record. Its cgroup is
+``<cgroup_base>/_containers/<id>`` ("_" never appears in a cell name, so the two never meet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import signal as signals
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from auraed.containers import spec as oci
+from auraed.containers.errors import ContainerError
+from auraed.containers.exec import ExecSession
+from auraed.containers.model import ContainerRecord, State
+from auraed.containers.rootfs import mount_rootfs, unmount_rootfs
+from auraed.containers.runtime import OciRuntime, OciRuntimeError
+from auraed.errors import ErrorKind
+from auraed.images.content import remove_tree
+from auraed.images.images import Images
+from auraed.images.model import ImageRecord
+from auraed.observe.logfile import LogLine, stream_lines
+from auraed.state.store import Store
+from auraed.system.cgroupfs import CgroupError, Cgroupfs
+from auraed.system.monitor import ExitRecord, MonitorSpec, read_exit_record
+from auraed.system.supervisor import MonitorStartError, Supervisor
+
+log = logging.getLogger(__name__)
+
+KIND = "container"
+CGROUP_PARENT = "_containers"
+KILL_WAIT = 30.0  # seconds to wait for a SIGKILLed container to be reaped
+
+SPEC_ERROR_KINDS = {
+    "invalid": ErrorKind.INVALID_ARGUMENT,
+    "not_found": ErrorKind.NOT_FOUND,
+    "unsupported": ErrorKind.FAILED_PRECONDITION,
+}
+
+
+def spec_error(exc: oci.SpecError) -> ContainerError:
+    return ContainerError(SPEC_ERROR_KINDS.get(exc.kind, ErrorKind.INVALID_ARGUMENT), str(exc))
+
+
+def runtime_error(exc: OciRuntimeError, what: str) -> ContainerError:
+    kind = ErrorKind.NOT_FOUND if exc.kind == "not_found" else ErrorKind.FAILED_PRECONDITION
+    return ContainerError(kind, f"{what}: {exc}")
+
+
+class Containers:
+    def __init__(
+        self,
+        store: Store,
+        images: Images,
+        cgroups: Cgroupfs,
+        runtime: OciRuntime,
+        supervisor: Supervisor,
+        *,
+        root: Path,
+        sockets_dir: Path,
+        default_stop_timeout: float,
+    ) -> None:
+        self._sockets_dir = sockets_dir
+        self._store = store
+        self._images = images
+        self._cgroups = cgroups
+        self._runtime = runtime
+        self._supervisor = supervisor
+        self._root = root
+        self._default_stop_timeout = default_stop_timeout
+        self._records: dict[str, ContainerRecord] = {}
+        self._exited: dict[str, asyncio.Event] = {}
+        self._watchers: dict[str, asyncio.Task[None]] = {}
+        self._lock = asyncio.Lock()
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        images.in_use = lambda image_id: any(r.image_id == image_id for r in self._records.values())
+
+    # -- lookup ----------------------------------------------------------------------------
+
+    def get(self, id_or_name: str) -> ContainerRecord:
+        record = self._records.get(id_or_name)
+        if record is None:
+            record = next((r for r in self._records.values() if r.name == id_or_name), None)
+        if record is None:
+            raise ContainerError.not_found(f"container {id_or_name[:100]}")
+        return record
+
+    def all(self, labels: dict[str, str] | None = None) -> list[ContainerRecord]:
+        wanted = labels or {}
+        records = sorted(self._records.values(), key=lambda r: r.created_at)
+        return [r for r in records if all(r.labels.get(k) == v for k, v in wanted.items())]
+
+    def cgroup(self, record: ContainerRecord) -> str:
+        return f"{CGROUP_PARENT}/{record.id}"
+
+    # -- create ----------------------------------------------------------------------------
+
+    async def create(
+        self, request: oci.ContainerRequest, image_name: str, labels: dict[str, str]
+    ) -> ContainerRecord:
+        async with self._lock:
+            if any(r.name == request.name for r in self._records.values()):
+                raise ContainerError.already_exists(f"container {request.name}")
+            image = self._images.find(image_name)
+            container_id = secrets.token_hex(16)
+            record = ContainerRecord(
+                id=container_id,
+                name=request.name,
+                image=image_name,
+                image_id=image.id,
+                directory=str(self._root / container_id),
+                labels=labels,
+                tty=request.tty,
+                stop_signal=signals.SIGTERM,
+                process={},
+                created_at=time.time(),
+            )
+            self._save(record)  # before any kernel object exists: a crash from here on is cleaned at start
+        try:
+            await asyncio.to_thread(self._prepare, record, image, request)
+            await self._launch(record)
+        except BaseException:
+            await self._teardown(record, keep_logs=False)
+            raise
+        record.state = State.CREATED
+        self._save(record)
+        self._watch(record)
+        log.info("created container %s (%s) from %s", record.name, record.id, image_name)
+        return record
+
+    def _prepare(self, record: ContainerRecord, image: ImageRecord, request: oci.ContainerRequest) -> None:
+        """Mount the rootfs and write the bundle; runs in a worker thread."""
+        record.path.mkdir(mode=0o700, parents=True)
+        mount_rootfs(
+            self._images.snapshot_dirs(image), record.path / "upper", record.path / "work", record.rootfs
+        )
+        try:
+            image_config = oci.image_runtime_config({"config": image.config})
+            record.stop_signal = oci.stop_signal(image_config, request)
+            spec = oci.build_spec(
+                image_config, request, record.rootfs, self._cgroups.cgroup_path(self.cgroup(record))
+            )
+        except oci.SpecError as exc:
+            raise spec_error(exc) from None
+        record.process = spec["process"]
+        record.bundle.mkdir(mode=0o700)
+        (record.bundle / "config.json").write_text(json.dumps(spec, indent=1))
+
+    def _console_socket(self, record: ContainerRecord) -> Path:
+        # Unix socket paths are limited to 107 bytes: keep them in the (short) runtime dir.
+        self._sockets_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return self._sockets_dir / f"{record.id}.sock"
+
+    async def _launch(self, record: ContainerRecord) -> None:
+        monitor = MonitorSpec(
+            argv=self._runtime.create_argv(
+                record.id,
+                record.bundle,
+                record.path / "container.pid",
+                self._console_socket(record) if record.tty else None,
+            ),
+            log_path=str(record.log_path),
+            exit_path=str(record.exit_path),
+            oom_counter_file=str(self._cgroups.oom_counter_path(self.cgroup(record))),
+            subreaper=True,
+            pid_file=str(record.path / "container.pid"),
+            console_socket=str(self._console_socket(record)) if record.tty else None,
+        )
+        try:
+            supervised = await self._supervisor.launch(monitor, record.path)
+        except MonitorStartError as exc:
+            kind = ErrorKind.UNAVAILABLE if exc.timed_out else ErrorKind.FAILED_PRECONDITION
+            raise ContainerError(kind, f"cannot create container {record.name}: {exc}") from None
+        record.monitor_pid, record.monitor_ticks = supervised.monitor_pid, supervised.monitor_ticks
+        record.pid, record.ticks = supervised.pid, supervised.ticks
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self, record: ContainerRecord) -> ContainerRecord:
+        if record.state != State.CREATED:
+            raise ContainerError.precondition(f"container {record.name} is {record.state}, not created")
+        try:
+            await self._runtime.start(record.id)
+        except OciRuntimeError as exc:
+            raise runtime_error(exc, f"cannot start container {record.name}") from None
+        if record.state == State.CREATED:  # it may already have run to its end
+            record.state = State.RUNNING
+        record.started_at = time.time()
+        self._save(record)
+        return record
+
+    async def stop(self, record: ContainerRecord, timeout: float | None) -> ContainerRecord:
+        if not record.alive:
+            return record
+        grace = self._default_stop_timeout if timeout is None else timeout
+        if grace > 0:
+            await self._signal(record, record.stop_signal)
+            if await self._wait_exit(record, grace):
+                return record
+        await self._signal(record, signals.SIGKILL, all_processes=True)
+        if not await self._wait_exit(record, KILL_WAIT):
+            raise ContainerError(ErrorKind.UNAVAILABLE, f"container {record.name} did not die after SIGKILL")
+        return record
+
+    async def kill(self, record: ContainerRecord, signal: int) -> None:
+        if not record.alive:
+            raise ContainerError.precondition(f"container {record.name} is not running ({record.state})")
+        await self._signal(record, signal)
+
+    async def _signal(self, record: ContainerRecord, signal: int, all_processes: bool = False) -> None:
+        try:
+            await self._runtime.kill(record.id, signal, all_processes=all_processes)
+        except OciRuntimeError as exc:
+            if record.alive:  # a container that died meanwhile is not an error
+                raise runtime_error(exc, f"cannot signal container {record.name}") from None
+
+    async def _wait_exit(self, record: ContainerRecord, timeout: float) -> bool:
+        event = self._exited.get(record.id)
+        if event is None:
+            return not record.alive
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+        return not record.alive
+
+    async def wait(self, record: ContainerRecord) -> ContainerRecord:
+        event = self._exited.get(record.id)
+        if event is not None:
+            await event.wait()
+        return record
+
+    async def delete(self, record: ContainerRecord, force: bool, keep_logs: bool) -> None:
+        if record.alive:
+            if not force:
+                raise ContainerError.precondition(
+                    f"container {record.name} is {record.state}; stop it or force"
+                )
+            await self.stop(record, timeout=0)
+        await self._teardown(record, keep_logs)
+        log.info("deleted container %s (%s)", record.name, record.id)
+
+    async def _teardown(self, record: ContainerRecord, keep_logs: bool) -> None:
+        """Remove every trace of a container; safe on half-made ones and repeatable."""
+        with contextlib.suppress(OciRuntimeError):
+            await self._runtime.delete(record.id, force=True)
+        watcher = self._watchers.pop(record.id, None)
+        if watcher is not None:
+            watcher.cancel()
+        await asyncio.to_thread(self._remove_files, record, keep_logs)
+        self._records.pop(record.id, None)
+        self._exited.pop(record.id, None)
+        self._store.delete(KIND, record.id)
+
+    def _remove_files(self, record: ContainerRecord, keep_logs: bool) -> None:
+        unmount_rootfs(record.rootfs)
+        with contextlib.suppress(CgroupError):
+            if self._cgroups.exists(self.cgroup(record)):
+                self._cgroups.kill_all(self.cgroup(record))
+                self._cgroups.remove(self.cgroup(record))
+        if not record.path.exists():
+            return
+        for entry in record.path.iterdir():
+            if not (keep_logs and entry == record.log_path):
+                remove_tree(entry)
+        if not keep_logs:
+            record.path.rmdir()
+
+    # -- exits -----------------------------------------------------------------------------
+
+    def _watch(self, record: ContainerRecord) -> None:
+        self._exited[record.id] = asyncio.Event()
+        task = asyncio.get_running_loop().create_task(self._await_exit(record), name=f"watch {record.id}")
+        self._watchers[record.id] = task
+
+    async def _await_exit(self, record: ContainerRecord) -> None:
+        self._finish(record, await self._supervisor.wait(record.supervised, record.exit_path))
+
+    def _finish(self, record: ContainerRecord, exit_record: ExitRecord | None) -> None:
+        if exit_record is None:
+            record.state, record.reason = State.UNKNOWN, "the monitor ended without recording an exit status"
+        else:
+            record.state = State.EXITED
+            record.exit_code, record.signal = exit_record.exit_code, exit_record.signal
+            record.oom_killed = exit_record.oom_killed
+            record.finished_at = exit_record.finished_at
+            if exit_record.oom_killed:
+                record.reason = "OOMKilled"
+        record.finished_at = record.finished_at or time.time()
+        if record.id in self._records:
+            self._save(record)
+        event = self._exited.get(record.id)
+        if event is not None:
+            event.set()
+        log.info(
+            "container %s exited: code=%s signal=%s oom=%s",
+            record.name,
+            record.exit_code,
+            record.signal,
+            record.oom_killed,
+        )
+
+    # -- logs and stats --------------------------------------------------------------------
+
+    def logs(
+        self,
+        record: ContainerRecord,
+        streams: frozenset[str],
+        tail: int | None,
+        follow: bool,
+        since: float | None,
+    ) -> AsyncIterator[LogLine]:
+        return stream_lines(record.log_path, streams, tail, follow, lambda: not record.alive, since=since)
+
+    def stats(self, record: ContainerRecord) -> dict[str, int]:
+        path = self.cgroup(record)
+        if not self._cgroups.exists(path):
+            raise ContainerError.precondition(f"container {record.name} has no cgroup ({record.state})")
+        try:
+            cpu = self._cgroups.cpu_stat(path)
+            read, write = self._cgroups.io_bytes(path)
+            return {
+                "cpu_usage_usec": cpu.get("usage_usec", 0),
+                "cpu_throttled_usec": cpu.get("throttled_usec", 0),
+                "memory_current": self._cgroups.memory_current(path),
+                "memory_max": self._cgroups.memory_max(path) or 0,
+                "pids_current": self._cgroups.pids_current(path),
+                "pids_max": self._cgroups.pids_max(path) or 0,
+                "io_read_bytes": read,
+                "io_write_bytes": write,
+            }
+        except CgroupError as exc:
+            raise ContainerError.precondition(f"container {record.name}: {exc}") from None
+
+    # -- persistence and restart -----------------------------------------------------------
+
+    def _save(self, record: ContainerRecord) -> None:
+        self._records[record.id] = record
+        self._store.put(KIND, record.id, record.to_doc())
+
+    async def recover(self) -> None:
+        for key, doc in self._store.list(KIND):
+            try:
+                record = ContainerRecord.from_doc(doc)
+            except (KeyError, TypeError) as exc:
+                log.warning("dropping unreadable container record %s: %s", key, exc)
+                self._store.delete(KIND, key)
+                continue
+            self._records[record.id] = record
+            if record.state == State.CREATING:
+                log.warning("container %s was being created when auraed stopped; removing it", record.name)
+                await self._teardown(record, keep_logs=False)
+            elif record.alive and Supervisor.alive(record.supervised):
+                log.info("found container %s running as pid %d", record.name, record.pid)
+                self._watch(record)
+            elif record.alive:
+                self._exited[record.id] = asyncio.Event()
+                self._finish(record, read_exit_record(record.exit_path))
+        log.info("recovered %d containers", len(self._records))
+
+    async def close(self) -> None:
+        for task in list(self._watchers.values()):
+            task.cancel()
+        await asyncio.gather(*self._watchers.values(), return_exceptions=True)
+
+    def running(self) -> list[ContainerRecord]:
+        return [r for r in self._records.values() if r.alive]
+
+    async def stop_all(self) -> None:
+        await asyncio.gather(*(self.stop(r, None) for r in self.running()), return_exceptions=True)
+
+    def process_defaults(self, record: ContainerRecord) -> dict[str, Any]:
+        return dict(record.process)
+
+    async def exec(
+        self,
+        record: ContainerRecord,
+        process: dict[str, Any],
+        tty: bool,
+        *,
+        stdin: bool,
+        size: tuple[int, int] | None,
+    ) -> ExecSession:
+        try:
+            return await self._runtime.exec_process(record.id, process, tty, stdin=stdin, size=size)
+        except OciRuntimeError as exc:
+            raise runtime_error(exc, f"exec in container {record.name}") from None

@@ -1,0 +1,408 @@
+"""Exec sessions: one process run in a running container, with its stdio streamed to the caller.
+
+runc 1.1 accepts ``--console-socket`` only with ``--detach``, and a detached process is abandoned
+by the runtime, so (like containerd's shim) every exec is ``<runtime> exec --detach --pid-file P
+--process F [--tty --console-socket S] ID`` run under our monitor as a child subreaper in
+pass-through mode (no log): the monitor adopts the process, reports its pid on the sync pipe and
+writes its exit status to ``exit.json``.
+
+- Without a terminal the monitor's stdin/stdout/stderr are pipes to us; the runtime and then the
+  process inherit them; the monitor itself lets go of them right after forking.
+- With a terminal we listen on the console socket before starting the monitor, receive the pty
+  master (auraed.system.pty.receive_pty_master), read output from it, write stdin to it and
+  resize it with TIOCSWINSZ. The monitor's stderr still brings the runtime's error messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import os
+import shutil
+import signal as signals
+import socket
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any, BinaryIO
+
+from auraed.containers.runtime import OciRuntime, OciRuntimeError, check_container_id
+from auraed.system import processes
+from auraed.system.monitor import MonitorSpec, monitor_command, read_exit_record
+from auraed.system.pty import CONSOLE_RECEIVE_TIMEOUT, receive_pty_master, set_window_size
+
+START_TIMEOUT = 30.0
+"""Seconds until the monitor reports the exec'd process (guests run under slow emulation)."""
+
+CLOSE_TIMEOUT = 10.0
+"""Seconds close() waits for the monitor after killing the process."""
+
+_READ_SIZE = 64 * 1024
+_QUEUE_SIZE = 64  # chunks of output held for a slow reader before the process is made to wait
+_EOT = b"\x04"  # VEOF: what "end of input" is on a terminal in canonical mode
+
+_Item = tuple[str, bytes] | str  # (stream, data), or the name of a stream that ended
+
+
+class ExecSession:
+    """A process started by ``OciRuntime.exec_process``; use as ``async with`` or call close()."""
+
+    def __init__(self, runtime: OciRuntime, container_id: str, tty: bool, work_dir: Path) -> None:
+        self.runtime = runtime
+        self.container_id = container_id
+        self.tty = tty
+        self.work_dir = work_dir
+        self.pid = 0
+        self.ticks: int | None = None
+        self._monitor: asyncio.subprocess.Process | None = None
+        self._master = -1
+        self._pidfd = -1
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue(_QUEUE_SIZE)
+        self._open_streams: set[str] = set()
+        self._pumps: list[asyncio.Task[None]] = []
+        self._reading_master = False
+        self._master_eof = False
+        self._exit_code: int | None = None
+        self._closed = False
+
+    @property
+    def exit_path(self) -> Path:
+        return self.work_dir / "exit.json"
+
+    # -- start -------------------------------------------------------------------------------
+
+    @classmethod
+    async def start(
+        cls,
+        runtime: OciRuntime,
+        container_id: str,
+        process: dict[str, Any],
+        tty: bool,
+        *,
+        stdin: bool = True,
+        size: tuple[int, int] | None = None,
+        timeout: float = START_TIMEOUT,
+    ) -> ExecSession:
+        """Start ``process`` in the container. With a terminal, ``size`` (rows, cols) becomes the
+        process's ``consoleSize``: the runtime sizes the terminal before the process runs (a
+        resize() after start() races with the process reading its size)."""
+        check_container_id(container_id)
+        if tty and size is not None and size[0] > 0 and size[1] > 0:
+            process = {**process, "consoleSize": {"height": size[0], "width": size[1]}}
+        scratch = runtime.scratch_dir
+        if scratch is not None:
+            scratch.mkdir(parents=True, exist_ok=True)
+        work_dir = Path(tempfile.mkdtemp(prefix="exec-", dir=scratch))
+        session = cls(runtime, container_id, tty, work_dir)
+        try:
+            await session._start(process, stdin, timeout)
+        except BaseException:
+            await session.close()
+            raise
+        return session
+
+    async def _start(self, process: dict[str, Any], stdin: bool, timeout: float) -> None:
+        work = self.work_dir
+        process_file, pid_file, console_path = work / "process.json", work / "exec.pid", work / "console.sock"
+        process_file.write_text(json.dumps({**process, "terminal": self.tty}))
+        listener: socket.socket | None = None
+        if self.tty:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(str(console_path))
+            console_path.chmod(0o600)
+            listener.listen(1)
+            listener.setblocking(False)
+        try:
+            spec = MonitorSpec(
+                argv=self.runtime.exec_argv(
+                    self.container_id, process_file, pid_file, console_path if self.tty else None
+                ),
+                log_path="",  # pass-through
+                exit_path=str(self.exit_path),
+                env=list(self.runtime.env),
+                subreaper=True,
+                pid_file=str(pid_file),
+            )
+            spec_path = work / "monitor.json"
+            spec_path.write_text(spec.to_json())
+            pipe = asyncio.subprocess.PIPE
+            sync_r, sync_w = os.pipe()
+            sync_file = os.fdopen(sync_r, "rb", buffering=0)
+            try:
+                try:
+                    self._monitor = await asyncio.create_subprocess_exec(
+                        *monitor_command(str(spec_path), sync_w),
+                        pass_fds=[sync_w],
+                        stdin=pipe if stdin and not self.tty else asyncio.subprocess.DEVNULL,
+                        stdout=asyncio.subprocess.DEVNULL if self.tty else pipe,
+                        stderr=pipe,
+                        start_new_session=True,
+                    )
+                finally:
+                    os.close(sync_w)
+                line = await asyncio.wait_for(_read_to_eof(sync_file), timeout)
+            except TimeoutError:
+                raise OciRuntimeError(
+                    "failed", f"exec in {self.container_id}: the monitor did not report in {timeout:g}s"
+                ) from None
+            finally:
+                sync_file.close()
+            report = _parse_report(line)
+            if "error" in report:
+                raise await self._start_error(str(report["error"]))
+            self.pid = int(report["pid"])
+            self.ticks = report.get("start_ticks")
+            with contextlib.suppress(OSError):
+                self._pidfd = os.pidfd_open(self.pid)
+                if not processes.is_alive(self.pid, self.ticks):  # ended (and reaped) meanwhile
+                    os.close(self._pidfd)
+                    self._pidfd = -1
+            if listener is not None:
+                self._master = await self._receive_master(listener)
+        finally:
+            if listener is not None:
+                listener.close()
+                with contextlib.suppress(OSError):
+                    console_path.unlink()
+        self._start_pumps()
+
+    async def _start_error(self, monitor_error: str) -> OciRuntimeError:
+        """The monitor could not start the process: the runtime's stderr says why."""
+        monitor = self._monitor
+        assert monitor is not None
+        stderr = b""
+        if monitor.stderr is not None:
+            with contextlib.suppress(TimeoutError):
+                stderr = await asyncio.wait_for(monitor.stderr.read(), 5.0)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(monitor.wait(), 5.0)
+        detail = stderr if stderr.strip() else monitor_error
+        return self.runtime.error(f"exec in {self.container_id}", self.container_id, detail)
+
+    async def _receive_master(self, listener: socket.socket) -> int:
+        loop = asyncio.get_running_loop()
+        try:
+            conn, _ = await asyncio.wait_for(loop.sock_accept(listener), CONSOLE_RECEIVE_TIMEOUT)
+        except TimeoutError:
+            raise OciRuntimeError(
+                "failed", f"exec in {self.container_id}: {self.runtime.name} sent no terminal"
+            ) from None
+        with conn:
+            conn.settimeout(CONSOLE_RECEIVE_TIMEOUT)
+            try:
+                master = await asyncio.to_thread(receive_pty_master, conn)
+            except OSError as exc:
+                raise OciRuntimeError(
+                    "failed", f"exec in {self.container_id}: no terminal from {self.runtime.name}: {exc}"
+                ) from None
+        os.set_blocking(master, False)
+        return master
+
+    def _start_pumps(self) -> None:
+        monitor = self._monitor
+        assert monitor is not None
+        loop = asyncio.get_running_loop()
+        if self.tty:
+            self._open_streams = {"stdout"}
+            loop.add_reader(self._master, self._read_master)
+            self._reading_master = True
+        else:
+            self._open_streams = {"stdout", "stderr"}
+            for name, reader in (("stdout", monitor.stdout), ("stderr", monitor.stderr)):
+                assert reader is not None
+                self._pumps.append(loop.create_task(self._pump(name, reader), name=f"exec {name}"))
+
+    async def _pump(self, name: str, reader: asyncio.StreamReader) -> None:
+        try:
+            while data := await reader.read(_READ_SIZE):
+                await self._queue.put((name, data))
+        finally:
+            with contextlib.suppress(asyncio.QueueFull):  # only when cancelled by close()
+                self._queue.put_nowait(name)
+
+    def _read_master(self) -> None:
+        if self._queue.full():  # the reader is slow: stop reading until output() catches up
+            self._stop_reading_master()
+            return
+        try:
+            data = os.read(self._master, _READ_SIZE)
+        except BlockingIOError:
+            return
+        except OSError:  # EIO: every slave descriptor closed, the terminal's EOF
+            data = b""
+        if data:
+            self._queue.put_nowait(("stdout", data))
+            return
+        self._stop_reading_master()
+        self._master_eof = True
+        self._queue.put_nowait("stdout")
+
+    def _resume_reading_master(self) -> None:
+        if self.tty and not self._reading_master and not self._master_eof and self._master >= 0:
+            asyncio.get_running_loop().add_reader(self._master, self._read_master)
+            self._reading_master = True
+
+    def _stop_reading_master(self) -> None:
+        if self._reading_master:
+            self._reading_master = False
+            asyncio.get_running_loop().remove_reader(self._master)
+
+    # -- the session -------------------------------------------------------------------------
+
+    async def output(self) -> AsyncIterator[tuple[str, bytes]]:
+        """("stdout" | "stderr", data) until the process and everything holding its output ended.
+        A terminal has only "stdout". Iterate it once."""
+        while self._open_streams:
+            item = await self._queue.get()
+            self._resume_reading_master()
+            if isinstance(item, str):
+                self._open_streams.discard(item)
+            else:
+                yield item
+
+    async def write_stdin(self, data: bytes) -> None:
+        """Send data to the process's stdin (the terminal's input with a tty). Data for a process
+        that no longer reads is dropped."""
+        if not data:
+            return
+        if self.tty:
+            await self._write_master(data)
+            return
+        writer = self._monitor.stdin if self._monitor is not None else None
+        if writer is None or writer.is_closing():
+            return
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            writer.write(data)
+            await writer.drain()
+
+    async def close_stdin(self) -> None:
+        """End of input: the pipe is closed; on a terminal an EOT (^D) is typed instead."""
+        if self.tty:
+            await self._write_master(_EOT)
+            return
+        writer = self._monitor.stdin if self._monitor is not None else None
+        if writer is not None and not writer.is_closing():
+            writer.close()
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                await writer.wait_closed()
+
+    async def _write_master(self, data: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        view = memoryview(data)
+        while view and self._master >= 0:
+            try:
+                written = os.write(self._master, view)
+            except BlockingIOError:
+                ready: asyncio.Future[None] = loop.create_future()
+                loop.add_writer(self._master, _resolve, ready)
+                try:
+                    await ready
+                finally:
+                    loop.remove_writer(self._master)
+                continue
+            except OSError as exc:
+                if exc.errno == errno.EIO:  # the terminal is gone
+                    return
+                raise
+            view = view[written:]
+
+    def resize(self, rows: int, cols: int) -> None:
+        """Set the terminal's size (its foreground process group gets SIGWINCH); no-op without one."""
+        if self.tty and self._master >= 0 and rows > 0 and cols > 0:
+            with contextlib.suppress(OSError):
+                set_window_size(self._master, rows, cols)
+
+    async def wait(self) -> int:
+        """The exit code, 128 + signal number when killed by a signal."""
+        if self._exit_code is not None:
+            return self._exit_code
+        monitor = self._monitor
+        assert monitor is not None
+        await monitor.wait()
+        record = read_exit_record(self.exit_path)
+        if record is None:
+            raise OciRuntimeError(
+                "failed", f"exec in {self.container_id}: the monitor ended without recording an exit status"
+            )
+        self._exit_code = record.cri_exit_code
+        return self._exit_code
+
+    async def kill(self, signal: int = signals.SIGKILL) -> None:
+        """Signal the exec'd process (SIGKILL by default); nothing when it already ended."""
+        if self._pidfd >= 0:
+            with contextlib.suppress(ProcessLookupError):
+                signals.pidfd_send_signal(self._pidfd, signal)
+
+    # -- cleanup -----------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Kill the process if it still runs, reap the monitor, close every fd, remove the files."""
+        if self._closed:
+            return
+        self._closed = True
+        monitor = self._monitor
+        try:
+            if monitor is not None:
+                if monitor.returncode is None and self.pid <= 0:  # it never reported the process
+                    with contextlib.suppress(ProcessLookupError):
+                        monitor.kill()  # its runtime child dies with it (PDEATHSIG)
+                if monitor.returncode is None:
+                    await self.kill()
+                    try:
+                        await asyncio.wait_for(asyncio.shield(monitor.wait()), CLOSE_TIMEOUT)
+                    except TimeoutError:
+                        with contextlib.suppress(ProcessLookupError):
+                            monitor.kill()  # its runtime child, if any, dies with it (PDEATHSIG)
+                        await asyncio.shield(monitor.wait())
+                if monitor.stdin is not None and not monitor.stdin.is_closing():
+                    monitor.stdin.close()
+        finally:
+            for task in self._pumps:
+                task.cancel()
+            if self._pumps:
+                await asyncio.gather(*self._pumps, return_exceptions=True)
+            if self._master >= 0:
+                self._stop_reading_master()
+                os.close(self._master)
+                self._master = -1
+            if self._pidfd >= 0:
+                os.close(self._pidfd)
+                self._pidfd = -1
+            await asyncio.to_thread(shutil.rmtree, self.work_dir, True)
+
+    async def __aenter__(self) -> ExecSession:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def _read_to_eof(pipe: BinaryIO) -> bytes:
+    """Everything written to a pipe until its last writer closes it (the monitor's sync line)."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
+    try:
+        return await reader.read()
+    finally:
+        transport.close()
+
+
+def _parse_report(line: bytes) -> dict[str, Any]:
+    if not line.strip():
+        return {"error": "the monitor exited without reporting"}
+    try:
+        report = json.loads(line.decode().strip().splitlines()[0])
+    except (ValueError, UnicodeDecodeError):
+        return {"error": f"the monitor reported garbage: {line[:200]!r}"}
+    return dict(report) if isinstance(report, dict) else {"error": f"the monitor reported {report!r}"}

@@ -1,0 +1,77 @@
+"""Container records, as persisted and as reported."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from auraed.system.supervisor import Supervised
+
+
+class State:
+    CREATING = "creating"  # kernel objects being made; a record left so is torn down at start
+    CREATED = "created"
+    RUNNING = "running"
+    EXITED = "exited"
+    UNKNOWN = "unknown"
+
+
+@dataclasses.dataclass
+class ContainerRecord:
+    id: str
+    name: str
+    image: str  # as the client named it
+    image_id: str
+    directory: str  # state_dir/containers/<id>: bundle, rootfs, upper, work, log
+    labels: dict[str, str]
+    tty: bool
+    stop_signal: int
+    process: dict[str, Any]  # the OCI process of the spec: defaults for Exec
+    state: str = State.CREATING
+    created_at: float = 0.0
+    started_at: float | None = None
+    finished_at: float | None = None
+    monitor_pid: int = 0
+    monitor_ticks: int | None = None
+    pid: int = 0
+    ticks: int | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    oom_killed: bool = False
+    reason: str = ""
+
+    @property
+    def path(self) -> Path:
+        return Path(self.directory)
+
+    @property
+    def bundle(self) -> Path:
+        return self.path / "bundle"
+
+    @property
+    def rootfs(self) -> Path:
+        return self.path / "rootfs"
+
+    @property
+    def log_path(self) -> Path:
+        return self.path / "container.log"
+
+    @property
+    def exit_path(self) -> Path:
+        return self.path / "exit.json"
+
+    @property
+    def supervised(self) -> Supervised:
+        return Supervised(self.monitor_pid, self.monitor_ticks, self.pid, self.ticks)
+
+    @property
+    def alive(self) -> bool:
+        return self.state in (State.CREATED, State.RUNNING)
+
+    def to_doc(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> ContainerRecord:
+        return cls(**doc)

@@ -1,0 +1,297 @@
+"""The OCI runtime command line (runc or crun), asynchronously and with bounded waits.
+
+Only the subcommands and flags both runc (1.1) and crun (1.x) accept are used, always with
+``--root`` before the subcommand: ``create --bundle B --pid-file P [--console-socket S] ID``,
+``start ID``, ``state ID``, ``kill [--all] ID SIGNUM``, ``delete [--force] ID``,
+``ps --format json ID`` and ``exec --detach --pid-file P --process F [--tty --console-socket S] ID``.
+Both keep a container's state in ``<root>/<id>/``, which is how an unknown id is recognised
+whatever the runtime's wording.
+
+``create`` and ``exec`` are not run here: they run under our monitor (auraed.system.monitor), a
+child subreaper that adopts the process the runtime forks and abandons. runc 1.1 refuses
+``--console-socket`` unless it detaches, so every exec is detached (as containerd's shim does)
+and supervised the same way (auraed.containers.exec).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal as signals
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from auraed.containers.exec import ExecSession
+
+DEFAULT_TIMEOUT = 10.0
+"""Seconds for one runtime command (state, start, kill, ps)."""
+
+DELETE_TIMEOUT = 30.0
+"""``delete --force`` kills and waits for every process of the container."""
+
+UNIX_PATH_MAX = 107
+"""Longest unix socket path (sun_path is 108 bytes with its NUL)."""
+
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_LOGRUS_MSG_RE = re.compile(r'msg="((?:[^"\\]|\\.)*)"')
+
+_NOT_FOUND_WORDS = ("does not exist", "not found", "no such container")
+_INVALID_WORDS = (
+    "not running",
+    "stopped",
+    "already running",
+    "not in created state",
+    "is running",
+    "not created",
+    "paused",
+    "cannot start",
+    "cannot exec",
+    "cannot delete",
+    "cannot kill",
+)
+
+
+class OciRuntimeError(Exception):
+    """A runtime command failed. ``kind``: "not_found" (no such container), "invalid" (not in a state
+    that allows it, or a bad argument) or "failed" (anything else); the message carries the
+    runtime's own words."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def runtime_message(stderr: bytes | str) -> str:
+    """The error a runtime printed: runc's logrus ``msg="..."`` values, else its last lines."""
+    text = stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr
+    messages = [_unescape(m) for m in _LOGRUS_MSG_RE.findall(text)]
+    if messages:
+        return "; ".join(messages[-3:])
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return "; ".join(lines[-3:])[-2000:]
+
+
+def _unescape(value: str) -> str:
+    try:
+        decoded: str = json.loads(f'"{value}"')
+    except ValueError:
+        return value
+    return decoded
+
+
+def check_container_id(container_id: str) -> str:
+    """Container ids go on the runtime's command line: letters, digits, ``_.-``, no leading dash."""
+    if not _ID_RE.match(container_id):
+        raise OciRuntimeError("invalid", f"bad container id {container_id!r}")
+    return container_id
+
+
+def check_socket_path(path: str | os.PathLike[str]) -> str:
+    text = os.fspath(path)
+    if len(os.fsencode(text)) > UNIX_PATH_MAX:
+        raise OciRuntimeError(
+            "invalid", f"console socket path is longer than {UNIX_PATH_MAX} bytes (unix socket limit): {text}"
+        )
+    return text
+
+
+@dataclass(frozen=True)
+class OciRuntime:
+    """One OCI runtime binary and its state directory.
+
+    ``scratch_dir``: where exec sessions keep their process file, pid file and console socket
+    (the system temp dir when None); keep it short, socket paths are limited to 107 bytes.
+    """
+
+    binary: str
+    root: Path
+    timeout: float = DEFAULT_TIMEOUT
+    scratch_dir: Path | None = None
+    env: tuple[str, ...] = field(default_factory=lambda: (f"PATH={os.environ.get('PATH', os.defpath)}",))
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.binary)
+
+    def base_argv(self) -> list[str]:
+        return [self.binary, "--root", str(self.root)]
+
+    # -- commands run by the monitor ---------------------------------------------------------
+
+    def create_argv(
+        self, container_id: str, bundle: Path, pid_file: Path, console_socket: Path | None
+    ) -> list[str]:
+        """``create`` for the monitor (MonitorSpec argv with pid_file, subreaper, console_socket)."""
+        argv = [*self.base_argv(), "create", "--bundle", str(bundle), "--pid-file", str(pid_file)]
+        if console_socket is not None:
+            argv += ["--console-socket", check_socket_path(console_socket)]
+        argv.append(check_container_id(container_id))
+        return argv
+
+    def exec_argv(
+        self, container_id: str, process_file: Path, pid_file: Path, console_socket: Path | None
+    ) -> list[str]:
+        """``exec --detach`` for the monitor; the process file's ``terminal`` must match."""
+        argv = [*self.base_argv(), "exec", "--detach", "--pid-file", str(pid_file)]
+        argv += ["--process", str(process_file)]
+        if console_socket is not None:
+            argv += ["--tty", "--console-socket", check_socket_path(console_socket)]
+        argv.append(check_container_id(container_id))
+        return argv
+
+    # -- commands run here -------------------------------------------------------------------
+
+    async def start(self, container_id: str) -> None:
+        await self._check("start", container_id)
+
+    async def state(self, container_id: str) -> dict[str, Any] | None:
+        """The runtime's state document (``status``: created/running/paused/stopped), or None when
+        the runtime does not know the container."""
+        try:
+            out = await self._check("state", container_id)
+        except OciRuntimeError as exc:
+            if exc.kind == "not_found":
+                return None
+            raise
+        try:
+            state = json.loads(out)
+        except ValueError:
+            raise OciRuntimeError(
+                "failed", f"{self.name} state {container_id}: not JSON: {out[:200]!r}"
+            ) from None
+        if not isinstance(state, dict):
+            raise OciRuntimeError("failed", f"{self.name} state {container_id}: not an object")
+        return state
+
+    async def kill(self, container_id: str, signal: int, all_processes: bool = False) -> None:
+        """Send ``signal`` (a number) to the container's init, or with ``all_processes`` to every
+        process of it. A container that is not running is "invalid" (runc: "container not
+        running")."""
+        if not 0 < int(signal) < signals.NSIG:
+            raise OciRuntimeError("invalid", f"bad signal number {signal}")
+        await self._check(
+            "kill", container_id, options=["--all"] if all_processes else [], extra=[str(int(signal))]
+        )
+
+    async def delete(self, container_id: str, force: bool = False) -> None:
+        """Remove the runtime's state (and with ``force`` kill what still runs); its cgroup goes too.
+        Idempotent: an unknown id is fine."""
+        try:
+            await self._check(
+                "delete",
+                container_id,
+                options=["--force"] if force else [],
+                timeout=max(self.timeout, DELETE_TIMEOUT),
+            )
+        except OciRuntimeError as exc:
+            if exc.kind != "not_found":
+                raise
+
+    async def ps(self, container_id: str) -> list[int]:
+        """Host pids of the container's processes."""
+        out = await self._check("ps", container_id, options=["--format", "json"])
+        try:
+            pids = json.loads(out or b"[]")
+        except ValueError:
+            raise OciRuntimeError(
+                "failed", f"{self.name} ps {container_id}: not JSON: {out[:200]!r}"
+            ) from None
+        return [int(pid) for pid in pids or []]
+
+    async def exec_process(
+        self,
+        container_id: str,
+        process: dict[str, Any],
+        tty: bool,
+        *,
+        stdin: bool = True,
+        size: tuple[int, int] | None = None,
+    ) -> ExecSession:
+        """Run ``process`` (an OCI process spec: args, env, cwd, user, ...) in a running container.
+
+        ``terminal`` is set from ``tty``; ``size`` (rows, cols) is the terminal's first size (the
+        process's ``consoleSize``, applied before it runs). Without ``stdin`` its stdin is
+        /dev/null. Raises OciRuntimeError when the runtime cannot start it ("invalid" for a
+        stopped container, "not_found" for an unknown one).
+        """
+        from auraed.containers.exec import ExecSession
+
+        return await ExecSession.start(self, container_id, process, tty, stdin=stdin, size=size)
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    async def _check(
+        self,
+        command: str,
+        container_id: str,
+        *,
+        options: list[str] | None = None,
+        extra: list[str] | None = None,
+        timeout: float | None = None,
+    ) -> bytes:
+        argv = [
+            *self.base_argv(),
+            command,
+            *(options or []),
+            check_container_id(container_id),
+            *(extra or []),
+        ]
+        code, out, err = await self.run(argv, timeout or self.timeout)
+        if code != 0:
+            raise self.error(f"{command} {container_id}", container_id, err, code)
+        return out
+
+    def error(
+        self, what: str, container_id: str, stderr: bytes | str, code: int | None = None
+    ) -> OciRuntimeError:
+        """An OciRuntimeError for a failed ``what`` from the runtime's stderr."""
+        message = runtime_message(stderr) or (f"exit status {code}" if code is not None else "failed")
+        lowered = message.lower()
+        if any(word in lowered for word in _NOT_FOUND_WORDS) or not (self.root / container_id).exists():
+            kind = "not_found"
+        elif any(word in lowered for word in _INVALID_WORDS):
+            kind = "invalid"
+        else:
+            kind = "failed"
+        return OciRuntimeError(kind, f"{self.name} {what}: {message}")
+
+    async def run(self, argv: list[str], timeout: float) -> tuple[int, bytes, bytes]:
+        """Run a runtime command in its own process group; on timeout or cancellation the whole group
+        is killed and reaped before returning/raising."""
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+                env=dict(item.split("=", 1) for item in self.env if "=" in item),
+            )
+        except OSError as exc:
+            raise OciRuntimeError("failed", f"cannot run {argv[0]}: {exc}") from None
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), timeout)
+        except TimeoutError:
+            await _kill_group(proc)
+            raise OciRuntimeError(
+                "failed", f"{' '.join(argv[3:5])}: {self.name} did not answer in {timeout:g}s"
+            ) from None
+        except BaseException:
+            await _kill_group(proc)
+            raise
+        assert proc.returncode is not None
+        return proc.returncode, out, err
+
+
+async def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    """SIGKILL the command and what it forked into its group (only while its pid, hence the
+    group id, cannot have been reused), then reap it."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signals.SIGKILL)
+    await asyncio.shield(proc.wait())

@@ -1,0 +1,419 @@
+"""aurae.containers.v0.ContainerService over gRPC: images and containers.
+
+Requests are validated here into typed values (``spec.ContainerRequest``, names, signals); the
+domain code in images/ and containers/ never sees a raw message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from auraed.api.aurae.containers import v0 as pb
+from auraed.containers import spec as oci
+from auraed.containers.containers import Containers, spec_error
+from auraed.containers.errors import ContainerError
+from auraed.containers.exec import ExecSession
+from auraed.containers.model import ContainerRecord, State
+from auraed.errors import ErrorKind
+from auraed.images.images import Images, PullProgress
+from auraed.images.model import ImageRecord
+from auraed.images.registry import Credentials
+from auraed.names import validate_label
+from auraed.server.rpc import Context
+
+SERVICE_NAME = "aurae.containers.v0.ContainerService"
+MAX_TIMEOUT_MS = 10 * 60 * 1000
+MAX_TAIL = 1_000_000
+STREAMS = {
+    "": frozenset({"stdout", "stderr"}),
+    "stdout": frozenset({"stdout"}),
+    "stderr": frozenset({"stderr"}),
+}
+STATES = {
+    State.CREATING: pb.ContainerState.CREATED,
+    State.CREATED: pb.ContainerState.CREATED,
+    State.RUNNING: pb.ContainerState.RUNNING,
+    State.EXITED: pb.ContainerState.EXITED,
+    State.UNKNOWN: pb.ContainerState.UNKNOWN,
+}
+
+
+def invalid(field: str, problem: str) -> ContainerError:
+    return ContainerError(ErrorKind.INVALID_ARGUMENT, f"{field}: {problem}")
+
+
+def _required(value: str, field: str) -> str:
+    if not value:
+        raise invalid(field, "is required")
+    if len(value) > 4096 or "\0" in value:
+        raise invalid(field, "is not a plausible value")
+    return value
+
+
+# -- messages -> typed values ----------------------------------------------------------------
+
+
+def container_request(config: pb.ContainerConfig) -> oci.ContainerRequest:
+    resources = config.resources or pb.Resources()
+    security = config.security or pb.Security()
+    hooks = config.hooks or pb.Hooks()
+
+    def hook_list(values: list[pb.Hook]) -> tuple[oci.Hook, ...]:
+        return tuple(oci.Hook(h.path, tuple(h.args), tuple(h.env), h.timeout_seconds) for h in values)
+
+    return oci.ContainerRequest(
+        name=validate_label(config.name, "config.name"),
+        command=tuple(config.command),
+        args=tuple(config.args),
+        env=tuple(config.env),
+        working_dir=config.working_dir,
+        hostname=config.hostname,
+        mounts=tuple(
+            oci.Mount(m.destination, m.source, m.type, tuple(m.options), m.read_only) for m in config.mounts
+        ),
+        resources=oci.Resources(
+            cpu_weight=resources.cpu_weight,
+            cpu_max=resources.cpu_max,
+            cpu_period=resources.cpu_period,
+            cpuset_cpus=resources.cpuset_cpus,
+            cpuset_mems=resources.cpuset_mems,
+            memory_max=resources.memory_max,
+            pids_max=resources.pids_max,
+        ),
+        security=oci.Security(
+            capabilities_add=tuple(security.capabilities_add),
+            capabilities_drop=tuple(security.capabilities_drop),
+            no_new_privileges=security.no_new_privileges,
+            read_only_rootfs=security.read_only_rootfs,
+            masked_paths=tuple(security.masked_paths),
+            readonly_paths=tuple(security.readonly_paths),
+            user=security.user,
+            additional_gids=tuple(security.additional_gids),
+            seccomp_profile=security.seccomp_profile,
+            oom_score_adj=security.oom_score_adj,
+        ),
+        rlimits=tuple(oci.Rlimit(r.type, r.soft, r.hard) for r in config.rlimits),
+        sysctls=dict(config.sysctls),
+        hooks=oci.Hooks(
+            hook_list(hooks.create_runtime),
+            hook_list(hooks.create_container),
+            hook_list(hooks.start_container),
+            hook_list(hooks.poststart),
+            hook_list(hooks.poststop),
+        ),
+        tty=config.tty,
+        stop_signal=config.stop_signal,
+        host_network=config.host_network,
+    )
+
+
+def _labels(values: dict[str, str], field: str) -> dict[str, str]:
+    if len(values) > 256:
+        raise invalid(field, "more than 256 labels")
+    for key, value in values.items():
+        if not key or len(key) > 253 or len(value) > 4096:
+            raise invalid(field, f"label {key[:60]!r} is empty or too long")
+    return dict(values)
+
+
+def _timeout_ms(value: int | None, field: str) -> float | None:
+    if value is None:
+        return None
+    if value > MAX_TIMEOUT_MS:
+        raise invalid(field, f"at most {MAX_TIMEOUT_MS} ms")
+    return value / 1000.0
+
+
+def _signal(value: str) -> int:
+    try:
+        return oci.parse_signal(value, "signal")
+    except oci.SpecError as exc:
+        raise spec_error(exc) from None
+
+
+# -- typed values -> messages ----------------------------------------------------------------
+
+
+def image_message(image: ImageRecord) -> pb.Image:
+    config = oci.image_runtime_config({"config": image.config})
+    return pb.Image(
+        id=image.id,
+        references=list(image.references),
+        repo_digests=list(image.repo_digests),
+        manifest_digest=image.manifest_digest,
+        size=image.size,
+        config=pb.ImageConfig(
+            entrypoint=list(config.entrypoint),
+            cmd=list(config.cmd),
+            env=list(config.env),
+            working_dir=config.working_dir,
+            user=config.user,
+            stop_signal=config.stop_signal,
+            volumes=list(config.volumes),
+            exposed_ports=list(config.exposed_ports),
+            labels=dict(config.labels),
+        ),
+        os=image.os,
+        architecture=image.architecture,
+        layers=[layer.digest for layer in image.layers],
+        created_at=image.created_at,
+    )
+
+
+def status_message(record: ContainerRecord) -> pb.ContainerStatus:
+    return pb.ContainerStatus(
+        id=record.id,
+        name=record.name,
+        image=record.image,
+        image_id=record.image_id,
+        state=STATES[record.state],
+        pid=record.pid if record.alive else 0,
+        exit_code=record.exit_code,
+        signal=record.signal,
+        oom_killed=record.oom_killed,
+        created_at=record.created_at,
+        started_at=record.started_at,
+        finished_at=record.finished_at,
+        labels=dict(record.labels),
+        log_path=str(record.log_path),
+        reason=record.reason,
+    )
+
+
+def _progress_message(event: PullProgress) -> pb.ContainerServicePullImageResponse:
+    return pb.ContainerServicePullImageResponse(
+        progress=pb.PullProgress(
+            phase=event.phase,
+            digest=event.digest,
+            layer_done=event.layer_done,
+            layer_total=event.layer_total,
+            done=event.done,
+            total=event.total,
+        )
+    )
+
+
+class ContainerServicer:
+    def __init__(self, images: Images, containers: Containers) -> None:
+        self._images = images
+        self._containers = containers
+
+    # -- images ----------------------------------------------------------------------------
+
+    async def pull_image(
+        self, request: pb.ContainerServicePullImageRequest, context: Context
+    ) -> AsyncIterator[pb.ContainerServicePullImageResponse]:
+        reference = _required(request.reference, "reference")
+        async for event in self._images.pull(reference, Credentials.from_auth(request.auth)):
+            if isinstance(event, PullProgress):
+                yield _progress_message(event)
+            else:
+                yield pb.ContainerServicePullImageResponse(image=image_message(event))
+
+    async def missing_blobs(
+        self, request: pb.ContainerServiceMissingBlobsRequest, context: Context
+    ) -> pb.ContainerServiceMissingBlobsResponse:
+        if len(request.digests) > 10_000:
+            raise invalid("digests", "more than 10000")
+        return pb.ContainerServiceMissingBlobsResponse(
+            digests=self._images.missing_blobs(list(request.digests))
+        )
+
+    async def import_image(
+        self, requests: AsyncIterator[pb.ContainerServiceImportImageRequest], context: Context
+    ) -> pb.ContainerServiceImportImageResponse:
+        first = await anext(aiter(requests), None)
+        if first is None or first.header is None:
+            raise invalid("header", "the first message must carry the header")
+        header = first.header
+
+        async def chunks() -> AsyncIterator[tuple[str, bytes, bool]]:
+            async for message in requests:
+                if message.chunk is None:
+                    raise invalid("chunk", "every message after the first must carry a chunk")
+                yield message.chunk.digest, message.chunk.data, message.chunk.last
+
+        image, received = await self._images.import_image(
+            _required(header.reference, "header.reference"),
+            header.manifest,
+            header.manifest_media_type,
+            chunks(),
+        )
+        return pb.ContainerServiceImportImageResponse(image=image_message(image), received=received)
+
+    async def import_image_layout(
+        self, request: pb.ContainerServiceImportImageLayoutRequest, context: Context
+    ) -> pb.ContainerServiceImportImageLayoutResponse:
+        from pathlib import Path
+
+        path = _required(request.path, "path")
+        if not path.startswith("/"):
+            raise invalid("path", "must be absolute")
+        image = await self._images.import_layout(Path(path), request.ref_name, request.reference)
+        return pb.ContainerServiceImportImageLayoutResponse(image=image_message(image))
+
+    async def list_images(
+        self, request: pb.ContainerServiceListImagesRequest, context: Context
+    ) -> pb.ContainerServiceListImagesResponse:
+        return pb.ContainerServiceListImagesResponse(images=[image_message(i) for i in self._images.all()])
+
+    async def image_status(
+        self, request: pb.ContainerServiceImageStatusRequest, context: Context
+    ) -> pb.ContainerServiceImageStatusResponse:
+        image = self._images.find(_required(request.image, "image"))
+        return pb.ContainerServiceImageStatusResponse(image=image_message(image))
+
+    async def remove_image(
+        self, request: pb.ContainerServiceRemoveImageRequest, context: Context
+    ) -> pb.ContainerServiceRemoveImageResponse:
+        freed = await asyncio.to_thread(self._images.remove, _required(request.image, "image"))
+        return pb.ContainerServiceRemoveImageResponse(freed_bytes=freed)
+
+    # -- containers ------------------------------------------------------------------------
+
+    def _find(self, container_id: str) -> ContainerRecord:
+        return self._containers.get(_required(container_id, "container_id"))
+
+    async def create(
+        self, request: pb.ContainerServiceCreateRequest, context: Context
+    ) -> pb.ContainerServiceCreateResponse:
+        config = request.config
+        if config is None:
+            raise invalid("config", "is required")
+        typed = container_request(config)
+        record = await self._containers.create(
+            typed, _required(config.image, "config.image"), _labels(config.labels, "config.labels")
+        )
+        return pb.ContainerServiceCreateResponse(status=status_message(record))
+
+    async def start(
+        self, request: pb.ContainerServiceStartRequest, context: Context
+    ) -> pb.ContainerServiceStartResponse:
+        record = await self._containers.start(self._find(request.container_id))
+        return pb.ContainerServiceStartResponse(status=status_message(record))
+
+    async def stop(
+        self, request: pb.ContainerServiceStopRequest, context: Context
+    ) -> pb.ContainerServiceStopResponse:
+        record = self._find(request.container_id)
+        record = await self._containers.stop(record, _timeout_ms(request.timeout_ms, "timeout_ms"))
+        return pb.ContainerServiceStopResponse(status=status_message(record))
+
+    async def kill(
+        self, request: pb.ContainerServiceKillRequest, context: Context
+    ) -> pb.ContainerServiceKillResponse:
+        record = self._find(request.container_id)
+        await self._containers.kill(record, _signal(_required(request.signal, "signal")))
+        return pb.ContainerServiceKillResponse()
+
+    async def delete(
+        self, request: pb.ContainerServiceDeleteRequest, context: Context
+    ) -> pb.ContainerServiceDeleteResponse:
+        await self._containers.delete(self._find(request.container_id), request.force, request.keep_logs)
+        return pb.ContainerServiceDeleteResponse()
+
+    async def wait(
+        self, request: pb.ContainerServiceWaitRequest, context: Context
+    ) -> pb.ContainerServiceWaitResponse:
+        record = await self._containers.wait(self._find(request.container_id))
+        return pb.ContainerServiceWaitResponse(status=status_message(record))
+
+    async def list(
+        self, request: pb.ContainerServiceListRequest, context: Context
+    ) -> pb.ContainerServiceListResponse:
+        records = self._containers.all(_labels(request.labels, "labels"))
+        return pb.ContainerServiceListResponse(containers=[status_message(r) for r in records])
+
+    async def status(
+        self, request: pb.ContainerServiceStatusRequest, context: Context
+    ) -> pb.ContainerServiceStatusResponse:
+        return pb.ContainerServiceStatusResponse(status=status_message(self._find(request.container_id)))
+
+    async def logs(
+        self, request: pb.ContainerServiceLogsRequest, context: Context
+    ) -> AsyncIterator[pb.ContainerServiceLogsResponse]:
+        record = self._find(request.container_id)
+        streams = STREAMS.get(request.stream)
+        if streams is None:
+            raise invalid("stream", "must be stdout, stderr or empty")
+        if request.tail is not None and request.tail > MAX_TAIL:
+            raise invalid("tail", f"at most {MAX_TAIL}")
+        async for line in self._containers.logs(record, streams, request.tail, request.follow, request.since):
+            yield pb.ContainerServiceLogsResponse(
+                line=line.content, stream=line.stream, timestamp=line.timestamp
+            )
+
+    async def stats(
+        self, request: pb.ContainerServiceStatsRequest, context: Context
+    ) -> pb.ContainerServiceStatsResponse:
+        import time
+
+        values = await asyncio.to_thread(self._containers.stats, self._find(request.container_id))
+        return pb.ContainerServiceStatsResponse(**values, timestamp=time.time())
+
+    async def exec(
+        self, requests: AsyncIterator[pb.ContainerServiceExecRequest], context: Context
+    ) -> AsyncIterator[pb.ContainerServiceExecResponse]:
+        first = await anext(aiter(requests), None)
+        if first is None or first.start is None:
+            raise invalid("start", "the first message must carry start")
+        start = first.start
+        record = self._find(start.container_id)
+        if record.state != State.RUNNING:
+            raise ContainerError.precondition(
+                f"container {record.name} is {record.state}: cannot exec into it"
+            )
+        process = self._exec_process(record, start)
+        size = (start.size.rows, start.size.columns) if start.size is not None and start.tty else None
+        session = await self._containers.exec(record, process, start.tty, stdin=start.stdin, size=size)
+        feeder = asyncio.ensure_future(_feed(session, requests))
+        try:
+            async for stream, data in session.output():
+                yield (
+                    pb.ContainerServiceExecResponse(stdout=data)
+                    if stream == "stdout"
+                    else pb.ContainerServiceExecResponse(stderr=data)
+                )
+            yield pb.ContainerServiceExecResponse(exit_code=await session.wait())
+        finally:
+            feeder.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await feeder
+            await session.close()
+
+    def _exec_process(self, record: ContainerRecord, start: pb.ExecStart) -> dict[str, Any]:
+        if not start.command:
+            raise invalid("start.command", "is required")
+        process = self._containers.process_defaults(record)
+        process["args"] = list(start.command)
+        if start.env:
+            process["env"] = [*process.get("env", []), *start.env]
+        if start.working_dir:
+            if not start.working_dir.startswith("/"):
+                raise invalid("start.working_dir", "must be absolute")
+            process["cwd"] = start.working_dir
+        if start.user:
+            try:
+                uid, gid, groups = oci.resolve_user(record.rootfs, start.user, where="start.user")
+            except oci.SpecError as exc:
+                raise spec_error(exc) from None
+            process["user"] = {"uid": uid, "gid": gid, "additionalGids": groups}
+        return process
+
+
+async def _feed(session: ExecSession, requests: AsyncIterator[pb.ContainerServiceExecRequest]) -> None:
+    """Client -> process: stdin data, terminal resizes and the end of stdin."""
+    async for message in requests:
+        if message.resize is not None:
+            session.resize(message.resize.rows, message.resize.columns)
+        if message.stdin:
+            await session.write_stdin(message.stdin)
+        if message.close_stdin:
+            await session.close_stdin()
+    if not session.tty:
+        # The client is done sending: the process sees EOF. (On a terminal that would be ^D,
+        # which ends an interactive shell: there only an explicit close_stdin sends it.)
+        await session.close_stdin()

@@ -1,0 +1,1286 @@
+"""Build an OCI runtime spec (a bundle's config.json, as a dict) from an image and a request.
+
+Everything a client sends is validated here and a bad value raises :class:`SpecError` naming the
+field ("security.capabilities_add[0]: CAP_FOO is not a capability") before a runtime ever sees it.
+
+Decisions worth knowing:
+
+* Command (Docker semantics): ``command`` replaces the image's Entrypoint *and* drops its Cmd;
+  ``args`` replaces Cmd. Nothing to run at all is an error.
+* Env: the image's, then the request's, overriding by key in place. PATH is added when missing,
+  TERM=xterm when a terminal is asked for.
+* User: the request's, else the image's User, resolved in the image's /etc/passwd and /etc/group
+  (never following a symlink out of the root filesystem); supplementary groups come from
+  /etc/group, plus ``additional_gids``.
+* Working directory: created (owned by the user) when the image lacks it, by :func:`build_spec`.
+* Capabilities: the usual 14 defaults; "ALL" and names with or without ``CAP_``, any case.
+  ``ALL`` means every capability auraed itself holds; adding one auraed lacks is "unsupported"
+  (runc would fail on it). Drops apply before adds, except that add ALL minus explicit drops wins.
+* oom_score_adj: the request's (0 by default), never below auraed's own, because without
+  CAP_SYS_RESOURCE a lower value makes the runtime fail.
+* rlimits: RLIMIT_NOFILE 1024/1024 by default (runc's default spec); a hard limit above auraed's
+  own is "unsupported" unless auraed holds CAP_SYS_RESOURCE.
+* Image Volumes: with a writable root filesystem they stay part of the container's writable layer
+  (the image's content there is kept, the data lives as long as the container). With a read-only
+  root filesystem each one gets an empty tmpfs so that it stays writable, as does /tmp. A request
+  mount at the same destination always wins.
+* Namespaces: pid, ipc, uts, mount, cgroup (runc 1.1 supports it on v1 too) and network (a new
+  one, the ``netns_path`` given, or the host's with ``host_network``).
+* Seccomp: see :func:`default_seccomp_profile`: allow by default, deny a list of dangerous
+  syscalls with EPERM (clone3 with ENOSYS so that libc falls back to clone, which is filtered).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import platform
+import posixpath
+import re
+import resource
+import signal
+import stat
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from auraed.system.cgroupfs import CgroupError, cpu_weight_to_shares, parse_cpu_list
+
+OCI_VERSION = "1.0.2"
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+DEFAULT_NOFILE = 1024
+DEFAULT_CPU_PERIOD_US = 100_000
+# Docker's floor: below it the runtime's own init process is OOM-killed before the container starts.
+MIN_MEMORY_BYTES = 6 * 1024 * 1024
+MAX_INT64 = (1 << 63) - 1
+MAX_UINT64 = (1 << 64) - 1
+MAX_ID = (1 << 32) - 2  # (uid_t)-1 means "no change" to the kernel
+# /etc/passwd and /etc/group larger than this are refused rather than read into memory.
+MAX_ID_FILE_BYTES = 4 * 1024 * 1024
+HOST_NAME_MAX = 64
+_MAX_SYMLINKS = 40
+
+SpecErrorKind = Literal["invalid", "not_found", "unsupported"]
+
+
+class SpecError(Exception):
+    """A request or image that cannot become a runtime spec; the message names the field."""
+
+    def __init__(self, kind: SpecErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind: SpecErrorKind = kind
+        self.message = message
+
+
+# ------------------------------------------------------------------------------------ constants
+
+# Index = capability number (linux/capability.h).
+ALL_CAPABILITIES: tuple[str, ...] = tuple(
+    f"CAP_{name}"
+    for name in (
+        "CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID",
+        "SETPCAP", "LINUX_IMMUTABLE", "NET_BIND_SERVICE", "NET_BROADCAST", "NET_ADMIN", "NET_RAW",
+        "IPC_LOCK", "IPC_OWNER", "SYS_MODULE", "SYS_RAWIO", "SYS_CHROOT", "SYS_PTRACE", "SYS_PACCT",
+        "SYS_ADMIN", "SYS_BOOT", "SYS_NICE", "SYS_RESOURCE", "SYS_TIME", "SYS_TTY_CONFIG", "MKNOD",
+        "LEASE", "AUDIT_WRITE", "AUDIT_CONTROL", "SETFCAP", "MAC_OVERRIDE", "MAC_ADMIN", "SYSLOG",
+        "WAKE_ALARM", "BLOCK_SUSPEND", "AUDIT_READ", "PERFMON", "BPF", "CHECKPOINT_RESTORE",
+    )
+)  # fmt: skip
+_CAP_INDEX = {name: index for index, name in enumerate(ALL_CAPABILITIES)}
+
+DEFAULT_CAPABILITIES: tuple[str, ...] = (
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
+    "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
+)  # fmt: skip
+
+DEFAULT_MASKED_PATHS: tuple[str, ...] = (
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/interrupts",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/sys/devices/virtual/powercap",
+    "/sys/firmware",
+)
+
+DEFAULT_READONLY_PATHS: tuple[str, ...] = (
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+)
+
+# (type, major, minor) allowed read/write/mknod; every other device is denied.
+_DEFAULT_DEVICES: tuple[tuple[str, int | None, int | None, str], ...] = (
+    ("c", None, None, "m"),  # mknod of any char device (CAP_MKNOD is a default capability) ...
+    ("b", None, None, "m"),  # ... and block device; opening them stays denied
+    ("c", 1, 3, "rwm"),  # /dev/null
+    ("c", 1, 5, "rwm"),  # /dev/zero
+    ("c", 1, 7, "rwm"),  # /dev/full
+    ("c", 1, 8, "rwm"),  # /dev/random
+    ("c", 1, 9, "rwm"),  # /dev/urandom
+    ("c", 5, 0, "rwm"),  # /dev/tty
+    ("c", 5, 1, "rwm"),  # /dev/console
+    ("c", 5, 2, "rwm"),  # /dev/ptmx
+    ("c", 136, None, "rwm"),  # /dev/pts/*
+)
+
+RLIMITS: dict[str, int] = {
+    "RLIMIT_CPU": 0, "RLIMIT_FSIZE": 1, "RLIMIT_DATA": 2, "RLIMIT_STACK": 3, "RLIMIT_CORE": 4,
+    "RLIMIT_RSS": 5, "RLIMIT_NPROC": 6, "RLIMIT_NOFILE": 7, "RLIMIT_MEMLOCK": 8, "RLIMIT_AS": 9,
+    "RLIMIT_LOCKS": 10, "RLIMIT_SIGPENDING": 11, "RLIMIT_MSGQUEUE": 12, "RLIMIT_NICE": 13,
+    "RLIMIT_RTPRIO": 14, "RLIMIT_RTTIME": 15,
+}  # fmt: skip
+
+# Sysctls that live in a namespace the container owns (runc's list); net.* needs its own netns.
+_IPC_SYSCTLS = frozenset(
+    {
+        "kernel.msgmax",
+        "kernel.msgmnb",
+        "kernel.msgmni",
+        "kernel.sem",
+        "kernel.shmall",
+        "kernel.shmmax",
+        "kernel.shmmni",
+        "kernel.shm_rmid_forced",
+    }
+)
+_SYSCTL_NAME = re.compile(r"[a-z][a-z0-9_]*(\.[A-Za-z0-9_@:+-]+)+")
+
+# Mount types a request may ask for; "bind" is the default.
+MOUNT_TYPES = frozenset(
+    {"bind", "tmpfs", "ramfs", "mqueue", "devpts", "sysfs", "proc", "cgroup", "cgroup2", "overlay"}
+)
+# Files under /proc a request may mount over (what runc itself allows, e.g. for lxcfs).
+_PROC_MOUNT_ALLOWED = frozenset(
+    {
+        "/proc/cpuinfo",
+        "/proc/diskstats",
+        "/proc/meminfo",
+        "/proc/stat",
+        "/proc/swaps",
+        "/proc/uptime",
+        "/proc/loadavg",
+        "/proc/slabinfo",
+        "/proc/net/dev",
+        "/proc/sys/kernel/ns_last_pid",
+    }
+)
+_PROPAGATION = frozenset({"private", "rprivate", "shared", "rshared", "slave", "rslave"})
+_HOSTNAME_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+_SIGRT = re.compile(r"RTMIN\+([0-9]{1,2})|RTMAX-([0-9]{1,2})")
+
+
+# ------------------------------------------------------------------------------- typed inputs
+
+
+@dataclass(frozen=True)
+class ImageRuntimeConfig:
+    """The parts of an OCI image config that shape how a container runs."""
+
+    entrypoint: tuple[str, ...] = ()
+    cmd: tuple[str, ...] = ()
+    env: tuple[str, ...] = ()
+    working_dir: str = ""
+    user: str = ""
+    stop_signal: str = ""
+    volumes: tuple[str, ...] = ()
+    exposed_ports: tuple[str, ...] = ()
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Mount:
+    destination: str
+    source: str = ""
+    # "bind" (also when empty) or a filesystem type such as "tmpfs".
+    type: str = ""
+    options: tuple[str, ...] = ()
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
+class Resources:
+    cpu_weight: int | None = None  # cgroup v2 cpu.weight, 1..10000
+    cpu_max: int | None = None  # quota in µs per period
+    cpu_period: int | None = None  # µs
+    cpuset_cpus: str | None = None
+    cpuset_mems: str | None = None
+    memory_max: int | None = None  # bytes
+    pids_max: int | None = None
+
+
+@dataclass(frozen=True)
+class Security:
+    capabilities_add: tuple[str, ...] = ()
+    capabilities_drop: tuple[str, ...] = ()
+    no_new_privileges: bool = False
+    read_only_rootfs: bool = False
+    # Replace the defaults when non-empty.
+    masked_paths: tuple[str, ...] = ()
+    readonly_paths: tuple[str, ...] = ()
+    # "name", "uid", "uid:gid" or "name:group"; the image's User when empty.
+    user: str = ""
+    additional_gids: tuple[int, ...] = ()
+    # "default" (also when empty), "unconfined", or the path of an OCI seccomp JSON on this machine.
+    seccomp_profile: str = ""
+    oom_score_adj: int | None = None
+
+
+@dataclass(frozen=True)
+class Rlimit:
+    type: str  # "RLIMIT_NOFILE", "nofile", ...
+    soft: int
+    hard: int
+
+
+@dataclass(frozen=True)
+class Hook:
+    path: str
+    # Arguments after the program: the spec's argv is [path, *args].
+    args: tuple[str, ...] = ()
+    env: tuple[str, ...] = ()
+    timeout_seconds: int | None = None
+
+
+@dataclass(frozen=True)
+class Hooks:
+    create_runtime: tuple[Hook, ...] = ()
+    create_container: tuple[Hook, ...] = ()
+    start_container: tuple[Hook, ...] = ()
+    poststart: tuple[Hook, ...] = ()
+    poststop: tuple[Hook, ...] = ()
+
+
+@dataclass(frozen=True)
+class ContainerRequest:
+    """The typed equivalent of the API's ContainerConfig (without image and labels)."""
+
+    name: str
+    command: tuple[str, ...] = ()
+    args: tuple[str, ...] = ()
+    env: tuple[str, ...] = ()
+    working_dir: str = ""
+    hostname: str = ""
+    mounts: tuple[Mount, ...] = ()
+    resources: Resources = field(default_factory=Resources)
+    security: Security = field(default_factory=Security)
+    rlimits: tuple[Rlimit, ...] = ()
+    sysctls: Mapping[str, str] = field(default_factory=dict)
+    hooks: Hooks = field(default_factory=Hooks)
+    tty: bool = False
+    stop_signal: str = ""
+    host_network: bool = False
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What auraed itself may hand on to a container; :meth:`probe` reads it from /proc."""
+
+    oom_score_adj: int = 0
+    # Capabilities auraed holds (permitted and in its bounding set).
+    capabilities: frozenset[str] = frozenset(ALL_CAPABILITIES)
+    # Hard limits by RLIMIT name; absent means unlimited.
+    rlimit_hard: Mapping[str, int] = field(default_factory=dict)
+    # Whether auraed may raise hard rlimits (CAP_SYS_RESOURCE).
+    can_raise_rlimits: bool = True
+    machine: str = "x86_64"
+
+    @classmethod
+    def probe(cls) -> HostFacts:
+        caps = _read_capabilities()
+        hard: dict[str, int] = {}
+        for name, number in RLIMITS.items():
+            try:
+                limit = resource.getrlimit(number)[1]
+            except (ValueError, OSError):
+                continue
+            if limit != resource.RLIM_INFINITY and limit >= 0:
+                hard[name] = limit
+        return cls(
+            oom_score_adj=read_oom_score_adj(),
+            capabilities=caps,
+            rlimit_hard=hard,
+            can_raise_rlimits="CAP_SYS_RESOURCE" in caps,
+            machine=platform.machine(),
+        )
+
+
+def read_oom_score_adj(path: Path = Path("/proc/self/oom_score_adj")) -> int:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def _read_capabilities(status: Path = Path("/proc/self/status")) -> frozenset[str]:
+    masks: dict[str, int] = {}
+    try:
+        for line in status.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("CapPrm", "CapBnd"):
+                masks[key] = int(value.strip(), 16)
+    except (OSError, ValueError):
+        return frozenset(ALL_CAPABILITIES)
+    mask = masks.get("CapPrm", 0) & masks.get("CapBnd", 0)
+    return frozenset(name for index, name in enumerate(ALL_CAPABILITIES) if mask >> index & 1)
+
+
+# ---------------------------------------------------------------------------------- validation
+
+
+def _text(value: str, where: str, *, allow_empty: bool = True) -> str:
+    if not isinstance(value, str):
+        raise SpecError("invalid", f"{where}: must be a string")
+    if "\0" in value:
+        raise SpecError("invalid", f"{where}: contains a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SpecError("invalid", f"{where}: is not valid UTF-8") from None
+    if not allow_empty and not value:
+        raise SpecError("invalid", f"{where}: must not be empty")
+    return value
+
+
+def _short(value: str) -> str:
+    return repr(value if len(value) <= 80 else value[:77] + "...")
+
+
+def _abs_path(value: str, where: str, *, allow_root: bool = True) -> str:
+    _text(value, where, allow_empty=False)
+    if not value.startswith("/"):
+        raise SpecError("invalid", f"{where}: {_short(value)} is not an absolute path")
+    if ".." in value.split("/"):
+        raise SpecError("invalid", f"{where}: {_short(value)} must not contain '..'")
+    clean = posixpath.normpath(value)
+    clean = "/" + clean.lstrip("/")
+    if clean == "/" and not allow_root:
+        raise SpecError("invalid", f"{where}: must not be /")
+    return clean
+
+
+def _env_entry(entry: str, where: str) -> tuple[str, str]:
+    _text(entry, where)
+    key, sep, value = entry.partition("=")
+    if not sep or not key:
+        raise SpecError("invalid", f"{where}: {_short(entry)} is not KEY=VALUE")
+    return key, value
+
+
+def _is_decimal(text: str) -> bool:
+    """ASCII digits only: str.isdigit() also accepts "²" and other Unicode digits."""
+    return text.isascii() and text.isdigit()
+
+
+def _int(value: object, where: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError("invalid", f"{where}: must be an integer")
+    if not low <= value <= high:
+        raise SpecError("invalid", f"{where}: {value} is outside {low}..{high}")
+    return value
+
+
+# -------------------------------------------------------------------------------- image config
+
+
+def _json_strings(value: object, where: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise SpecError("invalid", f"{where}: must be a list of strings")
+    return tuple(value)
+
+
+def _json_keys(value: object, where: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        keys = list(value)
+    elif isinstance(value, list):
+        keys = value
+    else:
+        raise SpecError("invalid", f"{where}: must be an object or a list")
+    if not all(isinstance(key, str) for key in keys):
+        raise SpecError("invalid", f"{where}: keys must be strings")
+    return tuple(keys)
+
+
+def _json_string(value: object, where: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise SpecError("invalid", f"{where}: must be a string")
+    return value
+
+
+def image_runtime_config(config_json: Mapping[str, Any]) -> ImageRuntimeConfig:
+    """Parse an OCI/Docker image config (the whole document, or just its "config" object)."""
+    if not isinstance(config_json, Mapping):
+        raise SpecError("invalid", "image config: must be a JSON object")
+    inner: object = config_json.get("config", config_json)
+    if inner is None:
+        inner = {}
+    if not isinstance(inner, Mapping):
+        raise SpecError("invalid", "image config.config: must be a JSON object")
+    labels_raw = inner.get("Labels")
+    if labels_raw is None:
+        labels: dict[str, str] = {}
+    elif isinstance(labels_raw, dict) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in labels_raw.items()
+    ):
+        labels = dict(labels_raw)
+    else:
+        raise SpecError("invalid", "image config.Labels: must map strings to strings")
+    env = _json_strings(inner.get("Env"), "image config.Env")
+    for index, entry in enumerate(env):
+        _env_entry(entry, f"image config.Env[{index}]")
+    return ImageRuntimeConfig(
+        entrypoint=_json_strings(inner.get("Entrypoint"), "image config.Entrypoint"),
+        cmd=_json_strings(inner.get("Cmd"), "image config.Cmd"),
+        env=env,
+        working_dir=_json_string(inner.get("WorkingDir"), "image config.WorkingDir"),
+        user=_json_string(inner.get("User"), "image config.User"),
+        stop_signal=_json_string(inner.get("StopSignal"), "image config.StopSignal"),
+        volumes=_json_keys(inner.get("Volumes"), "image config.Volumes"),
+        exposed_ports=_json_keys(inner.get("ExposedPorts"), "image config.ExposedPorts"),
+        labels=labels,
+    )
+
+
+# -------------------------------------------------------------------------------- stop signal
+
+
+def parse_signal(value: str, where: str) -> int:
+    """A signal number from "SIGINT", "INT", "int", "2" or "SIGRTMIN+3"."""
+    _text(value, where, allow_empty=False)
+    text = value.strip().upper()
+    if _is_decimal(text) and len(text) <= 3:
+        number = int(text)
+    else:
+        name = text.removeprefix("SIG")
+        rt = _SIGRT.fullmatch(name)
+        if rt is not None:
+            number = signal.SIGRTMIN + int(rt[1]) if rt[1] is not None else signal.SIGRTMAX - int(rt[2])
+        else:
+            try:
+                number = int(signal.Signals["SIG" + name])
+            except KeyError:
+                raise SpecError("invalid", f"{where}: {_short(value)} is not a signal") from None
+    if not 1 <= number <= signal.SIGRTMAX:
+        raise SpecError("invalid", f"{where}: {_short(value)} is not a signal")
+    return number
+
+
+def stop_signal(image: ImageRuntimeConfig, request: ContainerRequest) -> int:
+    """The request's stop signal, else the image's StopSignal, else SIGTERM."""
+    if request.stop_signal:
+        return parse_signal(request.stop_signal, "stop_signal")
+    if image.stop_signal:
+        return parse_signal(image.stop_signal, "image config.StopSignal")
+    return int(signal.SIGTERM)
+
+
+# ----------------------------------------------------------------- files inside the rootfs
+
+
+def _open_in_root(root_fd: int, path: str, mkdir_owner: tuple[int, int] | None = None) -> int:
+    """An O_PATH fd for ``path`` resolved as if ``root_fd`` were "/": symlinks (absolute or with
+    "..") never lead out of it. Missing components raise FileNotFoundError, or are created as
+    directories owned by ``mkdir_owner``. The caller closes the fd."""
+    parts = deque(part for part in path.split("/") if part not in ("", "."))
+    stack = [os.dup(root_fd)]
+    links = 0
+    try:
+        while parts:
+            name = parts.popleft()
+            if name == "..":
+                if len(stack) > 1:
+                    os.close(stack.pop())
+                continue
+            flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+            try:
+                fd = os.open(name, flags, dir_fd=stack[-1])
+            except FileNotFoundError:
+                if mkdir_owner is None:
+                    raise
+                os.mkdir(name, 0o755, dir_fd=stack[-1])
+                os.chown(name, *mkdir_owner, dir_fd=stack[-1], follow_symlinks=False)
+                fd = os.open(name, flags | os.O_DIRECTORY, dir_fd=stack[-1])
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISLNK(mode):
+                try:
+                    target = os.readlink("", dir_fd=fd)
+                finally:
+                    os.close(fd)
+                links += 1
+                if links > _MAX_SYMLINKS:
+                    raise OSError(errno.ELOOP, "too many levels of symbolic links", path)
+                if target.startswith("/"):
+                    while len(stack) > 1:
+                        os.close(stack.pop())
+                parts.extendleft(reversed([p for p in target.split("/") if p not in ("", ".")]))
+                continue
+            if parts and not stat.S_ISDIR(mode):
+                os.close(fd)
+                raise NotADirectoryError(errno.ENOTDIR, "not a directory", path)
+            stack.append(fd)
+        return os.dup(stack[-1])
+    finally:
+        for fd in stack:
+            os.close(fd)
+
+
+def _open_root(rootfs: Path, where: str) -> int:
+    try:
+        return os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise SpecError("not_found", f"{where}: the root filesystem {rootfs} does not exist") from None
+    except OSError as exc:
+        raise SpecError("invalid", f"{where}: cannot open the root filesystem {rootfs}: {exc}") from None
+
+
+def read_file_in_root(rootfs: Path, path: str, where: str, limit: int = MAX_ID_FILE_BYTES) -> str | None:
+    """The text of a regular file inside ``rootfs`` (symlinks resolved within it); None if missing."""
+    root_fd = _open_root(rootfs, where)
+    try:
+        try:
+            path_fd = _open_in_root(root_fd, path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            st = os.fstat(path_fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SpecError("invalid", f"{where}: {path} in the image is not a regular file")
+            if st.st_size > limit:
+                raise SpecError("invalid", f"{where}: {path} in the image is larger than {limit} bytes")
+            # Reopening through /proc/self/fd reads exactly the file resolved above.
+            fd = os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_CLOEXEC)
+        finally:
+            os.close(path_fd)
+        with os.fdopen(fd, "rb") as file:
+            data = file.read(limit + 1)
+        if len(data) > limit:
+            raise SpecError("invalid", f"{where}: {path} in the image is larger than {limit} bytes")
+        return data.decode("utf-8", errors="replace")
+    except OSError as exc:
+        raise SpecError("invalid", f"{where}: cannot read {path} in the image: {exc.strerror}") from None
+    finally:
+        os.close(root_fd)
+
+
+def ensure_working_dir(rootfs: Path, cwd: str, uid: int, gid: int, *, where: str = "working_dir") -> None:
+    """Create ``cwd`` inside ``rootfs`` when missing, each new directory owned by ``uid:gid``.
+
+    Symlinks are resolved within ``rootfs``, so the directory is never created outside it."""
+    cwd = _abs_path(cwd, where)
+    root_fd = _open_root(rootfs, where)
+    try:
+        fd = _open_in_root(root_fd, cwd, mkdir_owner=(uid, gid))
+        try:
+            if not stat.S_ISDIR(os.fstat(fd).st_mode):
+                raise SpecError(
+                    "invalid", f"{where}: {_short(cwd)} exists in the image and is not a directory"
+                )
+        finally:
+            os.close(fd)
+    except NotADirectoryError:
+        raise SpecError("invalid", f"{where}: a component of {_short(cwd)} is not a directory") from None
+    except OSError as exc:
+        raise SpecError("invalid", f"{where}: cannot create {_short(cwd)}: {exc.strerror}") from None
+    finally:
+        os.close(root_fd)
+
+
+# ----------------------------------------------------------------------------------- users
+
+
+@dataclass(frozen=True)
+class _Passwd:
+    name: str
+    uid: int
+    gid: int
+
+
+@dataclass(frozen=True)
+class _Group:
+    name: str
+    gid: int
+    members: tuple[str, ...]
+
+
+def _parse_id(text: str) -> int | None:
+    if not _is_decimal(text) or len(text) > 10:
+        return None
+    value = int(text)
+    return value if value <= MAX_ID else None
+
+
+def _parse_passwd(text: str) -> list[_Passwd]:
+    out: list[_Passwd] = []
+    for line in text.splitlines():
+        fields = line.split(":")
+        if len(fields) < 4 or line.startswith("#"):
+            continue
+        uid, gid = _parse_id(fields[2]), _parse_id(fields[3])
+        if fields[0] and uid is not None and gid is not None:
+            out.append(_Passwd(fields[0], uid, gid))
+    return out
+
+
+def _parse_group(text: str) -> list[_Group]:
+    out: list[_Group] = []
+    for line in text.splitlines():
+        fields = line.split(":")
+        if len(fields) < 3 or line.startswith("#"):
+            continue
+        gid = _parse_id(fields[2])
+        members = tuple(m for m in fields[3].split(",") if m) if len(fields) > 3 else ()
+        if fields[0] and gid is not None:
+            out.append(_Group(fields[0], gid, members))
+    return out
+
+
+def resolve_user(rootfs: Path, user: str, *, where: str = "user") -> tuple[int, int, list[int]]:
+    """(uid, gid, supplementary gids) for "name", "uid", "uid:gid", "name:group" ("" is root),
+    looked up in the image's /etc/passwd and /etc/group."""
+    _text(user, where)
+    user_part, sep, group_part = user.strip().partition(":")
+    if sep and not group_part:
+        raise SpecError("invalid", f"{where}: {_short(user)} has an empty group")
+    if not user_part:
+        if sep:
+            raise SpecError("invalid", f"{where}: {_short(user)} has an empty user")
+        user_part = "0"
+    passwd_text = read_file_in_root(rootfs, "/etc/passwd", where)
+    passwd = _parse_passwd(passwd_text or "")
+    entry: _Passwd | None
+    if _is_decimal(user_part):
+        uid = _parse_id(user_part)
+        if uid is None:
+            raise SpecError("invalid", f"{where}: uid {_short(user_part)} is out of range")
+        entry = next((p for p in passwd if p.uid == uid), None)
+    else:
+        entry = next((p for p in passwd if p.name == user_part), None)
+        if entry is None:
+            raise SpecError(
+                "not_found", f"{where}: user {_short(user_part)} not found in the image's /etc/passwd"
+            )
+        uid = entry.uid
+    gid = entry.gid if entry is not None else 0
+
+    groups: list[_Group] | None = None
+    if group_part or entry is not None:
+        groups = _parse_group(read_file_in_root(rootfs, "/etc/group", where) or "")
+    if group_part:
+        assert groups is not None
+        if _is_decimal(group_part):
+            parsed = _parse_id(group_part)
+            if parsed is None:
+                raise SpecError("invalid", f"{where}: gid {_short(group_part)} is out of range")
+            gid = parsed
+        else:
+            found = next((g for g in groups if g.name == group_part), None)
+            if found is None:
+                raise SpecError(
+                    "not_found", f"{where}: group {_short(group_part)} not found in the image's /etc/group"
+                )
+            gid = found.gid
+    supplementary: list[int] = []
+    if entry is not None and groups is not None:
+        supplementary = sorted({g.gid for g in groups if entry.name in g.members and g.gid != gid})
+    return uid, gid, supplementary
+
+
+# --------------------------------------------------------------------------------- capabilities
+
+
+def capability_name(raw: str, where: str) -> str:
+    """Normalise "net_admin" / "CAP_NET_ADMIN" / "ALL"; anything else is invalid."""
+    _text(raw, where)
+    name = raw.strip().upper()
+    if name in ("ALL", "CAP_ALL"):
+        return "ALL"
+    if not name.startswith("CAP_"):
+        name = "CAP_" + name
+    if name not in _CAP_INDEX:
+        raise SpecError("invalid", f"{where}: {_short(raw)} is not a capability")
+    return name
+
+
+def compute_capabilities(security: Security, available: frozenset[str]) -> list[str]:
+    adds = [
+        (capability_name(raw, f"security.capabilities_add[{i}]"), i)
+        for i, raw in enumerate(security.capabilities_add)
+    ]
+    drops = {
+        capability_name(raw, f"security.capabilities_drop[{i}]")
+        for i, raw in enumerate(security.capabilities_drop)
+    }
+    for name, index in adds:
+        if name != "ALL" and name not in available:
+            raise SpecError(
+                "unsupported",
+                f"security.capabilities_add[{index}]: {name} is not available to auraed on this machine",
+            )
+    add_names = {name for name, _ in adds}
+    if "ALL" in add_names:
+        caps = set(available) - drops
+    else:
+        caps = set() if "ALL" in drops else set(DEFAULT_CAPABILITIES) - drops
+        caps |= add_names
+    return sorted(caps & available, key=_CAP_INDEX.__getitem__)
+
+
+# ----------------------------------------------------------------------------------- seccomp
+
+_EPERM = errno.EPERM
+_ENOSYS = errno.ENOSYS
+_CLONE_NAMESPACE_FLAGS = (
+    0x00020000,  # CLONE_NEWNS
+    0x02000000,  # CLONE_NEWCGROUP
+    0x04000000,  # CLONE_NEWUTS
+    0x08000000,  # CLONE_NEWIPC
+    0x10000000,  # CLONE_NEWUSER
+    0x20000000,  # CLONE_NEWPID
+    0x40000000,  # CLONE_NEWNET
+)
+
+_MOUNT_AND_NAMESPACE_SYSCALLS = (
+    "mount", "umount", "umount2", "pivot_root", "fsopen", "fsconfig", "fsmount", "fspick", "move_mount",
+    "open_tree", "mount_setattr", "unshare", "setns", "swapon", "swapoff", "quotactl", "quotactl_fd",
+    "lookup_dcookie", "fanotify_init",
+)  # fmt: skip
+
+# (syscalls denied with EPERM, capabilities any one of which lifts the denial)
+_SECCOMP_DENY: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
+    # Kernel modules and kexec: loading code into the host kernel.
+    (("init_module", "finit_module", "delete_module", "create_module"), ("CAP_SYS_MODULE",)),
+    (("kexec_load", "kexec_file_load", "reboot"), ("CAP_SYS_BOOT",)),
+    # Mounts and namespaces: the usual first step of an escape; user namespaces expose a large
+    # kernel surface to otherwise unprivileged code.
+    (_MOUNT_AND_NAMESPACE_SYSCALLS, ("CAP_SYS_ADMIN",)),
+    (("bpf",), ("CAP_SYS_ADMIN", "CAP_BPF")),
+    (("perf_event_open",), ("CAP_SYS_ADMIN", "CAP_PERFMON")),
+    (("open_by_handle_at",), ("CAP_DAC_READ_SEARCH",)),
+    (("acct",), ("CAP_SYS_PACCT",)),
+    (
+        ("settimeofday", "stime", "clock_settime", "clock_settime64", "clock_adjtime", "clock_adjtime64"),
+        ("CAP_SYS_TIME",),
+    ),
+    (("iopl", "ioperm"), ("CAP_SYS_RAWIO",)),
+    (("syslog",), ("CAP_SYSLOG",)),
+    (("userfaultfd",), ("CAP_SYS_PTRACE",)),
+    # Not namespaced (keyrings) or a frequent source of kernel bugs (io_uring), or obsolete.
+    (("keyctl", "add_key", "request_key"), ()),
+    (("io_uring_setup", "io_uring_enter", "io_uring_register"), ()),
+    (("vm86", "vm86old", "nfsservctl", "uselib", "get_kernel_syms", "query_module"), ()),
+)
+
+
+def seccomp_architectures(machine: str) -> list[str]:
+    if machine in ("x86_64", "amd64"):
+        return ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"]
+    if machine in ("aarch64", "arm64"):
+        return ["SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"]
+    return []
+
+
+def default_seccomp_profile(
+    capabilities: Iterable[str] | None = None, machine: str | None = None
+) -> dict[str, Any]:
+    """auraed's default seccomp profile, for a container holding ``capabilities`` (the defaults
+    when None).
+
+    An allowlist (Docker's approach) must track every new syscall of every libc; this is a
+    denylist instead: everything is allowed except syscalls that reach host-global kernel state
+    or a large attack surface, which fail with EPERM. Most of them need a capability the
+    container does not hold anyway; the filter is the second wall, and is lifted for a syscall
+    when the container was granted the capability it exists for (as Docker does).
+    clone(2) with a namespace flag is denied like unshare(2). clone3(2) passes its flags in
+    memory a filter cannot read, so it fails with ENOSYS, which makes glibc (2.34+) and musl fall
+    back to clone(2); EPERM would make them fail outright. ptrace and personality stay allowed:
+    Linux 4.8+ no longer lets ptrace bypass seccomp, and personality flags are cleared on exec
+    of set-uid programs.
+    """
+    caps = set(DEFAULT_CAPABILITIES if capabilities is None else capabilities)
+    syscalls: list[dict[str, Any]] = []
+    for names, lifted_by in _SECCOMP_DENY:
+        if caps.intersection(lifted_by):
+            continue
+        syscalls.append({"names": list(names), "action": "SCMP_ACT_ERRNO", "errnoRet": _EPERM})
+    if "CAP_SYS_ADMIN" not in caps:
+        syscalls.extend(
+            {
+                "names": ["clone"],
+                "action": "SCMP_ACT_ERRNO",
+                "errnoRet": _EPERM,
+                "args": [{"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}],
+            }
+            for flag in _CLONE_NAMESPACE_FLAGS
+        )
+        syscalls.append({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": _ENOSYS})
+    return {
+        "defaultAction": "SCMP_ACT_ALLOW",
+        "architectures": seccomp_architectures(machine if machine is not None else platform.machine()),
+        "syscalls": syscalls,
+    }
+
+
+def _seccomp(profile: str, capabilities: list[str], machine: str) -> dict[str, Any] | None:
+    where = "security.seccomp_profile"
+    _text(profile, where)
+    if profile in ("", "default"):
+        return default_seccomp_profile(capabilities, machine)
+    if profile == "unconfined":
+        return None
+    path = Path(_abs_path(profile, where))
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise SpecError("not_found", f"{where}: {_short(profile)} does not exist") from None
+    except OSError as exc:
+        raise SpecError("invalid", f"{where}: cannot read {_short(profile)}: {exc.strerror}") from None
+    try:
+        loaded = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise SpecError("invalid", f"{where}: {_short(profile)} is not JSON: {exc}") from None
+    if not isinstance(loaded, dict) or not isinstance(loaded.get("defaultAction"), str):
+        raise SpecError(
+            "invalid", f"{where}: {_short(profile)} is not an OCI seccomp profile (no defaultAction)"
+        )
+    return loaded
+
+
+# ----------------------------------------------------------------------------------- process
+
+
+def process_args(image: ImageRuntimeConfig, request: ContainerRequest) -> list[str]:
+    """Entrypoint + Cmd with Docker's override rules."""
+    if request.command:
+        args = [*request.command, *request.args]
+    else:
+        args = [*image.entrypoint, *(request.args or image.cmd)]
+    for index, arg in enumerate(request.command):
+        _text(arg, f"command[{index}]")
+    for index, arg in enumerate(request.args):
+        _text(arg, f"args[{index}]")
+    if not args:
+        raise SpecError("invalid", "command: no command: neither the request nor the image names one")
+    if not args[0]:
+        raise SpecError("invalid", "command: the program to run is an empty string")
+    for arg in args:
+        _text(arg, "image config.Entrypoint/Cmd")
+    return args
+
+
+def process_env(image: ImageRuntimeConfig, request: ContainerRequest) -> list[str]:
+    merged: dict[str, str] = {}
+    for index, entry in enumerate(image.env):
+        key, value = _env_entry(entry, f"image config.Env[{index}]")
+        merged[key] = value
+    for index, entry in enumerate(request.env):
+        key, value = _env_entry(entry, f"env[{index}]")
+        merged[key] = value
+    merged.setdefault("PATH", DEFAULT_PATH)
+    if request.tty:
+        merged.setdefault("TERM", "xterm")
+    return [f"{key}={value}" for key, value in merged.items()]
+
+
+def _rlimits(request: ContainerRequest, host: HostFacts) -> list[dict[str, Any]]:
+    limits: dict[str, tuple[int, int, str]] = {}
+    default_hard = DEFAULT_NOFILE
+    if not host.can_raise_rlimits:
+        default_hard = min(default_hard, host.rlimit_hard.get("RLIMIT_NOFILE", default_hard))
+    limits["RLIMIT_NOFILE"] = (default_hard, default_hard, "")
+    for index, limit in enumerate(request.rlimits):
+        where = f"rlimits[{index}]"
+        raw = _text(limit.type, f"{where}.type", allow_empty=False)
+        name = raw.strip().upper()
+        if not name.startswith("RLIMIT_"):
+            name = "RLIMIT_" + name
+        if name not in RLIMITS:
+            raise SpecError("invalid", f"{where}.type: {_short(raw)} is not an rlimit")
+        soft = _int(limit.soft, f"{where}.soft", 0, MAX_UINT64)
+        hard = _int(limit.hard, f"{where}.hard", 0, MAX_UINT64)
+        if soft > hard:
+            raise SpecError("invalid", f"{where}: soft limit {soft} is above the hard limit {hard}")
+        own = host.rlimit_hard.get(name)
+        if own is not None and hard > own and not host.can_raise_rlimits:
+            raise SpecError(
+                "unsupported",
+                f"{where}: hard limit {hard} for {name} is above auraed's own ({own}) and auraed "
+                "lacks CAP_SYS_RESOURCE to raise it",
+            )
+        limits[name] = (soft, hard, where)
+    return [{"type": name, "hard": hard, "soft": soft} for name, (soft, hard, _) in limits.items()]
+
+
+def _hostname(request: ContainerRequest) -> str:
+    where = "hostname" if request.hostname else "name"
+    name = _text(request.hostname or request.name, where)
+    if not name:
+        raise SpecError("invalid", "hostname: empty, and so is name")
+    if len(name) > HOST_NAME_MAX or not all(_HOSTNAME_LABEL.fullmatch(p) for p in name.split(".")):
+        raise SpecError("invalid", f"{where}: {_short(name)} is not a valid hostname")
+    return name
+
+
+# ------------------------------------------------------------------------------------- mounts
+
+
+def _default_mounts() -> list[dict[str, Any]]:
+    return [
+        {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
+        {
+            "destination": "/dev",
+            "type": "tmpfs",
+            "source": "tmpfs",
+            "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+        },
+        {
+            "destination": "/dev/pts",
+            "type": "devpts",
+            "source": "devpts",
+            "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"],
+        },
+        {
+            "destination": "/dev/shm",
+            "type": "tmpfs",
+            "source": "shm",
+            "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
+        },
+        {
+            "destination": "/dev/mqueue",
+            "type": "mqueue",
+            "source": "mqueue",
+            "options": ["nosuid", "noexec", "nodev"],
+        },
+        {
+            "destination": "/sys",
+            "type": "sysfs",
+            "source": "sysfs",
+            "options": ["nosuid", "noexec", "nodev", "ro"],
+        },
+        {
+            "destination": "/sys/fs/cgroup",
+            "type": "cgroup",
+            "source": "cgroup",
+            "options": ["nosuid", "noexec", "nodev", "relatime", "ro"],
+        },
+    ]
+
+
+def _tmpfs(destination: str, mode: str) -> dict[str, Any]:
+    return {
+        "destination": destination,
+        "type": "tmpfs",
+        "source": "tmpfs",
+        "options": ["nosuid", "nodev", f"mode={mode}"],
+    }
+
+
+def _request_mount(mount: Mount, where: str) -> dict[str, Any]:
+    destination = _abs_path(mount.destination, f"{where}.destination", allow_root=False)
+    if destination == "/proc" or (
+        destination.startswith("/proc/") and destination not in _PROC_MOUNT_ALLOWED
+    ):
+        raise SpecError("invalid", f"{where}.destination: cannot mount over {destination}")
+    kind = _text(mount.type, f"{where}.type").strip().lower() or "bind"
+    if kind not in MOUNT_TYPES:
+        raise SpecError("unsupported", f"{where}.type: {_short(mount.type)} is not a supported mount type")
+    options: list[str] = []
+    for index, option in enumerate(mount.options):
+        _text(option, f"{where}.options[{index}]", allow_empty=False)
+        if "," in option:
+            raise SpecError("invalid", f"{where}.options[{index}]: {_short(option)} contains a comma")
+        options.append(option)
+    if kind == "bind":
+        source = _abs_path(mount.source, f"{where}.source")
+        if not os.path.lexists(source):
+            raise SpecError("not_found", f"{where}.source: {source} does not exist")
+        if "bind" not in options and "rbind" not in options:
+            options.insert(0, "rbind")
+        if not _PROPAGATION.intersection(options):
+            options.append("rprivate")
+    else:
+        source = _text(mount.source, f"{where}.source") or kind
+    if mount.read_only and "ro" not in options:
+        options.append("ro")
+    return {"destination": destination, "type": kind, "source": source, "options": options}
+
+
+def _mounts(image: ImageRuntimeConfig, request: ContainerRequest) -> list[dict[str, Any]]:
+    extra: list[dict[str, Any]] = []
+    taken: set[str] = set()
+    for index, mount in enumerate(request.mounts):
+        spec_mount = _request_mount(mount, f"mounts[{index}]")
+        if spec_mount["destination"] in taken:
+            raise SpecError(
+                "invalid", f"mounts[{index}].destination: {spec_mount['destination']} is mounted twice"
+            )
+        taken.add(spec_mount["destination"])
+        extra.append(spec_mount)
+    if request.security.read_only_rootfs:
+        for index, volume in enumerate(image.volumes):
+            destination = _abs_path(volume, f"image config.Volumes[{index}]", allow_root=False)
+            if destination not in taken:
+                taken.add(destination)
+                extra.append(_tmpfs(destination, "755"))
+        if "/tmp" not in taken:
+            taken.add("/tmp")
+            extra.append(_tmpfs("/tmp", "1777"))
+    # Parents before children, so a later mount never hides an earlier one.
+    extra.sort(key=lambda m: len(m["destination"].rstrip("/").split("/")))
+    defaults = [m for m in _default_mounts() if m["destination"] not in taken]
+    return defaults + extra
+
+
+# -------------------------------------------------------------------------------------- linux
+
+
+def _resources(resources: Resources) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    cpu: dict[str, Any] = {}
+    if resources.cpu_weight is not None:
+        weight = _int(resources.cpu_weight, "resources.cpu_weight", 1, 10_000)
+        try:
+            cpu["shares"] = cpu_weight_to_shares(weight)
+        except CgroupError as exc:  # pragma: no cover - the range is checked above
+            raise SpecError("invalid", f"resources.cpu_weight: {exc}") from None
+    if resources.cpu_period is not None:
+        cpu["period"] = _int(resources.cpu_period, "resources.cpu_period", 1_000, 1_000_000)
+    if resources.cpu_max is not None:
+        cpu["quota"] = _int(resources.cpu_max, "resources.cpu_max", 1_000, MAX_INT64)
+        cpu.setdefault("period", DEFAULT_CPU_PERIOD_US)
+    for key, value, where in (
+        ("cpus", resources.cpuset_cpus, "resources.cpuset_cpus"),
+        ("mems", resources.cpuset_mems, "resources.cpuset_mems"),
+    ):
+        if value is None:
+            continue
+        _text(value, where)
+        try:
+            parsed = parse_cpu_list(value)
+        except ValueError as exc:
+            raise SpecError("invalid", f"{where}: {exc}") from None
+        if not parsed:
+            raise SpecError("invalid", f"{where}: must not be empty")
+        cpu[key] = value.strip()
+    if cpu:
+        out["cpu"] = cpu
+    if resources.memory_max is not None:
+        out["memory"] = {
+            "limit": _int(resources.memory_max, "resources.memory_max", MIN_MEMORY_BYTES, MAX_INT64)
+        }
+    if resources.pids_max is not None:
+        out["pids"] = {"limit": _int(resources.pids_max, "resources.pids_max", 1, MAX_INT64)}
+    out["devices"] = [{"allow": False, "access": "rwm"}] + [
+        _device_rule(kind, major, minor, access) for kind, major, minor, access in _DEFAULT_DEVICES
+    ]
+    return out
+
+
+def _device_rule(kind: str, major: int | None, minor: int | None, access: str) -> dict[str, Any]:
+    rule: dict[str, Any] = {"allow": True, "type": kind}
+    if major is not None:
+        rule["major"] = major
+    if minor is not None:
+        rule["minor"] = minor
+    rule["access"] = access
+    return rule
+
+
+def _sysctls(request: ContainerRequest, own_netns: bool) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key in sorted(request.sysctls):
+        value = request.sysctls[key]
+        where = f"sysctls[{_short(key)}]"
+        _text(key, where)
+        _text(value, where)
+        name = key
+        if not _SYSCTL_NAME.fullmatch(name) or len(name) > 255:
+            raise SpecError("invalid", f"{where}: not a sysctl name")
+        if "\n" in value:
+            raise SpecError("invalid", f"{where}: the value contains a newline")
+        if name.startswith("net."):
+            if not own_netns:
+                raise SpecError(
+                    "invalid", f"{where}: a net.* sysctl needs the container's own network namespace"
+                )
+        elif name == "kernel.hostname":
+            raise SpecError("invalid", f"{where}: set the hostname field instead")
+        elif not (name in _IPC_SYSCTLS or name.startswith("fs.mqueue.") or name == "kernel.domainname"):
+            raise SpecError("unsupported", f"{where}: not a namespaced sysctl; it would change the host")
+        out[name] = value
+    return out
+
+
+def _hooks(hooks: Hooks) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for phase, spec_key, entries in (
+        ("create_runtime", "createRuntime", hooks.create_runtime),
+        ("create_container", "createContainer", hooks.create_container),
+        ("start_container", "startContainer", hooks.start_container),
+        ("poststart", "poststart", hooks.poststart),
+        ("poststop", "poststop", hooks.poststop),
+    ):
+        converted: list[dict[str, Any]] = []
+        for index, hook in enumerate(entries):
+            where = f"hooks.{phase}[{index}]"
+            path = hook.path
+            _text(path, f"{where}.path", allow_empty=False)
+            if not path.startswith("/"):
+                raise SpecError("invalid", f"{where}.path: {_short(path)} is not an absolute path")
+            entry: dict[str, Any] = {"path": path}
+            for i, arg in enumerate(hook.args):
+                _text(arg, f"{where}.args[{i}]")
+            entry["args"] = [path, *hook.args]
+            if hook.env:
+                entry["env"] = [
+                    f"{k}={v}"
+                    for k, v in (_env_entry(e, f"{where}.env[{i}]") for i, e in enumerate(hook.env))
+                ]
+            if hook.timeout_seconds is not None:
+                entry["timeout"] = _int(hook.timeout_seconds, f"{where}.timeout_seconds", 1, 2**31 - 1)
+            converted.append(entry)
+        if converted:
+            out[spec_key] = converted
+    return out
+
+
+def _paths(paths: Sequence[str], defaults: tuple[str, ...], where: str) -> list[str]:
+    if not paths:
+        return list(defaults)
+    return [_abs_path(p, f"{where}[{i}]", allow_root=False) for i, p in enumerate(paths)]
+
+
+# -------------------------------------------------------------------------------------- spec
+
+
+def build_spec(
+    image: ImageRuntimeConfig,
+    request: ContainerRequest,
+    rootfs: Path,
+    cgroups_path: str,
+    *,
+    auraed_oom_score_adj: int | None = None,
+    netns_path: str | None = None,
+    host: HostFacts | None = None,
+) -> dict[str, Any]:
+    """The config.json for ``request`` over ``image`` unpacked at ``rootfs``.
+
+    Reads the image's /etc/passwd and /etc/group and, once everything is validated, creates the
+    working directory inside ``rootfs`` when the image lacks it. ``host`` defaults to :meth:`HostFacts.probe`;
+    ``auraed_oom_score_adj`` overrides its oom_score_adj. ``netns_path`` joins that network
+    namespace instead of creating one.
+    """
+    if host is None:
+        host = HostFacts.probe()
+    own_oom = host.oom_score_adj if auraed_oom_score_adj is None else auraed_oom_score_adj
+    security = request.security
+
+    # Fail early on a bad stop signal, though the spec has no place for it.
+    stop_signal(image, request)
+    args = process_args(image, request)
+    env = process_env(image, request)
+
+    user_where = "security.user" if security.user else "image config.User"
+    uid, gid, groups = resolve_user(rootfs, security.user or image.user, where=user_where)
+    for index, extra_gid in enumerate(security.additional_gids):
+        _int(extra_gid, f"security.additional_gids[{index}]", 0, MAX_ID)
+    additional = sorted(set(groups).union(security.additional_gids) - {gid})
+
+    if request.working_dir:
+        cwd = _abs_path(request.working_dir, "working_dir")
+    elif image.working_dir:
+        raw = _text(image.working_dir, "image config.WorkingDir")
+        cwd = _abs_path("/" + raw.lstrip("/") if raw else "/", "image config.WorkingDir")
+    else:
+        cwd = "/"
+
+    capabilities = compute_capabilities(security, host.capabilities)
+    if security.oom_score_adj is not None:
+        requested_oom = _int(security.oom_score_adj, "security.oom_score_adj", -1000, 1000)
+    else:
+        requested_oom = 0
+    hostname = _hostname(request)
+
+    if request.host_network and netns_path is not None:
+        raise SpecError(
+            "invalid", "host_network: the container cannot both share the host's and join a network namespace"
+        )
+    namespaces: list[dict[str, str]] = [
+        {"type": "pid"},
+        {"type": "ipc"},
+        {"type": "uts"},
+        {"type": "mount"},
+        {"type": "cgroup"},
+    ]
+    if netns_path is not None:
+        namespaces.append({"type": "network", "path": _abs_path(netns_path, "netns_path")})
+    elif not request.host_network:
+        namespaces.append({"type": "network"})
+
+    _text(cgroups_path, "cgroups_path", allow_empty=False)
+    linux: dict[str, Any] = {
+        "namespaces": namespaces,
+        "cgroupsPath": cgroups_path,
+        "resources": _resources(request.resources),
+        "maskedPaths": _paths(security.masked_paths, DEFAULT_MASKED_PATHS, "security.masked_paths"),
+        "readonlyPaths": _paths(security.readonly_paths, DEFAULT_READONLY_PATHS, "security.readonly_paths"),
+    }
+    sysctls = _sysctls(request, own_netns=not request.host_network)
+    if sysctls:
+        linux["sysctl"] = sysctls
+    seccomp = _seccomp(security.seccomp_profile, capabilities, host.machine)
+    if seccomp is not None:
+        linux["seccomp"] = seccomp
+
+    user: dict[str, Any] = {"uid": uid, "gid": gid}
+    if additional:
+        user["additionalGids"] = additional
+    process: dict[str, Any] = {
+        "terminal": bool(request.tty),
+        "user": user,
+        "args": args,
+        "env": env,
+        "cwd": cwd,
+        "capabilities": {
+            "bounding": list(capabilities),
+            "effective": list(capabilities),
+            "permitted": list(capabilities),
+            "inheritable": [],
+            "ambient": [],
+        },
+        "rlimits": _rlimits(request, host),
+        "noNewPrivileges": bool(security.no_new_privileges),
+        "oomScoreAdj": max(requested_oom, own_oom),
+    }
+    spec: dict[str, Any] = {
+        "ociVersion": OCI_VERSION,
+        "process": process,
+        "root": {"path": os.fspath(rootfs.absolute()), "readonly": bool(security.read_only_rootfs)},
+        "hostname": hostname,
+        "mounts": _mounts(image, request),
+        "linux": linux,
+    }
+    hooks = _hooks(request.hooks)
+    if hooks:
+        spec["hooks"] = hooks
+    # Last, so that a request refused above leaves the root filesystem untouched.
+    ensure_working_dir(
+        rootfs, cwd, uid, gid, where="working_dir" if request.working_dir else "image config.WorkingDir"
+    )
+    return spec

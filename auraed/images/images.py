@@ -1,0 +1,488 @@
+"""Images: pull from registries, import from peers and OCI layouts, list, look up, remove + GC.
+
+Every layer is downloaded and unpacked in one pass (the unpacker reads the download as it
+arrives), layers run concurrently, and only verified blobs and complete snapshots are ever
+published, so a failed or interrupted pull leaves nothing half-made and a retry skips what is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
+
+from auraed.errors import ErrorKind
+from auraed.images.content import ContentStore, remove_tree
+from auraed.images.errors import ImageError
+from auraed.images.model import (
+    MAX_CONFIG_BYTES,
+    BlobRef,
+    ImageConfigFile,
+    ImageRecord,
+    LayerRecord,
+    Manifest,
+    check_platform,
+    parse_image_config,
+    parse_manifest,
+)
+from auraed.images.unpack import UnpackError, unpack_layer
+from auraed.state.store import Store
+
+if TYPE_CHECKING:
+    from auraed.images.registry import RegistryClient
+
+log = logging.getLogger(__name__)
+
+KIND = "image"
+LAYER_CONCURRENCY = 3
+CHUNK = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class PullProgress:
+    phase: str  # "resolving", "downloading", "unpacking", "done"
+    digest: str = ""
+    layer_done: int = 0
+    layer_total: int = 0
+    done: int = 0
+    total: int = 0
+
+
+class _Progress:
+    """Per-layer byte counts from worker threads, delivered to the pull's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, layers: tuple[BlobRef, ...]) -> None:
+        self._loop = loop
+        self._done = {layer.digest: 0 for layer in layers}
+        self._sizes = {layer.digest: layer.size for layer in layers}
+        self.total = sum(self._sizes.values())
+        self.queue: asyncio.Queue[PullProgress] = asyncio.Queue()
+        self._last_report = 0.0
+
+    def advance(self, digest: str, amount: int, phase: str = "downloading", force: bool = False) -> None:
+        self._done[digest] += amount
+        now = time.monotonic()
+        if not force and now - self._last_report < 0.1:
+            return  # at most ~10 messages a second
+        self._last_report = now
+        event = PullProgress(
+            phase, digest, self._done[digest], self._sizes[digest], sum(self._done.values()), self.total
+        )
+        self._loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+
+class _TeeReader:
+    """A read()-able stream over blob chunks that also writes each chunk to the blob's ingest file.
+
+    The unpacker reads from it, so the layer is unpacked while it downloads, in one thread.
+    """
+
+    def __init__(self, chunks: Iterator[bytes], sink: Callable[[bytes], None]) -> None:
+        self._chunks = chunks
+        self._sink = sink
+        self._buffer = b""
+
+    def read(self, size: int = -1) -> bytes:
+        while size < 0 or len(self._buffer) < size:
+            chunk = next(self._chunks, b"")
+            if not chunk:
+                break
+            self._sink(chunk)
+            self._buffer += chunk
+        if size < 0:
+            data, self._buffer = self._buffer, b""
+        else:
+            data, self._buffer = self._buffer[:size], self._buffer[size:]
+        return data
+
+    def drain(self) -> None:
+        while self.read(CHUNK):
+            pass
+
+
+class Images:
+    def __init__(
+        self,
+        store: Store,
+        content: ContentStore,
+        registry_factory: Callable[[], RegistryClient],
+        allow_device_nodes: bool = False,
+    ) -> None:
+        self._store = store
+        self.content = content
+        # Made on first use: a guest is fed by its host and never pays for the HTTP stack.
+        self._registry_factory = registry_factory
+        self._registry_client: RegistryClient | None = None
+        self._allow_device_nodes = allow_device_nodes
+        self._layer_locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+        self.in_use: Callable[[str], bool] = lambda image_id: False  # set by the container service
+
+    @property
+    def _registry(self) -> RegistryClient:
+        if self._registry_client is None:
+            self._registry_client = self._registry_factory()
+        return self._registry_client
+
+    def close(self) -> None:
+        if self._registry_client is not None:
+            self._registry_client.close()
+
+    # -- records ---------------------------------------------------------------------------
+
+    def all(self) -> list[ImageRecord]:
+        return [ImageRecord.from_doc(doc) for _, doc in self._store.list(KIND)]
+
+    def find(self, name: str) -> ImageRecord:
+        """By image id, id prefix (12+ hex), reference (normalized as a registry would) or repo digest."""
+        wanted = {name}
+        with contextlib.suppress(ImageError):
+            wanted.add(normalize_reference(name))
+        for image in self.all():
+            hex_id = image.id.partition(":")[2]
+            if (
+                image.id in wanted
+                or (len(name) >= 12 and hex_id.startswith(name.removeprefix("sha256:")))
+                or wanted & set(image.references)
+                or wanted & set(image.repo_digests)
+            ):
+                return image
+        raise ImageError.not_found(f"image {name[:200]}")
+
+    def _save(self, image: ImageRecord) -> None:
+        self._store.put(KIND, image.id, image.to_doc())
+
+    def _register(
+        self,
+        manifest_digest: str,
+        manifest: Manifest,
+        config: ImageConfigFile,
+        reference: str,
+        repository: str,
+    ) -> ImageRecord:
+        layers = tuple(
+            LayerRecord(blob.digest, diff_id, blob.size, blob.media_type)
+            for blob, diff_id in zip(manifest.layers, config.diff_ids, strict=True)
+        )
+        image_id = manifest.config.digest
+        # A reference names one image: move it off any other image that had it.
+        for other in self.all():
+            if other.id != image_id and reference in other.references:
+                self._save(
+                    dataclasses.replace(
+                        other, references=tuple(r for r in other.references if r != reference)
+                    )
+                )
+        previous = self._store.get(KIND, image_id)
+        old = ImageRecord.from_doc(previous) if previous else None
+        repo_digest = f"{repository}@{manifest_digest}"
+        image = ImageRecord(
+            id=image_id,
+            references=tuple(dict.fromkeys([*(old.references if old else ()), reference])),
+            repo_digests=tuple(dict.fromkeys([*(old.repo_digests if old else ()), repo_digest])),
+            manifest_digest=manifest_digest,
+            manifest_media_type=manifest.media_type,
+            layers=layers,
+            config=config.config,
+            os=config.os,
+            architecture=config.architecture,
+            created_at=old.created_at if old else time.time(),
+        )
+        self._save(image)
+        log.info(
+            "image %s stored as %s (%d layers, %d bytes)", reference, image_id[:19], len(layers), image.size
+        )
+        return image
+
+    # -- layers ----------------------------------------------------------------------------
+
+    def _layer_lock(self, diff_id: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._layer_locks.setdefault(diff_id, threading.Lock())
+
+    def _ensure_layer(
+        self,
+        blob: BlobRef,
+        diff_id: str,
+        chunks: Callable[[], Iterator[bytes]] | None,
+        progress: _Progress | None,
+    ) -> None:
+        """Make sure the blob is stored and its snapshot exists; runs in a worker thread."""
+        with self._layer_lock(diff_id):
+            have_blob, have_snapshot = self.content.has_blob(blob.digest), self.content.has_snapshot(diff_id)
+            if have_blob and have_snapshot:
+                if progress:
+                    progress.advance(blob.digest, blob.size, "done", force=True)
+                return
+            if have_blob or chunks is None:
+                self._unpack_local(blob, diff_id, progress)
+            else:
+                self._download_and_unpack(blob, diff_id, chunks(), progress)
+
+    def _unpack_into_snapshot(self, stream: BinaryIO, blob: BlobRef, diff_id: str) -> Path:
+        work = self.content.new_snapshot_dir()
+        try:
+            stats = unpack_layer(
+                stream, work, media_type=blob.media_type, allow_device_nodes=self._allow_device_nodes
+            )
+        except UnpackError as exc:
+            remove_tree(work)
+            kind = ErrorKind.FAILED_PRECONDITION if exc.kind != "os" else ErrorKind.INTERNAL
+            raise ImageError(kind, f"layer {blob.digest}: {exc}") from exc
+        except BaseException:
+            remove_tree(work)
+            raise
+        if stats.diff_id != diff_id:
+            remove_tree(work)
+            raise ImageError(
+                ErrorKind.FAILED_PRECONDITION,
+                f"layer {blob.digest} unpacks to {stats.diff_id}, but the image config says {diff_id}",
+            )
+        return work
+
+    def _unpack_local(self, blob: BlobRef, diff_id: str, progress: _Progress | None) -> None:
+        if not self.content.has_blob(blob.digest):
+            raise ImageError(ErrorKind.FAILED_PRECONDITION, f"layer {blob.digest} is not in the store")
+        with self.content.blob_path(blob.digest).open("rb") as stream:
+            work = self._unpack_into_snapshot(stream, blob, diff_id)
+        self.content.commit_snapshot(work, diff_id)
+        if progress:
+            progress.advance(blob.digest, blob.size, "unpacking", force=True)
+
+    def _download_and_unpack(
+        self, blob: BlobRef, diff_id: str, chunks: Iterator[bytes], progress: _Progress | None
+    ) -> None:
+        writer = self.content.writer(blob.digest, blob.size)
+
+        def sink(chunk: bytes) -> None:
+            writer.write(chunk)
+            if progress:
+                progress.advance(blob.digest, len(chunk))
+
+        try:
+            reader = _TeeReader(chunks, sink)
+            # The unpacker only calls read(): the tee is a stream in every way it uses.
+            work = self._unpack_into_snapshot(cast(BinaryIO, reader), blob, diff_id)
+            reader.drain()  # the rest of the blob (tar padding) must be stored and hashed too
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+        self.content.commit_snapshot(work, diff_id)
+        if progress:
+            progress.advance(blob.digest, 0, "unpacking", force=True)
+
+    async def _ensure_layers(
+        self,
+        manifest: Manifest,
+        config: ImageConfigFile,
+        fetch: Callable[[BlobRef], Callable[[], Iterator[bytes]]] | None,
+        progress: _Progress | None,
+    ) -> None:
+        if len(manifest.layers) != len(config.diff_ids):
+            raise ImageError(
+                ErrorKind.FAILED_PRECONDITION,
+                f"the manifest has {len(manifest.layers)} layers but the config {len(config.diff_ids)}",
+            )
+        limit = asyncio.Semaphore(LAYER_CONCURRENCY)
+
+        async def one(blob: BlobRef, diff_id: str) -> None:
+            async with limit:
+                await asyncio.to_thread(
+                    self._ensure_layer, blob, diff_id, fetch(blob) if fetch else None, progress
+                )
+
+        await asyncio.gather(*(one(b, d) for b, d in zip(manifest.layers, config.diff_ids, strict=True)))
+
+    # -- pull ------------------------------------------------------------------------------
+
+    async def pull(
+        self, reference: str, credentials: Any = None
+    ) -> AsyncIterator[PullProgress | ImageRecord]:
+        from auraed.images.reference import ReferenceError, parse_reference
+        from auraed.images.registry import RegistryError
+
+        try:
+            ref = parse_reference(reference)
+        except ReferenceError as exc:
+            raise ImageError(ErrorKind.INVALID_ARGUMENT, f"reference: {exc}") from None
+        yield PullProgress("resolving")
+        try:
+            resolved = await asyncio.to_thread(self._registry.resolve, ref, credentials)
+            manifest = parse_manifest(resolved.raw, resolved.media_type)
+            if self.content.has_blob(manifest.config.digest):
+                config_raw = self.content.read_blob(manifest.config.digest, MAX_CONFIG_BYTES)
+            else:
+                descriptor = resolved.config
+                config_raw = await asyncio.to_thread(
+                    self._registry.fetch_blob_bytes, ref, descriptor, credentials
+                )
+            config = parse_image_config(config_raw)
+            check_platform(config, f"image {ref.name}")
+            await asyncio.to_thread(self.content.write_blob, manifest.config.digest, config_raw)
+            progress = _Progress(asyncio.get_running_loop(), manifest.layers)
+            layer_descriptors = {d.digest: d for d in resolved.layers}
+
+            def fetch(blob: BlobRef) -> Callable[[], Iterator[bytes]]:
+                return lambda: self._registry.fetch_blob(ref, layer_descriptors[blob.digest], credentials)
+
+            task = asyncio.ensure_future(self._ensure_layers(manifest, config, fetch, progress))
+            async for event in _events_until(task, progress.queue):
+                yield event
+            await asyncio.to_thread(self.content.write_blob, resolved.digest, resolved.raw)
+        except RegistryError as exc:
+            raise registry_error(exc) from None
+        image = self._register(resolved.digest, manifest, config, ref.name, ref.repository_name)
+        yield PullProgress("done", done=progress.total, total=progress.total)
+        yield image
+
+    # -- import from a peer ----------------------------------------------------------------
+
+    def missing_blobs(self, digests: list[str]) -> list[str]:
+        return self.content.missing(digests)
+
+    async def import_image(
+        self,
+        reference: str,
+        manifest_raw: bytes,
+        media_type: str,
+        blobs: AsyncIterator[tuple[str, bytes, bool]],
+    ) -> tuple[ImageRecord, list[str]]:
+        """Store a peer's image: every blob the manifest names must arrive or already be stored."""
+        ref_name, repository = _reference_names(reference)
+        manifest = parse_manifest(manifest_raw, media_type)
+        expected = {b.digest: b for b in (manifest.config, *manifest.layers)}
+        received: list[str] = []
+        writer = None
+        try:
+            async for digest, data, last in blobs:
+                if digest not in expected:
+                    raise ImageError(
+                        ErrorKind.INVALID_ARGUMENT, f"blob {digest[:80]} is not part of the manifest"
+                    )
+                if writer is None or writer.digest != digest:
+                    if writer is not None:
+                        raise ImageError(
+                            ErrorKind.INVALID_ARGUMENT, f"blob {writer.digest} ended without last=true"
+                        )
+                    writer = self.content.writer(digest, expected[digest].size)
+                await asyncio.to_thread(writer.write, data)
+                if last:
+                    await asyncio.to_thread(writer.commit)
+                    received.append(digest)
+                    writer = None
+        finally:
+            if writer is not None:
+                writer.abort()
+        missing = self.content.missing(expected)
+        if missing:
+            raise ImageError(
+                ErrorKind.FAILED_PRECONDITION, f"blobs missing after import: {', '.join(missing)}"
+            )
+        image = await self._finish_local_import(ref_name, repository, manifest_raw, manifest)
+        return image, received
+
+    async def _finish_local_import(
+        self, ref_name: str, repository: str, manifest_raw: bytes, manifest: Manifest
+    ) -> ImageRecord:
+        config = parse_image_config(self.content.read_blob(manifest.config.digest, MAX_CONFIG_BYTES))
+        check_platform(config, f"image {ref_name}")
+        await self._ensure_layers(manifest, config, None, None)
+        manifest_digest = _sha256(manifest_raw)
+        await asyncio.to_thread(self.content.write_blob, manifest_digest, manifest_raw)
+        return self._register(manifest_digest, manifest, config, ref_name, repository)
+
+    # -- import from an OCI layout ---------------------------------------------------------
+
+    async def import_layout(self, path: Path, ref_name: str, reference: str) -> ImageRecord:
+        from auraed.images.layout import open_layout
+
+        with open_layout(path) as layout:
+            manifest_raw, media_type, annotated_name = layout.select(ref_name)
+            manifest = parse_manifest(manifest_raw, media_type)
+            for blob in (manifest.config, *manifest.layers):
+                if not self.content.has_blob(blob.digest):
+                    await asyncio.to_thread(layout.copy_blob, blob, self.content)
+        name = reference or annotated_name
+        if not name:
+            raise ImageError(
+                ErrorKind.INVALID_ARGUMENT, "reference: the layout names no image; give a reference"
+            )
+        ref_name, repository = _reference_names(name)
+        return await self._finish_local_import(ref_name, repository, manifest_raw, manifest)
+
+    # -- remove ----------------------------------------------------------------------------
+
+    def remove(self, name: str) -> int:
+        image = self.find(name)
+        if self.in_use(image.id):
+            raise ImageError.precondition(f"image {name} is used by a container; delete the container first")
+        self._store.delete(KIND, image.id)
+        return self.collect()
+
+    def collect(self) -> int:
+        images = self.all()
+        keep_blobs = set().union(*(i.blobs for i in images)) if images else set()
+        keep_snapshots = {layer.diff_id for i in images for layer in i.layers}
+        freed = self.content.collect(keep_blobs, keep_snapshots)
+        log.info("garbage collection freed %d bytes", freed)
+        return freed
+
+    def snapshot_dirs(self, image: ImageRecord) -> list[Path]:
+        """Lower layers for overlayfs, topmost first."""
+        return [self.content.snapshot_path(layer.diff_id) for layer in reversed(image.layers)]
+
+
+async def _events_until(
+    task: asyncio.Future[None], queue: asyncio.Queue[PullProgress]
+) -> AsyncIterator[PullProgress]:
+    while not task.done() or not queue.empty():
+        getter = asyncio.ensure_future(queue.get())
+        waiting: set[asyncio.Future[Any]] = {getter, task}
+        done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if getter in done:
+            yield getter.result()
+        else:
+            getter.cancel()
+    task.result()
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def normalize_reference(name: str) -> str:
+    from auraed.images.reference import ReferenceError, parse_reference
+
+    try:
+        return parse_reference(name).name
+    except ReferenceError as exc:
+        raise ImageError(ErrorKind.INVALID_ARGUMENT, f"reference: {exc}") from None
+
+
+def _reference_names(name: str) -> tuple[str, str]:
+    from auraed.images.reference import ReferenceError, parse_reference
+
+    try:
+        ref = parse_reference(name)
+    except ReferenceError as exc:
+        raise ImageError(ErrorKind.INVALID_ARGUMENT, f"reference: {exc}") from None
+    return ref.name, ref.repository_name
+
+
+def registry_error(exc: Any) -> ImageError:
+    kinds = {
+        "not_found": ErrorKind.NOT_FOUND,
+        "unauthorized": ErrorKind.PERMISSION_DENIED,
+        "unavailable": ErrorKind.UNAVAILABLE,
+        "invalid": ErrorKind.FAILED_PRECONDITION,
+    }
+    return ImageError(kinds.get(getattr(exc, "kind", ""), ErrorKind.UNAVAILABLE), str(exc))

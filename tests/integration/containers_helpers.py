@@ -1,0 +1,107 @@
+"""Helpers shared by the container tests: calls to ContainerService and the test images."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from auraed.api.aurae.containers import v0 as pb
+from auraed.client import AuraeClient
+from tests.conftest import wait_until
+
+CONTAINERS = "aurae.containers.v0.ContainerService"
+
+
+async def import_layout(
+    client: AuraeClient, layout: Path, reference: str, ref_name: str = "latest"
+) -> pb.Image:
+    request = pb.ContainerServiceImportImageLayoutRequest(
+        path=str(layout), ref_name=ref_name, reference=reference
+    )
+    reply = await client.call(CONTAINERS, "ImportImageLayout", request)
+    return reply.image
+
+
+async def create(client: AuraeClient, name: str, image: str, **config: Any) -> pb.ContainerStatus:
+    request = pb.ContainerServiceCreateRequest(config=pb.ContainerConfig(name=name, image=image, **config))
+    return (await client.call(CONTAINERS, "Create", request)).status
+
+
+async def start(client: AuraeClient, container: str) -> pb.ContainerStatus:
+    return (
+        await client.call(CONTAINERS, "Start", pb.ContainerServiceStartRequest(container_id=container))
+    ).status
+
+
+async def run(client: AuraeClient, name: str, image: str, **config: Any) -> pb.ContainerStatus:
+    """Create, start and wait for the end of a container."""
+    await create(client, name, image, **config)
+    await start(client, name)
+    return (
+        await client.call(CONTAINERS, "Wait", pb.ContainerServiceWaitRequest(container_id=name), timeout=60)
+    ).status
+
+
+async def status(client: AuraeClient, container: str) -> pb.ContainerStatus:
+    return (
+        await client.call(CONTAINERS, "Status", pb.ContainerServiceStatusRequest(container_id=container))
+    ).status
+
+
+async def logs(client: AuraeClient, container: str, follow: bool = False, **fields: Any) -> list[str]:
+    request = pb.ContainerServiceLogsRequest(container_id=container, follow=follow, **fields)
+    return [item.line async for item in client.stream(CONTAINERS, "Logs", request, timeout=60)]
+
+
+async def wait_running(client: AuraeClient, container: str) -> None:
+    async def running() -> bool:
+        return (await status(client, container)).state == pb.ContainerState.RUNNING
+
+    await wait_until(running, 20)
+
+
+async def wait_for_line(client: AuraeClient, container: str, text: str) -> None:
+    async def seen() -> bool:
+        return any(text in line for line in await logs(client, container))
+
+    await wait_until(seen, 20)
+
+
+async def delete(client: AuraeClient, container: str, force: bool = True) -> None:
+    await client.call(
+        CONTAINERS, "Delete", pb.ContainerServiceDeleteRequest(container_id=container, force=force)
+    )
+
+
+async def exec_in(
+    client: AuraeClient,
+    container: str,
+    command: list[str],
+    stdin: bytes = b"",
+    *,
+    tty: bool = False,
+    size: tuple[int, int] | None = None,
+) -> tuple[bytes, bytes, int]:
+    """Run a command in a container through the Exec stream: stdout, stderr and exit code."""
+    start_message = pb.ExecStart(container_id=container, command=command, tty=tty, stdin=bool(stdin))
+    if size:
+        start_message.size = pb.TerminalSize(rows=size[0], columns=size[1])
+    messages = [pb.ContainerServiceExecRequest(start=start_message)]
+    if stdin:
+        messages += [
+            pb.ContainerServiceExecRequest(stdin=stdin),
+            pb.ContainerServiceExecRequest(close_stdin=True),
+        ]
+
+    async def requests() -> AsyncIterator[pb.ContainerServiceExecRequest]:
+        for message in messages:
+            yield message
+
+    out, err, code = b"", b"", -1
+    async for reply in client.duplex(CONTAINERS, "Exec", requests(), timeout=60):
+        out += reply.stdout
+        err += reply.stderr
+        if reply.exit_code is not None:
+            code = reply.exit_code
+    return out, err, code

@@ -1,0 +1,336 @@
+"""ContainerService end to end on this host: real images, real overlayfs, real runc containers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from auraed.api.aurae.containers import v0 as pb
+from auraed.client import AuraeClient, ClientError
+from tests.conftest import DaemonFactory, DaemonProcess, wait_until
+from tests.integration.containers_helpers import (
+    CONTAINERS,
+    create,
+    delete,
+    exec_in,
+    import_layout,
+    logs,
+    run,
+    start,
+    status,
+    wait_for_line,
+    wait_running,
+)
+from tests.support.images import (
+    MULTILAYER_ABSENT,
+    MULTILAYER_PRESENT,
+    BuiltImage,
+    build_busybox_layout,
+    build_multilayer_layout,
+)
+
+BUSYBOX = "localhost/busybox:latest"
+APP = "localhost/app:latest"
+
+
+@pytest.fixture(scope="session")
+def busybox_layout(tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
+    return build_busybox_layout(tmp_path_factory.mktemp("busybox-layout"))
+
+
+@pytest.fixture(scope="session")
+def app_layout(tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
+    return build_multilayer_layout(tmp_path_factory.mktemp("app-layout"))
+
+
+@pytest.fixture
+async def loaded(daemon: DaemonProcess, busybox_layout: BuiltImage, app_layout: BuiltImage) -> AuraeClient:
+    client = daemon.client()
+    await import_layout(client, busybox_layout.layout, BUSYBOX)
+    await import_layout(client, app_layout.layout, APP)
+    return client
+
+
+async def test_run_logs_exit_code_and_environment(loaded: AuraeClient) -> None:
+    final = await run(
+        loaded,
+        "hello",
+        BUSYBOX,
+        command=["sh", "-c", "echo hello; echo oops >&2; echo $GREETING; exit 3"],
+        env=["GREETING=hi"],
+    )
+    assert final.state == pb.ContainerState.EXITED and final.exit_code == 3
+    assert sorted(await logs(loaded, "hello")) == ["hello", "hi", "oops"]
+    assert await logs(loaded, "hello", stream="stderr") == ["oops"]
+    assert await logs(loaded, "hello", tail=1, stream="stdout") == ["hi"]
+    await delete(loaded, "hello")
+
+
+async def test_image_config_user_cwd_entrypoint_and_whiteouts(loaded: AuraeClient) -> None:
+    # Entrypoint /opt/app/bin/run prints uid, cwd and /etc/app.conf, then runs its arguments.
+    checks = " && ".join(f"test ! -e /{p}" for p in MULTILAYER_ABSENT)
+    present = " && ".join(f"test -e /{p}" for p in MULTILAYER_PRESENT)
+    final = await run(
+        loaded, "app", APP, args=["sh", "-c", f"{checks} && {present} && ls /opt/app/lib && echo ok"]
+    )
+    lines = await logs(loaded, "app")
+    assert final.exit_code == 0, lines
+    assert lines == ["app running as 1000 in /opt/app: mode=final", "c.txt", "ok"]
+    # A working directory missing from the image is created, owned by the user.
+    final = await run(
+        loaded, "cwd", APP, working_dir="/work/deeper", command=["sh", "-c", "pwd; stat -c %u ."]
+    )
+    assert final.exit_code == 0 and await logs(loaded, "cwd") == ["/work/deeper", "1000"]
+
+
+async def test_exec_without_and_with_tty(loaded: AuraeClient) -> None:
+    await create(loaded, "box", BUSYBOX, command=["sleep", "300"])
+    await start(loaded, "box")
+    out, err, code = await exec_in(
+        loaded, "box", ["sh", "-c", "cat; echo to-err >&2; exit 4"], stdin=b"from stdin\n"
+    )
+    assert (out, err, code) == (b"from stdin\n", b"to-err\n", 4)
+    out, _, code = await exec_in(loaded, "box", ["sh", "-c", "tty; stty size"], tty=True, size=(40, 100))
+    assert code == 0
+    assert b"/dev/pts/" in out and b"40 100" in out
+    await delete(loaded, "box")
+    with pytest.raises(ClientError) as error:
+        await exec_in(loaded, "box", ["true"])
+    assert error.value.code == "NOT_FOUND"
+
+
+async def test_exec_into_a_stopped_container_is_refused(loaded: AuraeClient) -> None:
+    await run(loaded, "done", BUSYBOX, command=["true"])
+    with pytest.raises(ClientError) as error:
+        await exec_in(loaded, "done", ["true"])
+    assert error.value.code == "FAILED_PRECONDITION"
+
+
+async def test_stop_graceful_then_forced_and_kill(loaded: AuraeClient) -> None:
+    # busybox sh as PID 1 ignores SIGTERM unless it traps it.
+    await create(
+        loaded,
+        "polite",
+        BUSYBOX,
+        command=["sh", "-c", "trap 'echo bye; exit 0' TERM; echo up; while true; do sleep 0.1; done"],
+    )
+    await start(loaded, "polite")
+    await wait_for_line(loaded, "polite", "up")
+    stopped = (
+        await loaded.call(CONTAINERS, "Stop", pb.ContainerServiceStopRequest(container_id="polite"))
+    ).status
+    assert stopped.state == pb.ContainerState.EXITED and stopped.exit_code == 0
+    assert "bye" in await logs(loaded, "polite")
+
+    await create(loaded, "stubborn", BUSYBOX, command=["sleep", "300"])
+    await start(loaded, "stubborn")
+    stopped = (
+        await loaded.call(
+            CONTAINERS, "Stop", pb.ContainerServiceStopRequest(container_id="stubborn", timeout_ms=300)
+        )
+    ).status
+    assert stopped.signal == 9
+
+    # The image's StopSignal is what Stop sends; Kill sends exactly what is asked.
+    await create(
+        loaded,
+        "usr1",
+        APP,
+        command=[
+            "sh",
+            "-c",
+            "trap 'echo got USR1; exit 5' USR1; trap 'echo TERM' TERM; "
+            "echo up; while true; do sleep 0.1; done",
+        ],
+    )
+    await start(loaded, "usr1")
+    await wait_for_line(loaded, "usr1", "up")
+    stopped = (
+        await loaded.call(CONTAINERS, "Stop", pb.ContainerServiceStopRequest(container_id="usr1"))
+    ).status
+    assert stopped.exit_code == 5 and "got USR1" in await logs(loaded, "usr1")
+
+    await create(loaded, "killed", BUSYBOX, command=["sleep", "300"])
+    await start(loaded, "killed")
+    await loaded.call(
+        CONTAINERS, "Kill", pb.ContainerServiceKillRequest(container_id="killed", signal="SIGKILL")
+    )
+    final = (
+        await loaded.call(CONTAINERS, "Wait", pb.ContainerServiceWaitRequest(container_id="killed"))
+    ).status
+    assert final.signal == 9
+    with pytest.raises(ClientError) as error:
+        await loaded.call(
+            CONTAINERS, "Kill", pb.ContainerServiceKillRequest(container_id="killed", signal="SIGBOGUS")
+        )
+    assert error.value.code == "INVALID_ARGUMENT"
+
+
+async def test_memory_limit_oom_and_pids_limit(loaded: AuraeClient) -> None:
+    final = await run(
+        loaded,
+        "hog",
+        BUSYBOX,
+        command=["sh", "-c", "x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo survived ${#x}"],
+        resources=pb.Resources(memory_max=32 << 20),
+    )
+    assert final.signal == 9 and final.oom_killed and final.reason == "OOMKilled"
+    final = await run(
+        loaded,
+        "forks",
+        BUSYBOX,
+        command=["sh", "-c", "for i in 1 2 3 4 5 6 7 8; do sleep 1 & done; wait"],
+        resources=pb.Resources(pids_max=4),
+    )
+    text = " ".join(await logs(loaded, "forks")).lower()
+    assert "fork" in text or "resource temporarily unavailable" in text
+
+
+async def test_read_only_rootfs_and_capabilities(loaded: AuraeClient) -> None:
+    final = await run(
+        loaded,
+        "ro",
+        BUSYBOX,
+        command=["sh", "-c", "touch /x && echo wrote || echo refused"],
+        security=pb.Security(read_only_rootfs=True),
+    )
+    assert await logs(loaded, "ro", stream="stdout") == ["refused"] and final.exit_code == 0
+    await run(
+        loaded,
+        "caps",
+        BUSYBOX,
+        command=["sh", "-c", "grep CapEff /proc/self/status; chown 1000 /tmp; echo $?"],
+        security=pb.Security(capabilities_drop=["ALL"]),
+    )
+    lines = await logs(loaded, "caps")
+    assert lines[0].split()[1] == "0000000000000000"
+    assert lines[-1] != "0"
+
+
+async def test_stats_report_the_cgroup(loaded: AuraeClient) -> None:
+    await create(
+        loaded,
+        "busy",
+        BUSYBOX,
+        command=["sh", "-c", "while true; do :; done"],
+        resources=pb.Resources(memory_max=64 << 20, pids_max=20),
+    )
+    await start(loaded, "busy")
+    await asyncio.sleep(0.5)
+    stats = await loaded.call(CONTAINERS, "Stats", pb.ContainerServiceStatsRequest(container_id="busy"))
+    assert stats.cpu_usage_usec > 0 and stats.memory_current > 0
+    assert stats.memory_max == 64 << 20 and stats.pids_max == 20 and stats.pids_current >= 1
+    await delete(loaded, "busy")
+
+
+async def test_bad_requests_get_clear_status_and_leave_nothing(
+    loaded: AuraeClient, daemon: DaemonProcess
+) -> None:
+    async def code_of(coroutine: object) -> str:
+        with pytest.raises(ClientError) as error:
+            await coroutine  # type: ignore[misc]
+        return error.value.code
+
+    assert await code_of(create(loaded, "x", "localhost/nope:1")) == "NOT_FOUND"
+    assert await code_of(create(loaded, "Bad_Name", BUSYBOX)) == "INVALID_ARGUMENT"
+    assert (
+        await code_of(
+            create(loaded, "m", BUSYBOX, mounts=[pb.Mount(source="/nonexistent/dir", destination="/data")])
+        )
+        == "NOT_FOUND"
+    )
+    assert await code_of(status(loaded, "ghost")) == "NOT_FOUND"
+    await create(loaded, "taken", BUSYBOX, command=["true"])
+    assert await code_of(create(loaded, "taken", BUSYBOX, command=["true"])) == "ALREADY_EXISTS"
+    assert (
+        await code_of(
+            loaded.call(
+                CONTAINERS,
+                "ImportImageLayout",
+                pb.ContainerServiceImportImageLayoutRequest(
+                    path="/nonexistent/layout", reference="localhost/x:1"
+                ),
+            )
+        )
+        == "NOT_FOUND"
+    )
+    assert (
+        await code_of(
+            loaded.call(
+                CONTAINERS, "ImageStatus", pb.ContainerServiceImageStatusRequest(image="localhost/nope:1")
+            )
+        )
+        == "NOT_FOUND"
+    )
+    # Only the one good container exists: the failed creates left no directory behind.
+    containers = daemon.root / "state" / "containers"
+    assert len(list(containers.iterdir())) == 1
+    await delete(loaded, "taken")
+    assert list(containers.iterdir()) == []
+
+
+async def test_images_share_layers_and_remove_collects(loaded: AuraeClient, daemon: DaemonProcess) -> None:
+    images = (await loaded.call(CONTAINERS, "ListImages", pb.ContainerServiceListImagesRequest())).images
+    assert {r for i in images for r in i.references} == {BUSYBOX, APP}
+    busybox = next(i for i in images if BUSYBOX in i.references)
+    app = next(i for i in images if APP in i.references)
+    assert app.layers[0] == busybox.layers[0]  # the same busybox base layer...
+    snapshots = daemon.root / "state" / "images" / "snapshots"
+    assert len(list(snapshots.iterdir())) == 3  # ...stored once: busybox + two app layers
+    await create(loaded, "user", BUSYBOX, command=["true"])
+    with pytest.raises(ClientError) as error:
+        await loaded.call(CONTAINERS, "RemoveImage", pb.ContainerServiceRemoveImageRequest(image=BUSYBOX))
+    assert error.value.code == "FAILED_PRECONDITION"
+    await delete(loaded, "user")
+    freed = await loaded.call(CONTAINERS, "RemoveImage", pb.ContainerServiceRemoveImageRequest(image=APP))
+    assert freed.freed_bytes > 0
+    assert len(list(snapshots.iterdir())) == 1  # the shared base stays for busybox
+
+
+async def test_kill_9_while_containers_run(daemon_factory: DaemonFactory, busybox_layout: BuiltImage) -> None:
+    daemon = daemon_factory()
+    async with daemon.client() as client:
+        await import_layout(client, busybox_layout.layout, BUSYBOX)
+        await create(
+            client,
+            "survivor",
+            BUSYBOX,
+            command=["sh", "-c", "i=0; while true; do echo tick $i; i=$((i+1)); sleep 0.1; done"],
+        )
+        await start(client, "survivor")
+        await create(
+            client,
+            "doomed",
+            BUSYBOX,
+            command=["sh", "-c", "trap 'exit 7' TERM; while true; do sleep 0.1; done"],
+        )
+        await start(client, "doomed")
+        doomed_pid = (await status(client, "doomed")).pid
+    daemon.kill9()
+    os.kill(doomed_pid, 15)
+    await wait_until(lambda: not Path(f"/proc/{doomed_pid}").exists())
+    daemon.start()
+    async with daemon.client() as client:
+        assert (await status(client, "survivor")).state == pb.ContainerState.RUNNING
+        gone = await status(client, "doomed")
+        assert gone.state == pb.ContainerState.EXITED and gone.exit_code == 7
+        before = len(await logs(client, "survivor"))
+
+        async def more() -> bool:
+            return len(await logs(client, "survivor")) > before
+
+        await wait_until(more)
+        out, _, code = await exec_in(client, "survivor", ["echo", "still here"])
+        assert (out, code) == (b"still here\n", 0)
+        await wait_running(client, "survivor")
+        stopped = (
+            await client.call(
+                CONTAINERS, "Stop", pb.ContainerServiceStopRequest(container_id="survivor", timeout_ms=200)
+            )
+        ).status
+        assert stopped.state == pb.ContainerState.EXITED
+        for name in ("survivor", "doomed"):
+            await delete(client, name)

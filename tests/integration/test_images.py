@@ -1,0 +1,273 @@
+"""Images through the daemon: pulls from real local registries, peer import, layouts, hostile layers."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import socket
+import tarfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from auraed.api.aurae.containers import v0 as pb
+from auraed.client import AuraeClient, ClientError
+from tests.conftest import DaemonFactory, DaemonProcess
+from tests.integration.containers_helpers import CONTAINERS, delete, import_layout, logs, run
+from tests.support.images import (
+    BuiltImage,
+    build_busybox_layout,
+    build_large_layout,
+    build_layout,
+    push_layout,
+)
+from tests.support.registry import FakeRegistry, FakeResponse, LocalRegistry
+
+
+@pytest.fixture(scope="session")
+def busybox_image(tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
+    return build_busybox_layout(tmp_path_factory.mktemp("busybox-pull"))
+
+
+@pytest.fixture(scope="session")
+def large_image(tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
+    return build_large_layout(tmp_path_factory.mktemp("large-pull"))
+
+
+@pytest.fixture
+def registry() -> Iterator[LocalRegistry]:
+    with LocalRegistry() as local:
+        yield local
+
+
+async def pull(client: AuraeClient, reference: str, **auth: str) -> tuple[list[pb.PullProgress], pb.Image]:
+    request = pb.ContainerServicePullImageRequest(
+        reference=reference, auth=pb.RegistryAuth(**auth) if auth else None
+    )
+    progress, image = [], None
+    async for reply in client.stream(CONTAINERS, "PullImage", request, timeout=120):
+        if reply.progress is not None:
+            progress.append(reply.progress)
+        if reply.image is not None:
+            image = reply.image
+    assert image is not None
+    return progress, image
+
+
+async def pull_error(client: AuraeClient, reference: str, **auth: str) -> ClientError:
+    with pytest.raises(ClientError) as error:
+        await pull(client, reference, **auth)
+    return error.value
+
+
+async def test_pull_shows_progress_and_runs(
+    daemon: DaemonProcess, registry: LocalRegistry, busybox_image: BuiltImage
+) -> None:
+    push_layout(busybox_image, f"{registry.host}/library/busybox:1")
+    async with daemon.client() as client:
+        progress, image = await pull(client, f"{registry.host}/library/busybox:1")
+        phases = [p.phase for p in progress]
+        assert phases[0] == "resolving" and phases[-1] == "done"
+        assert progress[-1].done == progress[-1].total == busybox_image.total_layer_size
+        assert image.id == busybox_image.config_digest
+        assert image.manifest_digest == busybox_image.manifest_digest
+        assert f"{registry.host}/library/busybox:1" in image.references
+        final = await run(
+            client, "pulled", f"{registry.host}/library/busybox:1", command=["echo", "pulled ok"]
+        )
+        assert final.exit_code == 0 and await logs(client, "pulled") == ["pulled ok"]
+        await delete(client, "pulled")
+        # By digest too, and a second pull downloads nothing new.
+        _, again = await pull(client, f"{registry.host}/library/busybox@{busybox_image.manifest_digest}")
+        assert again.id == image.id
+
+
+async def test_mirror_serves_another_registry(
+    daemon_factory: DaemonFactory, registry: LocalRegistry, busybox_image: BuiltImage
+) -> None:
+    push_layout(busybox_image, f"{registry.host}/pause:3.9")
+    config = f'[registries."registry.k8s.io"]\nmirrors = ["http://{registry.host}"]\n'
+    daemon = daemon_factory(config_text=config)
+    async with daemon.client() as client:
+        _, image = await pull(client, "registry.k8s.io/pause:3.9")
+        assert "registry.k8s.io/pause:3.9" in image.references
+
+
+async def test_basic_auth_and_docker_config(
+    daemon_factory: DaemonFactory, busybox_image: BuiltImage, tmp_path: Path
+) -> None:
+    with LocalRegistry(mode="basic") as private:
+        push_layout(busybox_image, f"{private.host}/team/app:1", creds=private.creds)
+        daemon = daemon_factory()
+        async with daemon.client() as client:
+            error = await pull_error(client, f"{private.host}/team/app:1")
+            assert error.code == "PERMISSION_DENIED"
+            error = await pull_error(
+                client, f"{private.host}/team/app:1", username=private.user, password="wrong"
+            )
+            assert error.code == "PERMISSION_DENIED"
+            await pull(client, f"{private.host}/team/app:1", username=private.user, password=private.password)
+        docker_config = tmp_path / "docker.json"
+        auth = base64.b64encode(f"{private.user}:{private.password}".encode()).decode()
+        docker_config.write_text(json.dumps({"auths": {private.host: {"auth": auth}}}))
+        with_config = daemon_factory("--docker-config", str(docker_config))
+        async with with_config.client() as client:
+            await pull(client, f"{private.host}/team/app:1")
+
+
+async def test_bearer_token_auth(daemon: DaemonProcess, busybox_image: BuiltImage) -> None:
+    with LocalRegistry(mode="token") as private:
+        push_layout(busybox_image, f"{private.host}/team/app:1", creds=private.creds)
+        async with daemon.client() as client:
+            await pull(client, f"{private.host}/team/app:1", username=private.user, password=private.password)
+
+
+async def test_registry_down_or_garbage_fails_fast_and_clearly(daemon: DaemonProcess) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
+    async with daemon.client() as client:
+        started = time.monotonic()
+        error = await pull_error(client, f"127.0.0.1:{closed_port}/app:1")
+        assert error.code == "UNAVAILABLE" and f"127.0.0.1:{closed_port}" in error.message
+        assert time.monotonic() - started < 10
+        garbage = FakeResponse(
+            200, b"{not json", {"Content-Type": "application/vnd.oci.image.manifest.v1+json"}
+        )
+        with FakeRegistry({("GET", "/v2/app/manifests/1"): garbage}) as fake:
+            error = await pull_error(client, f"{fake.host}/app:1")
+        assert error.code == "FAILED_PRECONDITION"
+        error = await pull_error(client, "Not A Reference")
+        assert error.code == "INVALID_ARGUMENT"
+        # Nothing half-made: no image, no blobs beyond what verified, an empty ingest area.
+        assert (
+            await client.call(CONTAINERS, "ListImages", pb.ContainerServiceListImagesRequest())
+        ).images == []
+        assert list((daemon.root / "state" / "images" / "ingest").iterdir()) == []
+
+
+async def test_kill_9_mid_pull_corrupts_nothing_and_retry_completes(
+    daemon_factory: DaemonFactory, registry: LocalRegistry, large_image: BuiltImage
+) -> None:
+    push_layout(large_image, f"{registry.host}/big:1")
+    daemon = daemon_factory()
+    async with daemon.client() as client:
+        request = pb.ContainerServicePullImageRequest(reference=f"{registry.host}/big:1")
+        async for reply in client.stream(CONTAINERS, "PullImage", request, timeout=120):
+            if reply.progress is not None and reply.progress.done > 5 << 20:
+                daemon.kill9()
+                break
+    store = daemon.root / "state" / "images"
+    for blob in (store / "blobs" / "sha256").iterdir():  # whatever is there is whole and verified
+        assert hashlib.sha256(blob.read_bytes()).hexdigest() == blob.name
+    daemon.start()
+    assert list((store / "ingest").iterdir()) == []
+    async with daemon.client() as client:
+        _, image = await pull(client, f"{registry.host}/big:1")
+        assert image.id == large_image.config_digest
+
+
+async def test_peer_import_sends_only_missing_blobs(daemon: DaemonProcess, busybox_image: BuiltImage) -> None:
+    async with daemon.client() as client:
+        digests = [busybox_image.config_digest, *(layer.digest for layer in busybox_image.layers)]
+        missing = await client.call(
+            CONTAINERS, "MissingBlobs", pb.ContainerServiceMissingBlobsRequest(digests=digests)
+        )
+        assert sorted(missing.digests) == sorted(digests)
+        reply = await client.upload(CONTAINERS, "ImportImage", _import_stream(busybox_image, missing.digests))
+        assert sorted(reply.received) == sorted(digests) and reply.image.id == busybox_image.config_digest
+        missing = await client.call(
+            CONTAINERS, "MissingBlobs", pb.ContainerServiceMissingBlobsRequest(digests=digests)
+        )
+        assert missing.digests == []
+        # A second import under another name sends no blob at all.
+        reply = await client.upload(
+            CONTAINERS, "ImportImage", _import_stream(busybox_image, [], "localhost/again:1")
+        )
+        assert reply.received == [] and "localhost/again:1" in reply.image.references
+
+
+async def test_peer_import_refuses_a_corrupt_blob(daemon: DaemonProcess, busybox_image: BuiltImage) -> None:
+    async with daemon.client() as client:
+        layer = busybox_image.layers[0].digest
+        with pytest.raises(ClientError) as error:
+            await client.upload(
+                CONTAINERS, "ImportImage", _import_stream(busybox_image, [layer], corrupt=layer)
+            )
+        assert error.value.code == "FAILED_PRECONDITION" and layer in error.value.message
+        missing = await client.call(
+            CONTAINERS, "MissingBlobs", pb.ContainerServiceMissingBlobsRequest(digests=[layer])
+        )
+        assert missing.digests == [layer]
+
+
+async def _import_stream(
+    image: BuiltImage, send: list[str], reference: str = "localhost/peer:1", corrupt: str = ""
+) -> AsyncIterator[pb.ContainerServiceImportImageRequest]:
+    yield pb.ContainerServiceImportImageRequest(
+        header=pb.ImportImageHeader(
+            reference=reference,
+            manifest=image.manifest,
+            manifest_media_type="application/vnd.oci.image.manifest.v1+json",
+        )
+    )
+    for digest in send:
+        data = image.blob(digest)
+        if digest == corrupt:
+            data = data[:-1] + bytes([data[-1] ^ 1])
+        chunks = [data[i : i + (256 << 10)] for i in range(0, len(data), 256 << 10)] or [b""]
+        for index, chunk in enumerate(chunks):
+            yield pb.ContainerServiceImportImageRequest(
+                chunk=pb.BlobChunk(digest=digest, data=chunk, last=index == len(chunks) - 1)
+            )
+
+
+async def test_layout_tar_import(daemon: DaemonProcess, busybox_image: BuiltImage, tmp_path: Path) -> None:
+    archive = tmp_path / "busybox.tar"
+    with tarfile.open(archive, "w") as tar:
+        tar.add(busybox_image.layout, arcname=".")
+    async with daemon.client() as client:
+        image = await import_layout(client, archive, "localhost/from-tar:1")
+        assert image.id == busybox_image.config_digest
+
+
+def _hostile_layer() -> dict[str, object]:
+    from tests.support.images import Symlink
+
+    return {"escape": Symlink("/tmp"), "escape/aurae-hostile-marker": b"must never be written\n"}
+
+
+async def test_hostile_layer_is_refused_and_writes_nothing_outside(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    marker = Path("/tmp/aurae-hostile-marker")
+    marker.unlink(missing_ok=True)
+    layout = tmp_path / "hostile"
+    build_layout(layout, [_hostile_layer()])  # type: ignore[list-item]
+    async with daemon.client() as client:
+        with pytest.raises(ClientError) as error:
+            await import_layout(client, layout, "localhost/hostile:1")
+        assert error.value.code == "FAILED_PRECONDITION"
+        assert (
+            await client.call(CONTAINERS, "ListImages", pb.ContainerServiceListImagesRequest())
+        ).images == []
+    assert not marker.exists()
+    store = daemon.root / "state" / "images"
+    assert list((store / "snapshots").iterdir()) == [] and list((store / "ingest").iterdir()) == []
+
+
+async def test_concurrent_containers(daemon: DaemonProcess, busybox_image: BuiltImage) -> None:
+    async with daemon.client() as client:
+        await import_layout(client, busybox_image.layout, "localhost/busybox:1")
+        names = [f"c{i}" for i in range(10)]
+        finals = await asyncio.gather(
+            *(run(client, n, "localhost/busybox:1", command=["echo", n]) for n in names)
+        )
+        assert all(f.exit_code == 0 for f in finals)
+        for name in names:
+            assert await logs(client, name) == [name]
+            await delete(client, name)
