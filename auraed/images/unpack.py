@@ -25,7 +25,9 @@ Rules for hostile input (a layer can never touch anything outside ``target``):
   Only directory over directory keeps the directory and updates its metadata.
 * Symlink targets are stored as they are: a symlink is only dangerous when followed, and nothing
   here follows one. Hardlinks must name an existing entry of this layer, found by the same walk;
-  a hardlink to a symlink links the symlink itself.
+  a hardlink to a symlink links the symlink itself; the linked inode keeps its own metadata.
+* GNU sparse files, multi-volume and other exotic member types are "unsupported" (image tools do
+  not write them); PAX global headers are ignored, as containerd does.
 * Device nodes are created only with ``allow_device_nodes`` (otherwise skipped and counted); FIFOs
   always. Whiteout devices are ours and always made. Whiteouts never hide entries of their own
   layer (OCI spec), so a whiteout for a name the layer already has is ignored.
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gzip
 import hashlib
 import io
 import logging
@@ -89,7 +92,6 @@ LAYER_MEDIA_TYPES: Mapping[str, Compression] = MappingProxyType(
 
 BLOCK = 512
 CHUNK = 1 << 20
-GZIP_INPUT = 1 << 16
 MAX_META = 1 << 20  # PAX records and GNU long names of one entry, together
 MAX_NAME = 4096  # PATH_MAX: no tool makes longer names, and it bounds the walk
 WHITEOUT = b".wh."
@@ -156,42 +158,10 @@ class _DecoderErrors(io.RawIOBase):
         view = memoryview(buffer).cast("B")
         try:
             data = self._inner.read(len(view))
-        except (EOFError, zlib.error, zstandard.ZstdError) as exc:
+        except (EOFError, zlib.error, gzip.BadGzipFile, zstandard.ZstdError) as exc:
             raise UnpackError("invalid", f"layer: corrupt {self._what} stream: {exc}") from exc
         view[: len(data)] = data
         return len(data)
-
-
-class _Gunzip:
-    """Multi-member gzip straight through zlib (CRC and length checked by zlib).
-
-    gzip.GzipFile reads 8 KiB at a time and costs ~15% more; this also bounds every output
-    chunk, and refuses a stream that ends inside a member.
-    """
-
-    def __init__(self, source: _Readable) -> None:
-        self._source = source
-        self._zlib = zlib.decompressobj(wbits=31)
-        self._pending = b""
-        self._in_member = False
-
-    def read(self, size: int, /) -> bytes:
-        while True:
-            if not self._pending:
-                self._pending = self._source.read(GZIP_INPUT)
-                if not self._pending:
-                    if self._in_member:
-                        raise EOFError("stream ends inside a gzip member")
-                    return b""
-            self._in_member = True
-            out = self._zlib.decompress(self._pending, size)
-            if self._zlib.eof:  # next member, if any, starts in the leftover input
-                self._pending, self._in_member = self._zlib.unused_data, False
-                self._zlib = zlib.decompressobj(wbits=31)
-            else:
-                self._pending = self._zlib.unconsumed_tail
-            if out:
-                return out
 
 
 def decompressed(stream: BinaryIO, media_type: str) -> BinaryIO:
@@ -206,7 +176,7 @@ def decompressed(stream: BinaryIO, media_type: str) -> BinaryIO:
     if compression is None:
         return stream
     if compression == "gzip":
-        reader = _DecoderErrors(_Gunzip(stream), "gzip")
+        reader = _DecoderErrors(gzip.GzipFile(fileobj=stream, mode="rb"), "gzip")
     else:
         dctx = zstandard.ZstdDecompressor()
         reader = _DecoderErrors(dctx.stream_reader(stream, read_across_frames=True, closefd=False), "zstd")
@@ -251,10 +221,7 @@ class _Entry:
     devmajor: int
     devminor: int
     xattrs: dict[str, bytes] = field(default_factory=dict)
-
-    @property
-    def label(self) -> str:
-        return _label(self.name)
+    label: str = ""  # the name for messages
 
 
 def _label(name: bytes) -> str:
@@ -361,6 +328,7 @@ def _make_entry(block: bytes, pax: dict[bytes, bytes], longname: bytes, longlink
     mtime = pax.get(b"mtime")
     mtime_ns = _pax_time(mtime, label) if mtime else _number(block[136:148], "mtime") * 1_000_000_000
     return _Entry(
+        label=label,
         type=kind,
         name=name,
         linkname=linkname,
@@ -426,9 +394,11 @@ class _TarReader:
         meta = 0
         while True:
             self._skip()
-            if not self._src.peek(1):
+            block = self._src.read(BLOCK)
+            if not block:
                 raise UnpackError("invalid", "layer: stream truncated (no tar end-of-archive block)")
-            block = self._read_exact(BLOCK)
+            if len(block) != BLOCK:
+                raise UnpackError("invalid", "layer: stream truncated inside a tar header")
             if block == _ZERO_BLOCK:
                 return
             _verify_checksum(block)
@@ -556,7 +526,7 @@ class _Writer:
         self._reader = reader
         self._allow_devices = allow_devices
         self._owners = owners
-        self._dir_times: list[tuple[tuple[bytes, ...], int]] = []
+        self._dir_times: dict[tuple[bytes, ...], int] = {}  # the last entry of a directory wins
         self._skipped: set[tuple[bytes, ...]] = set()
         self.entries = self.bytes_written = self.whiteouts = self.skipped_devices = 0
 
@@ -625,7 +595,7 @@ class _Writer:
         fd = self._tree.dir(parts, create=False, label=entry.label)
         with _os_errors(entry.label, "set directory metadata"):
             self._metadata_fd(entry, fd)
-        self._dir_times.append((parts, entry.mtime_ns))  # set after its contents: see finish()
+        self._dir_times[parts] = entry.mtime_ns  # set after its contents: see finish()
 
     def _symlink(self, entry: _Entry, parent: int, parts: tuple[bytes, ...]) -> None:
         if not entry.linkname or b"\0" in entry.linkname:
@@ -736,14 +706,15 @@ class _Writer:
             log.warning("%s: xattr %s not set: %s", entry.label, name, exc.strerror)
 
     def finish(self) -> None:
-        """Directory mtimes, deepest last-seen first, now that nothing more is created in them."""
-        for parts, mtime_ns in reversed(self._dir_times):
+        """Directory mtimes, now that nothing more is created in them (utime leaves the parent's)."""
+        for parts, mtime_ns in self._dir_times.items():
             self._tree.trim()
+            label = _label(b"/".join(parts))
             try:
-                fd = self._tree.dir(parts, create=False, label=_label(b"/".join(parts)))
+                fd = self._tree.dir(parts, create=False, label=label)
             except UnpackError:
                 continue  # replaced by a later entry
-            with _os_errors(_label(b"/".join(parts)), "set the directory mtime"):
+            with _os_errors(label, "set the directory mtime"):
                 os.utime(fd, ns=(mtime_ns, mtime_ns))
 
 

@@ -245,6 +245,14 @@ def test_long_names_in_every_tar_format(tmp_path: Path, fmt: int) -> None:
     assert os.readlink(tmp_path / "l") == link
 
 
+def test_pax_numbers_beyond_ustar(tmp_path: Path) -> None:
+    info, _ = member("f", uid=3_000_000, gid=3_000_001)
+    info.mtime = MTIME + 0.25  # tarfile writes a fractional PAX mtime
+    unpack(layer((info, b"")), tmp_path)
+    st_f = (tmp_path / "f").stat()
+    assert (st_f.st_uid, st_f.st_gid, st_f.st_mtime_ns) == (3_000_000, 3_000_001, MTIME * 10**9 + 250_000_000)
+
+
 def test_later_entries_replace_earlier_ones(tmp_path: Path) -> None:
     data = layer(
         member("x/", tarfile.DIRTYPE),
@@ -255,8 +263,11 @@ def test_later_entries_replace_earlier_ones(tmp_path: Path) -> None:
         member("z", tarfile.SYMTYPE, link="y"),
         member("z/", tarfile.DIRTYPE),  # a directory replaces the symlink
         member("z/in", data=b"in"),
+        member("m/", tarfile.DIRTYPE, mtime=MTIME),
+        member("m/", tarfile.DIRTYPE, mtime=MTIME + 9),  # the last word on a directory wins
     )
     unpack(data, tmp_path)
+    assert (tmp_path / "m").stat().st_mtime_ns == (MTIME + 9) * 10**9
     assert (tmp_path / "x").read_bytes() == b"now a file"
     assert (tmp_path / "y").read_bytes() == b"new"
     assert (tmp_path / "z").is_dir() and not (tmp_path / "z").is_symlink()
