@@ -157,6 +157,11 @@ def _streaming_response(
     return behavior
 
 
+def _serialize(response: betterproto2.Message | bytes) -> bytes:
+    """Messages are encoded here; a servicer may return bytes it encoded once and kept."""
+    return response if isinstance(response, bytes) else bytes(response)
+
+
 def _method_handler(method: MethodDescriptor, servicer: object, service_name: str) -> grpc.RpcMethodHandler:
     request_cls = message_class(method.input_type.full_name)
     func = getattr(servicer, snake_case(method.name))
@@ -179,7 +184,7 @@ def _method_handler(method: MethodDescriptor, servicer: object, service_name: st
         (True, True): grpc.stream_stream_rpc_method_handler,
     }[(method.client_streaming, method.server_streaming)]
     # No deserializer: requests arrive as bytes and are parsed inside the behavior (see _parse).
-    return factory(behavior, request_deserializer=None, response_serializer=bytes)
+    return factory(behavior, request_deserializer=None, response_serializer=_serialize)
 
 
 def generic_handler(service_name: str, servicer: object) -> grpc.GenericRpcHandler:

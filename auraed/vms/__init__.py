@@ -1,0 +1,1 @@
+"""VmService: guest VMs (QEMU, cloud-hypervisor), their networking, and placing work in them."""

@@ -1,0 +1,95 @@
+"""The config disk a guest boots with: its identity, its certificates and its daemon config.
+
+The host's CA issues each guest its own server certificate (SAN = the guest's address and name);
+the guest trusts only the host CA. Everything is packed into a read-only squashfs image the
+guest's PID 1 mounts at /etc/aurae before it loads its configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import subprocess
+import tempfile
+from pathlib import Path
+
+from auraed.errors import AuraeError, ErrorKind
+from auraed.pki import CertificateAuthority, certificate_pem, issue_server_cert, write_pem_files
+
+GUEST_PORT = 8443
+GUEST_CONFIG = """# Written by the host auraed for guest {hostname}.
+role = "guest"
+tcp_listen = "{address}:{port}"
+socket = "/run/aurae/aurae.sock"
+ca_crt = "/etc/aurae/pki/ca.crt"
+server_crt = "/etc/aurae/pki/server.crt"
+server_key = "/etc/aurae/pki/server.key"
+state_dir = "/var/lib/aurae"
+runtime_dir = "/run/aurae"
+stop_containers_on_shutdown = true
+
+[authorization]
+# Only the host that booted this guest may call it.
+default = []
+[authorization.identities]
+"{host_identity}" = ["*"]
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class GuestIdentity:
+    hostname: str
+    address: ipaddress.IPv4Interface  # the guest's address with its prefix
+    gateway: ipaddress.IPv4Address  # the host end of the tap
+    port: int = GUEST_PORT
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.address.ip}:{self.port}"
+
+    def kernel_args(self) -> str:
+        """What PID 1 reads from the kernel command line."""
+        return (
+            f"auraed.role=guest auraed.hostname={self.hostname} auraed.ip={self.address.with_prefixlen} "
+            f"auraed.gateway={self.gateway}"
+        )
+
+    @property
+    def server_name(self) -> str:
+        """A name the guest's certificate carries, for clients to verify it by."""
+        return f"{self.hostname}.guest.aurae"
+
+
+def build_config_disk(
+    output: Path, identity: GuestIdentity, ca: CertificateAuthority, host_identity: str
+) -> Path:
+    """Write the guest's config disk to ``output`` (a squashfs image) and return it."""
+    cert, key = issue_server_cert(
+        ca, identity.server_name, dns_names=[identity.server_name], ip_addresses=[str(identity.address.ip)]
+    )
+    with tempfile.TemporaryDirectory(prefix="aurae-guest-config-") as work:
+        root = Path(work)
+        pki = root / "pki"
+        write_pem_files(pki, "server", cert, key)
+        (pki / "ca.crt").write_bytes(certificate_pem(ca.cert))
+        (root / "auraed.toml").write_text(
+            GUEST_CONFIG.format(
+                hostname=identity.hostname,
+                address=identity.address.ip,
+                port=identity.port,
+                host_identity=host_identity,
+            )
+        )
+        output.unlink(missing_ok=True)
+        result = subprocess.run(
+            ["mksquashfs", str(root), str(output), "-quiet", "-noappend", "-all-root", "-comp", "gzip"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    if result.returncode != 0:
+        raise AuraeError(
+            ErrorKind.INTERNAL, f"cannot build the config disk {output}: {result.stderr.strip()}"
+        )
+    output.chmod(0o600)
+    return output

@@ -1,0 +1,184 @@
+"""The host placing work in guests: image blobs over ImportImage, then ContainerService calls.
+
+A client targets a VM by sending the gRPC metadata ``aurae-vm: <name>`` with a ContainerService
+call to the host (``aer --vm NAME container ...``). The host then forwards the call, byte for byte,
+to the guest's ContainerService over mTLS with the host's guest-client certificate — after making
+sure, for Create, that the guest has the image: the host's store holds it (pulled once per host),
+the guest is asked which blobs it lacks, and only those are streamed. Guests never reach a registry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from auraed.api.aurae.containers import v0 as pb
+from auraed.errors import AuraeError
+from auraed.images.content import ContentStore
+from auraed.images.images import Images
+from auraed.images.model import MAX_MANIFEST_BYTES, ImageRecord
+from auraed.server.rpc import Context, status_for
+
+log = logging.getLogger(__name__)
+
+CONTAINERS = "aurae.containers.v0.ContainerService"
+VM_METADATA_KEY = "aurae-vm"
+CHUNK = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class GuestEndpoint:
+    """How the host reaches one guest's auraed."""
+
+    name: str
+    address: str  # ip:port
+    server_name: str  # a name in the guest's certificate
+    channel: grpc.aio.Channel
+
+
+GuestLookup = Callable[[str], Awaitable[GuestEndpoint]]
+
+
+async def send_image(
+    channel: grpc.aio.Channel, image: ImageRecord, content: ContentStore, reference: str
+) -> int:
+    """Make ``image`` exist in the guest under ``reference``; the number of blobs sent."""
+    digests = [image.id, *(layer.digest for layer in image.layers)]
+    missing_call = channel.unary_unary(
+        f"/{CONTAINERS}/MissingBlobs",
+        request_serializer=bytes,
+        response_deserializer=pb.ContainerServiceMissingBlobsResponse.parse,
+    )
+    missing = (await missing_call(pb.ContainerServiceMissingBlobsRequest(digests=digests))).digests
+    manifest = content.read_blob(image.manifest_digest, MAX_MANIFEST_BYTES)
+
+    async def requests() -> AsyncIterator[pb.ContainerServiceImportImageRequest]:
+        yield pb.ContainerServiceImportImageRequest(
+            header=pb.ImportImageHeader(
+                reference=reference, manifest=manifest, manifest_media_type=image.manifest_media_type
+            )
+        )
+        for digest in missing:
+            with content.blob_path(digest).open("rb") as blob:
+                chunk = blob.read(CHUNK)
+                while True:
+                    following = blob.read(CHUNK)
+                    yield pb.ContainerServiceImportImageRequest(
+                        chunk=pb.BlobChunk(digest=digest, data=chunk, last=not following)
+                    )
+                    if not following:
+                        break
+                    chunk = following
+
+    import_call = channel.stream_unary(
+        f"/{CONTAINERS}/ImportImage",
+        request_serializer=bytes,
+        response_deserializer=pb.ContainerServiceImportImageResponse.parse,
+    )
+    await import_call(requests())
+    return len(missing)
+
+
+class GuestRouter(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Routes ContainerService calls that name a VM to that VM's guest."""
+
+    def __init__(self, guests: GuestLookup, images: Images) -> None:
+        self._guests = guests
+        self._images = images
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        vm = dict(details.invocation_metadata or ()).get(VM_METADATA_KEY)
+        if not vm or not details.method.startswith(f"/{CONTAINERS}/"):
+            return await continuation(details)
+        local = await continuation(details)
+        if local is None:
+            return None
+        return self._forwarder(local, details.method, vm)
+
+    def _forwarder(self, local: grpc.RpcMethodHandler, method: str, vm: str) -> grpc.RpcMethodHandler:
+        router = self
+
+        async def unary_unary(request: bytes, context: Context) -> bytes:
+            guest = await router._guest(vm, context)
+            if method.endswith("/Create"):
+                await router._ensure_image(guest, request, context)
+            call = guest.channel.unary_unary(method)
+            return await _relay(call(request, metadata=_forwarded(context)), context)  # type: ignore[no-any-return]
+
+        async def unary_stream(request: bytes, context: Context) -> AsyncIterator[bytes]:
+            guest = await router._guest(vm, context)
+            call = guest.channel.unary_stream(method)(request, metadata=_forwarded(context))
+            try:
+                async for reply in call:
+                    yield reply
+            except grpc.aio.AioRpcError as exc:
+                await context.abort(exc.code(), exc.details() or "")
+
+        async def stream_unary(requests: AsyncIterator[bytes], context: Context) -> bytes:
+            guest = await router._guest(vm, context)
+            call = guest.channel.stream_unary(method)
+            return await _relay(call(requests, metadata=_forwarded(context)), context)  # type: ignore[no-any-return]
+
+        async def stream_stream(requests: AsyncIterator[bytes], context: Context) -> AsyncIterator[bytes]:
+            guest = await router._guest(vm, context)
+            call = guest.channel.stream_stream(method)(requests, metadata=_forwarded(context))
+            try:
+                async for reply in call:
+                    yield reply
+            except grpc.aio.AioRpcError as exc:
+                await context.abort(exc.code(), exc.details() or "")
+
+        # Raw bytes in and out: the guest parses and validates; the host only relays.
+        if local.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(unary_unary)
+        if local.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(unary_stream)
+        if local.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(stream_unary)
+        return grpc.stream_stream_rpc_method_handler(stream_stream)
+
+    async def _guest(self, vm: str, context: Context) -> GuestEndpoint:
+        try:
+            return await self._guests(vm)
+        except AuraeError as exc:
+            code, detail = status_for(exc)
+            await context.abort(code, detail)
+            raise
+
+    async def _ensure_image(self, guest: GuestEndpoint, request: bytes, context: Context) -> None:
+        try:
+            config = pb.ContainerServiceCreateRequest.parse(request).config
+            name = config.image if config is not None else ""
+            image = self._images.find(name)
+            sent = await send_image(guest.channel, image, self._images.content, name)
+            log.info("image %s placed in guest %s (%d blobs sent)", name, guest.name, sent)
+        except AuraeError as exc:
+            code, detail = status_for(exc)
+            await context.abort(code, detail)
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(exc.code(), f"guest {guest.name}: {exc.details()}")
+
+
+def _forwarded(context: Context) -> list[tuple[str, Any]]:
+    return [
+        (k, v)
+        for k, v in context.invocation_metadata() or ()
+        if k not in (VM_METADATA_KEY,) and not k.startswith(":")
+    ]
+
+
+async def _relay(call: Any, context: Context) -> Any:
+    try:
+        return await call
+    except grpc.aio.AioRpcError as exc:
+        await context.abort(exc.code(), exc.details() or "")
+    except Exception as exc:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"guest unreachable: {exc}")
