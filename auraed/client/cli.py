@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import ipaddress
 import json
@@ -18,17 +19,23 @@ import re
 import shlex
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+import termios
+import threading
+import time
+import tty
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import betterproto2
 from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
 from auraed.api.aurae.cells import v0 as cells_pb
+from auraed.api.aurae.containers import v0 as containers_pb
 from auraed.api.aurae.discovery import v0 as discovery_pb
 from auraed.api.aurae.observe import v0 as observe_pb
 from auraed.client.client import AuraeClient, ClientConfig, ClientError, load_client_config
@@ -44,9 +51,12 @@ from auraed.pki.certs import (
 CELLS = "aurae.cells.v0.CellService"
 OBSERVE = "aurae.observe.v0.ObserveService"
 DISCOVERY = "aurae.discovery.v0.DiscoveryService"
+CONTAINERS = "aurae.containers.v0.ContainerService"
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_SOCKET = "/var/run/aurae/aurae.sock"
 EXIT_INTERRUPTED = 130
+STDIN_CHUNK = 1 << 16
+DEFAULT_STOP_GRACE_MS = 10_000  # the daemon's, when a stop gives none
 
 T = TypeVar("T")
 M = TypeVar("M", bound=betterproto2.Message)
@@ -117,6 +127,42 @@ def ip_address(text: str) -> str:
         raise argparse.ArgumentTypeError(f"not an IP address: {text!r}") from None
 
 
+def key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {text!r}")
+    return key, value
+
+
+def env_var(text: str) -> str:
+    key_value(text)
+    return text
+
+
+def bind_mount(text: str) -> containers_pb.Mount:
+    """SRC:DST[:ro|rw], a bind mount; a relative SRC is made absolute here."""
+    parts = text.split(":")
+    mode = parts.pop() if len(parts) == 3 and parts[2] in ("ro", "rw") else "rw"
+    if len(parts) != 2 or not all(parts):
+        raise argparse.ArgumentTypeError(f"expected SRC:DST[:ro], not {text!r}")
+    source = str(Path(parts[0]).expanduser().absolute())
+    return containers_pb.Mount(source=source, destination=parts[1], read_only=mode == "ro")
+
+
+SINCE_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def since(text: str) -> float:
+    """Seconds ago ("90", "10m", "2h", "1d"), or a Unix time when a plain number past 1e9."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd]?)", text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not seconds ago (90, 10m, 2h, 1d) or a Unix time: {text!r}")
+    value = float(match[1])
+    if not match[2] and value >= 1e9:
+        return value
+    return time.time() - value * SINCE_UNITS[match[2]]
+
+
 # --------------------------------------------------------------------------- calling auraed
 
 
@@ -172,8 +218,7 @@ def _stream(
 
     async def body(client: AuraeClient) -> None:
         async for reply in client.stream(OBSERVE, method, request, timeout):
-            message, line = show(reply)
-            print(json.dumps(_as_dict(message)) if args.json else line, flush=True)
+            _emit(args, *show(reply))
 
     _session(args, body)
 
@@ -183,6 +228,16 @@ def _stream(
 
 def _as_dict(message: betterproto2.Message) -> dict[str, Any]:
     return message.to_dict(casing=betterproto2.Casing.SNAKE, include_default_values=True)
+
+
+def _emit(
+    args: argparse.Namespace, message: betterproto2.Message, line: str, file: IO[str] | None = None
+) -> None:
+    """One item of a stream: its JSON on one line of stdout with --json, else ``line`` on ``file``."""
+    if args.json:
+        print(json.dumps(_as_dict(message)), flush=True)
+    else:
+        print(line, file=file or sys.stdout, flush=True)
 
 
 def _print_json(value: betterproto2.Message | dict[str, Any]) -> None:
@@ -218,6 +273,24 @@ def _size(n: int) -> str:
 
 def _time(timestamp: float) -> str:
     return dt.datetime.fromtimestamp(timestamp).astimezone().isoformat(timespec="milliseconds")
+
+
+def _age(timestamp: float) -> str:
+    if not timestamp:
+        return "-"
+    elapsed = max(0.0, time.time() - timestamp)
+    for unit, length in (("d", 86400), ("h", 3600), ("m", 60)):
+        if elapsed >= length:
+            return f"{int(elapsed // length)}{unit} ago"
+    return f"{int(elapsed)}s ago"
+
+
+def _short_id(digest: str) -> str:
+    return digest.partition(":")[2][:12] if ":" in digest else digest[:12]
+
+
+def _lines(values: Sequence[str]) -> str:
+    return "\n".join(values) or "-"
 
 
 def _signal_name(number: int) -> str:
@@ -342,8 +415,11 @@ def cmd_cell_stop(args: argparse.Namespace) -> int:
     return 0
 
 
-def _outcome(status: cells_pb.ExecutableStatus) -> tuple[str, str]:
-    """How an executable is doing, and the style to show it in."""
+Status = cells_pb.ExecutableStatus | containers_pb.ContainerStatus
+
+
+def _ending(status: Status) -> str:
+    """How it ended: exit code, signal, OOM kill; empty while it has not."""
     details = []
     if status.exit_code is not None:
         details.append(f"code {status.exit_code}")
@@ -351,8 +427,14 @@ def _outcome(status: cells_pb.ExecutableStatus) -> tuple[str, str]:
         details.append(_signal_name(status.signal))
     if status.oom_killed:
         details.append("OOM killed")
+    return ", ".join(details)
+
+
+def _outcome(status: Status) -> tuple[str, str]:
+    """How an executable or a container is doing, and the style to show it in."""
+    details = _ending(status)
     state = status.state.name
-    text = f"{state} ({', '.join(details)})" if details else state
+    text = f"{state} ({details})" if details else state
     clean = status.exit_code == 0 and not status.oom_killed
     style = {"RUNNING": "green", "EXITED": "blue" if clean else "red"}.get(state, "yellow")
     return text, style
@@ -447,6 +529,521 @@ def cmd_observe_signals(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- images
+
+
+def _image_summary(verb: str, image: containers_pb.Image) -> str:
+    return f"{verb} {image.id}" + (f" as {', '.join(image.references)}" if image.references else "")
+
+
+def _progress_line(progress: containers_pb.PullProgress) -> str:
+    overall = f"{_size(progress.done)}/{_size(progress.total)}"
+    if progress.digest:
+        layer = f"{_size(progress.layer_done)}/{_size(progress.layer_total)}"
+        return f"{progress.phase} {_short_id(progress.digest)} {layer} (total {overall})"
+    return f"{progress.phase} (total {overall})" if progress.total else progress.phase
+
+
+class _PullBars:
+    """Rich progress bars for a pull: one per layer, and the whole."""
+
+    def __init__(self, bars: Progress) -> None:
+        self.bars = bars
+        self.total = bars.add_task("total", total=None)
+        self.layers: dict[str, TaskID] = {}
+        self.sizes: dict[TaskID, int] = {}
+
+    def show(self, progress: containers_pb.PullProgress) -> None:
+        if progress.digest:
+            task = self.layers.get(progress.digest)
+            if task is None:
+                task = self.layers[progress.digest] = self.bars.add_task("", total=None)
+            self.sizes[task] = progress.layer_total
+            self.bars.update(
+                task,
+                description=f"{_short_id(progress.digest)} {progress.phase}",
+                completed=progress.layer_done,
+                total=progress.layer_total or None,
+            )
+        if progress.phase == "done":  # layer messages are sampled: the last one may be missing
+            for digest, task in self.layers.items():
+                self.bars.update(task, description=f"{_short_id(digest)} done", completed=self.sizes[task])
+        self.bars.update(
+            self.total,
+            description=f"total {progress.phase}",
+            completed=progress.done,
+            total=progress.total or None,
+        )
+
+
+def cmd_image_pull(args: argparse.Namespace) -> int:
+    auth = None
+    if args.username is not None or args.password_stdin:
+        if args.username is None or not args.password_stdin:
+            raise CliError("--username and --password-stdin go together")
+        password = sys.stdin.read().rstrip("\r\n")
+        if not password:
+            raise CliError("--password-stdin: no password on stdin")
+        auth = containers_pb.RegistryAuth(username=args.username, password=password)
+    elif args.registry_token:
+        auth = containers_pb.RegistryAuth(registry_token=args.registry_token)
+    request = containers_pb.ContainerServicePullImageRequest(reference=args.reference, auth=auth)
+    timeout = _timeout(args, follow=True)
+    bars = (
+        None
+        if args.json or not console.is_terminal
+        else Progress(
+            TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True), console=console
+        )
+    )
+
+    async def body(client: AuraeClient) -> containers_pb.Image | None:
+        image, view = None, _PullBars(bars) if bars else None
+        async for reply in client.stream(CONTAINERS, "PullImage", request, timeout):
+            image = reply.image or image
+            if args.json:
+                _emit(args, reply, "")
+            elif reply.progress is not None and view is not None:
+                view.show(reply.progress)
+            elif reply.progress is not None:
+                print(_progress_line(reply.progress), flush=True)
+        return image
+
+    with bars if bars is not None else contextlib.nullcontext():
+        image = _session(args, body)
+    if image is None:
+        raise CliError(f"the pull of {args.reference} ended without an image")
+    if not args.json:
+        console.print(_image_summary("pulled", image))
+    return 0
+
+
+def cmd_image_import(args: argparse.Namespace) -> int:
+    request = containers_pb.ContainerServiceImportImageLayoutRequest(
+        path=str(Path(args.path).expanduser().absolute()),
+        ref_name=args.ref_name or "",
+        reference=args.reference or "",
+    )
+    reply = _call(args, CONTAINERS, "ImportImageLayout", request)
+    _report(args, reply, _image_summary("imported", reply.image))
+    return 0
+
+
+def cmd_image_list(args: argparse.Namespace) -> int:
+    reply = _call(args, CONTAINERS, "ListImages", containers_pb.ContainerServiceListImagesRequest())
+    if args.json:
+        _print_json(reply)
+        return 0
+    table = Table("REFERENCES", "ID", "SIZE", "LAYERS", "CREATED", box=None, header_style="bold")
+    for image in reply.images:
+        table.add_row(
+            Text("\n".join(image.references) or "<none>", style="cyan"),
+            _short_id(image.id),
+            _size(image.size),
+            str(len(image.layers)),
+            _age(image.created_at),
+        )
+    console.print(table if reply.images else "no images")
+    return 0
+
+
+def _image_rows(image: containers_pb.Image) -> list[tuple[str, str]]:
+    config = image.config or containers_pb.ImageConfig()
+    return [
+        ("id", image.id),
+        ("references", _lines(image.references)),
+        ("repo digests", _lines(image.repo_digests)),
+        ("manifest digest", image.manifest_digest),
+        ("size", f"{_size(image.size)} ({image.size} bytes)"),
+        ("platform", f"{image.os}/{image.architecture}"),
+        ("created", _time(image.created_at) if image.created_at else "-"),
+        ("layers", _lines(image.layers)),
+        ("entrypoint", shlex.join(config.entrypoint) or "-"),
+        ("cmd", shlex.join(config.cmd) or "-"),
+        ("env", _lines(config.env)),
+        ("working dir", config.working_dir or "-"),
+        ("user", config.user or "-"),
+        ("stop signal", config.stop_signal or "-"),
+        ("volumes", _lines(config.volumes)),
+        ("exposed ports", _lines(config.exposed_ports)),
+        ("labels", _lines([f"{k}={v}" for k, v in sorted(config.labels.items())])),
+    ]
+
+
+def cmd_image_inspect(args: argparse.Namespace) -> int:
+    request = containers_pb.ContainerServiceImageStatusRequest(image=args.image)
+    image = _call(args, CONTAINERS, "ImageStatus", request).image or containers_pb.Image()
+    if args.json:
+        _print_json(image)
+    else:
+        _kv_table(f"image {args.image}", _image_rows(image))
+    return 0
+
+
+def cmd_image_remove(args: argparse.Namespace) -> int:
+    request = containers_pb.ContainerServiceRemoveImageRequest(image=args.image)
+    reply = _call(args, CONTAINERS, "RemoveImage", request)
+    _report(args, reply, f"removed {args.image}, freed {_size(reply.freed_bytes)}")
+    return 0
+
+
+# --------------------------------------------------------------------------- containers
+
+
+def _container_config(args: argparse.Namespace) -> containers_pb.ContainerConfig:
+    security = containers_pb.Security(
+        capabilities_add=args.cap_add or [],
+        capabilities_drop=args.cap_drop or [],
+        read_only_rootfs=args.read_only,
+        user=args.user or "",
+    )
+    return containers_pb.ContainerConfig(
+        name=args.name,
+        image=args.image,
+        command=shlex.split(args.entrypoint) if args.entrypoint else [],
+        args=args.args,
+        env=args.env or [],
+        working_dir=args.workdir or "",
+        mounts=args.mount or [],
+        resources=_controller(
+            containers_pb.Resources, memory_max=args.memory, pids_max=args.pids, cpu_max=args.cpu_max
+        ),
+        security=security if security != containers_pb.Security() else None,
+        tty=args.tty,
+        labels=dict(args.label or []),
+        stop_signal=args.stop_signal or "",
+        host_network=args.host_network,
+    )
+
+
+def _exit_code(status: containers_pb.ContainerStatus) -> int:
+    """The container's exit code as a shell gives it: 128 + the signal when killed by one."""
+    if status.exit_code is not None:
+        return status.exit_code
+    return 128 + status.signal if status.signal is not None else 1
+
+
+def _status_line(verb: str, status: containers_pb.ContainerStatus) -> str:
+    outcome = _outcome(status)[0]
+    pid = f", pid {status.pid}" if status.state == containers_pb.ContainerState.RUNNING else ""
+    return f"{verb} {status.name} ({_short_id(status.id)}): {outcome}{pid}"
+
+
+def _container_call(
+    args: argparse.Namespace,
+    method: str,
+    request: betterproto2.Message,
+    verb: str,
+    slack_ms: int | None = None,
+) -> int:
+    """A call whose reply carries the container's status (Create, Start, Stop)."""
+    reply = _call(args, CONTAINERS, method, request, slack_ms=slack_ms)
+    _report(args, reply, _status_line(verb, reply.status or containers_pb.ContainerStatus()))
+    return 0
+
+
+def cmd_container_create(args: argparse.Namespace) -> int:
+    request = containers_pb.ContainerServiceCreateRequest(config=_container_config(args))
+    return _container_call(args, "Create", request, "created")
+
+
+def cmd_container_start(args: argparse.Namespace) -> int:
+    request = containers_pb.ContainerServiceStartRequest(container_id=args.name)
+    return _container_call(args, "Start", request, "started")
+
+
+def cmd_container_stop(args: argparse.Namespace) -> int:
+    request = containers_pb.ContainerServiceStopRequest(container_id=args.name, timeout_ms=args.grace)
+    grace = DEFAULT_STOP_GRACE_MS if args.grace is None else args.grace
+    return _container_call(args, "Stop", request, "stopped", slack_ms=grace)
+
+
+def cmd_container_kill(args: argparse.Namespace) -> int:
+    request = containers_pb.ContainerServiceKillRequest(container_id=args.name, signal=args.signal)
+    reply = _call(args, CONTAINERS, "Kill", request)
+    _report(args, reply, f"sent {args.signal} to {args.name}")
+    return 0
+
+
+def cmd_container_remove(args: argparse.Namespace) -> int:
+    request = containers_pb.ContainerServiceDeleteRequest(
+        container_id=args.name, force=args.force, keep_logs=args.keep_logs
+    )
+    reply = _call(args, CONTAINERS, "Delete", request)
+    _report(args, reply, f"removed {args.name}")
+    return 0
+
+
+def cmd_container_wait(args: argparse.Namespace) -> int:
+    request = containers_pb.ContainerServiceWaitRequest(container_id=args.name)
+    timeout = _timeout(args, follow=True)
+    reply = _session(args, lambda client: client.call(CONTAINERS, "Wait", request, timeout))
+    status = reply.status or containers_pb.ContainerStatus()
+    _report(args, reply, str(_exit_code(status)))
+    return 0
+
+
+def _container_rows(status: containers_pb.ContainerStatus) -> list[tuple[str, str]]:
+    def when(timestamp: float | None) -> str:
+        return _time(timestamp) if timestamp else "-"
+
+    return [
+        ("id", status.id),
+        ("name", status.name),
+        ("image", status.image),
+        ("image id", status.image_id),
+        ("state", _outcome(status)[0]),
+        ("pid", str(status.pid) if status.pid else "-"),
+        ("exit code", "-" if status.exit_code is None else str(status.exit_code)),
+        ("signal", "-" if status.signal is None else _signal_name(status.signal)),
+        ("oom killed", "yes" if status.oom_killed else "no"),
+        ("reason", status.reason or "-"),
+        ("created", when(status.created_at)),
+        ("started", when(status.started_at)),
+        ("finished", when(status.finished_at)),
+        ("labels", _lines([f"{k}={v}" for k, v in sorted(status.labels.items())])),
+        ("log", status.log_path or "-"),
+    ]
+
+
+def cmd_container_inspect(args: argparse.Namespace) -> int:
+    request = containers_pb.ContainerServiceStatusRequest(container_id=args.name)
+    status = _call(args, CONTAINERS, "Status", request).status or containers_pb.ContainerStatus()
+    if args.json:
+        _print_json(status)
+    else:
+        _kv_table(f"container {args.name}", _container_rows(status))
+    return 0
+
+
+def cmd_container_list(args: argparse.Namespace) -> int:
+    request = containers_pb.ContainerServiceListRequest(labels=dict(args.label or []))
+    reply = _call(args, CONTAINERS, "List", request)
+    if args.json:
+        _print_json(reply)
+        return 0
+    table = Table("NAME", "ID", "IMAGE", "STATE", "PID", "EXIT", "CREATED", box=None, header_style="bold")
+    for status in reply.containers:
+        style = _outcome(status)[1]
+        table.add_row(
+            Text(status.name, style="bold"),
+            _short_id(status.id),
+            status.image,
+            Text(status.state.name, style=style),
+            str(status.pid) if status.pid else "-",
+            Text(_ending(status) or "-", style=style),
+            _age(status.created_at),
+        )
+    console.print(table if reply.containers else "no containers")
+    return 0
+
+
+async def _print_logs(
+    args: argparse.Namespace, client: AuraeClient, request: containers_pb.ContainerServiceLogsRequest
+) -> None:
+    """Each log line as it comes: stdout lines on stdout, stderr lines on stderr."""
+    async for reply in client.stream(CONTAINERS, "Logs", request, _timeout(args, request.follow)):
+        _emit(args, reply, reply.line, sys.stderr if reply.stream == "stderr" else sys.stdout)
+
+
+def cmd_container_logs(args: argparse.Namespace) -> int:
+    request = containers_pb.ContainerServiceLogsRequest(
+        container_id=args.name,
+        follow=args.follow,
+        since=args.since,
+        tail=args.tail,
+        stream="stdout" if args.stdout else "stderr" if args.stderr else "",
+    )
+    _session(args, lambda client: _print_logs(args, client, request))
+    return 0
+
+
+def cmd_container_run(args: argparse.Namespace) -> int:
+    """Create, start, print the logs until it exits; exit as it did. ``--rm`` deletes it in any case."""
+    create = containers_pb.ContainerServiceCreateRequest(config=_container_config(args))
+    timeout = _timeout(args)
+
+    async def body(client: AuraeClient) -> containers_pb.ContainerStatus:
+        await client.call(CONTAINERS, "Create", create, timeout)
+        try:
+            start = containers_pb.ContainerServiceStartRequest(container_id=args.name)
+            await client.call(CONTAINERS, "Start", start, timeout)
+            follow = containers_pb.ContainerServiceLogsRequest(container_id=args.name, follow=True)
+            await _print_logs(args, client, follow)
+            wait = containers_pb.ContainerServiceWaitRequest(container_id=args.name)
+            reply = await client.call(CONTAINERS, "Wait", wait, _timeout(args, follow=True))
+        finally:
+            if args.rm:
+                delete = containers_pb.ContainerServiceDeleteRequest(container_id=args.name, force=True)
+                await client.call(CONTAINERS, "Delete", delete, timeout)
+        if args.json:
+            _emit(args, reply, "")
+        return reply.status or containers_pb.ContainerStatus()
+
+    return _exit_code(_session(args, body))
+
+
+def cmd_container_stats(args: argparse.Namespace) -> int:
+    reply = _call(
+        args, CONTAINERS, "Stats", containers_pb.ContainerServiceStatsRequest(container_id=args.name)
+    )
+    if args.json:
+        _print_json(reply)
+        return 0
+
+    def limited(current: str, limit: int, text: str) -> str:
+        return f"{current} / {text if limit else 'no limit'}"
+
+    _kv_table(
+        f"container {args.name}",
+        [
+            ("cpu", f"{reply.cpu_usage_usec / 1e6:.3f}s"),
+            ("cpu throttled", f"{reply.cpu_throttled_usec / 1e6:.3f}s"),
+            ("memory", limited(_size(reply.memory_current), reply.memory_max, _size(reply.memory_max))),
+            ("pids", limited(str(reply.pids_current), reply.pids_max, str(reply.pids_max))),
+            ("io read", _size(reply.io_read_bytes)),
+            ("io written", _size(reply.io_write_bytes)),
+            ("at", _time(reply.timestamp)),
+        ],
+    )
+    return 0
+
+
+# --------------------------------------------------------------------------- exec
+
+ExecRequest = containers_pb.ContainerServiceExecRequest
+
+
+def _terminal_size() -> containers_pb.TerminalSize | None:
+    for stream in (sys.stdin, sys.stdout):
+        try:
+            columns, rows = os.get_terminal_size(stream.fileno())
+        except (OSError, ValueError, AttributeError):
+            continue
+        return containers_pb.TerminalSize(rows=rows, columns=columns)
+    return None
+
+
+def _forward_stdin(
+    loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[ExecRequest | None]
+) -> Callable[[], object]:
+    """Send what comes on stdin, then the end of it; returns how to stop."""
+    fd = sys.stdin.fileno()
+
+    def deliver(data: bytes) -> None:
+        queue.put_nowait(ExecRequest(stdin=data) if data else ExecRequest(close_stdin=True))
+
+    def read() -> bytes:
+        try:
+            return os.read(fd, STDIN_CHUNK)
+        except OSError:  # e.g. EIO once a terminal hangs up: the end of input
+            return b""
+
+    def readable() -> None:
+        data = read()
+        if not data:
+            loop.remove_reader(fd)
+        deliver(data)
+
+    try:
+        loop.add_reader(fd, readable)
+        return lambda: loop.remove_reader(fd)
+    except OSError:  # a regular file or /dev/null: epoll cannot watch it, a thread reads it instead
+        pass
+
+    def pump() -> None:
+        while True:
+            data = read()
+            try:
+                loop.call_soon_threadsafe(deliver, data)
+            except RuntimeError:  # the loop is closed: exec is over
+                return
+            if not data:
+                return
+
+    threading.Thread(target=pump, name="aer-stdin", daemon=True).start()
+    return lambda: None
+
+
+def _write(stream: IO[str], data: bytes) -> None:
+    stream.buffer.write(data)  # type: ignore[attr-defined]
+    stream.flush()
+
+
+async def _exec(args: argparse.Namespace, client: AuraeClient) -> int:
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    queue: asyncio.Queue[ExecRequest | None] = asyncio.Queue()
+    size = _terminal_size() if args.tty else None
+    start = containers_pb.ExecStart(
+        container_id=args.name, command=args.args, tty=args.tty, stdin=args.interactive, size=size
+    )
+    stop_reading: Callable[[], object] = _forward_stdin(loop, queue) if args.interactive else lambda: None
+    if not args.interactive and not args.tty:
+        queue.put_nowait(None)  # nothing more to send: the process's stdin ends now
+
+    async def requests() -> AsyncIterator[ExecRequest]:
+        yield ExecRequest(start=start)
+        while (message := await queue.get()) is not None:
+            yield message
+
+    def resized() -> None:
+        new = _terminal_size()
+        if new is not None:
+            queue.put_nowait(ExecRequest(resize=new))
+
+    ended_by: list[int] = []
+
+    def terminate(signum: int) -> None:  # a Python exit, so that the terminal is restored
+        ended_by.append(signum)
+        if task is not None:
+            task.cancel()
+
+    handlers: dict[int, tuple[Callable[..., None], tuple[int, ...]]] = {
+        signal.SIGTERM: (terminate, (signal.SIGTERM,)),
+        signal.SIGHUP: (terminate, (signal.SIGHUP,)),
+    }
+    if size is not None:
+        handlers[signal.SIGWINCH] = (resized, ())
+    for signum, (handler, arguments) in handlers.items():
+        loop.add_signal_handler(signum, handler, *arguments)
+    code: int | None = None
+    try:
+        async for reply in client.duplex(CONTAINERS, "Exec", requests(), _timeout(args, follow=True)):
+            if reply.stdout:
+                _write(sys.stdout, reply.stdout)
+            if reply.stderr:
+                _write(sys.stderr, reply.stderr)
+            if reply.exit_code is not None:
+                code = reply.exit_code
+    except asyncio.CancelledError:
+        if not ended_by:
+            raise
+        return 128 + ended_by[0]
+    finally:
+        stop_reading()
+        queue.put_nowait(None)
+        for signum in handlers:
+            loop.remove_signal_handler(signum)
+    if code is None:
+        raise CliError("exec ended without an exit code")
+    return code
+
+
+def cmd_container_exec(args: argparse.Namespace) -> int:
+    if not args.args:
+        raise CliError("container exec: give the command after --")
+    fd = sys.stdin.fileno() if sys.stdin is not None else -1
+    saved = termios.tcgetattr(fd) if args.tty and args.interactive and os.isatty(fd) else None
+    try:
+        if saved is not None:
+            tty.setraw(fd)  # keys, ^C included, go to the container's terminal
+        return _session(args, lambda client: _exec(args, client))
+    finally:
+        if saved is not None:
+            termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
 # --------------------------------------------------------------------------- pki
 
 
@@ -536,10 +1133,12 @@ def cmd_pki_client(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- parser
 
 
-def _global_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
+def _global_options(parser: argparse.ArgumentParser, suppress: bool, deadline: bool = True) -> None:
     """The options every command takes, before or after the command's name.
 
     Subcommands repeat them with SUPPRESS defaults so that they only override the top level when given.
+    Without ``deadline`` the command has its own --timeout (``container stop``); the deadline of
+    its call is then only given before the command's name.
     """
 
     def default(value: Any) -> Any:
@@ -557,16 +1156,21 @@ def _global_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
         "--address", default=default(None), metavar="ADDR", help="auraed address: unix:/path or host:port"
     )
     group.add_argument("--json", action="store_true", default=default(False), help="machine-readable output")
-    group.add_argument(
-        "--timeout", type=seconds, default=default(None), metavar="SECONDS", help="deadline of each call"
-    )
+    if deadline:
+        group.add_argument(
+            "--timeout", type=seconds, default=default(None), metavar="SECONDS", help="deadline of each call"
+        )
 
 
 def _command(
-    subparsers: Any, name: str, handler: Callable[[argparse.Namespace], int], help_text: str
+    subparsers: Any,
+    name: str,
+    handler: Callable[[argparse.Namespace], int],
+    help_text: str,
+    deadline: bool = True,
 ) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(name, help=help_text, description=help_text)
-    _global_options(parser, suppress=True)
+    _global_options(parser, suppress=True, deadline=deadline)
     parser.set_defaults(handler=handler)
     return parser
 
@@ -646,6 +1250,95 @@ def _add_pki_commands(subparsers: Any) -> None:
     client.add_argument("name", metavar="NAME")
 
 
+def _add_image_commands(subparsers: Any) -> None:
+    image = _group(subparsers, "image", "pull, import, list, inspect and remove OCI images")
+    pull = _command(image, "pull", cmd_image_pull, "pull an image from a registry, showing progress")
+    pull.add_argument("reference", metavar="REF", help='e.g. "busybox" or "registry.example:5000/app:1.0"')
+    credentials = pull.add_mutually_exclusive_group()
+    credentials.add_argument("--username", metavar="U", help="registry user; the password comes on stdin")
+    credentials.add_argument("--registry-token", metavar="T", help="a bearer token for the registry")
+    pull.add_argument("--password-stdin", action="store_true", help="read the password from stdin")
+
+    load = _command(image, "import", cmd_image_import, "import an OCI image layout (directory or tar)")
+    load.add_argument("path", metavar="PATH", help="on the daemon's machine; made absolute here")
+    load.add_argument("--ref-name", metavar="NAME", help="which image of the layout (its ref name)")
+    load.add_argument("--reference", metavar="REF", help="the name to store it as (default: the ref name)")
+
+    _command(image, "ls", cmd_image_list, "the stored images")
+    inspect = _command(image, "inspect", cmd_image_inspect, "everything about one image")
+    inspect.add_argument("image", metavar="IMAGE", help="a reference, image id or repo digest")
+    remove = _command(image, "rm", cmd_image_remove, "remove an image and collect what nothing else uses")
+    remove.add_argument("image", metavar="IMAGE", help="a reference, image id or repo digest")
+
+
+def _container_options(parser: argparse.ArgumentParser) -> None:
+    """What ``container create`` and ``container run`` take."""
+    parser.add_argument("name", metavar="NAME", help="a DNS label, unique on the daemon")
+    parser.add_argument("image", metavar="IMAGE", help="a reference, image id or repo digest")
+    parser.add_argument("args", nargs="*", metavar="CMD", help="after --: replaces the image's Cmd")
+    parser.add_argument("--entrypoint", metavar="CMD", help="replaces the image's Entrypoint (split as sh)")
+    parser.add_argument("--env", "-e", action="append", type=env_var, metavar="K=V", help="(repeatable)")
+    parser.add_argument("--workdir", "-w", metavar="DIR", help="working directory (created if missing)")
+    parser.add_argument("--user", "-u", metavar="U", help="name, uid, uid:gid or name:group")
+    parser.add_argument("--memory", "-m", type=size, metavar="SIZE", help="memory limit: 64M, 1G, ...")
+    parser.add_argument("--pids", type=unsigned(64), metavar="N", help="maximum number of tasks")
+    parser.add_argument("--cpu-max", type=unsigned(64), metavar="US", help="CPU time (µs) per 100 ms")
+    parser.add_argument("--read-only", action="store_true", help="read-only root filesystem")
+    parser.add_argument("--cap-add", action="append", metavar="CAP", help="add a capability (repeatable)")
+    parser.add_argument("--cap-drop", action="append", metavar="CAP", help="drop a capability, or ALL")
+    parser.add_argument(
+        "--mount", "-v", action="append", type=bind_mount, metavar="SRC:DST[:ro]", help="bind mount"
+    )
+    parser.add_argument("--tty", "-t", action="store_true", help="run on a terminal (stdout+stderr merged)")
+    parser.add_argument("--label", "-l", action="append", type=key_value, metavar="K=V", help="(repeatable)")
+    parser.add_argument("--host-network", action="store_true", help="the host's network namespace")
+    parser.add_argument("--stop-signal", metavar="SIG", help="what stop sends first (default SIGTERM)")
+
+
+def _add_container_commands(subparsers: Any) -> None:
+    container = _group(subparsers, "container", "create, run, exec into and remove containers")
+    create = _command(container, "create", cmd_container_create, "create a container (not started)")
+    _container_options(create)
+    run = _command(container, "run", cmd_container_run, "create, start, print its logs; exit as it does")
+    _container_options(run)
+    run.add_argument("--rm", action="store_true", help="remove it once it exits")
+
+    start = _command(container, "start", cmd_container_start, "start a created container")
+    stop = _command(container, "stop", cmd_container_stop, "its stop signal, then SIGKILL", deadline=False)
+    stop.add_argument(
+        "--timeout",
+        "-t",
+        dest="grace",
+        type=grace_ms,
+        metavar="SECONDS",
+        help="before SIGKILL (default 10); the call's deadline goes first: aer --timeout S container stop",
+    )
+    kill = _command(container, "kill", cmd_container_kill, "send a signal")
+    kill.add_argument("--signal", "-s", default="SIGKILL", metavar="SIG", help="name or number (SIGKILL)")
+    remove = _command(container, "rm", cmd_container_remove, "remove a container that is not running")
+    remove.add_argument("--force", "-f", action="store_true", help="kill it first if it runs")
+    remove.add_argument("--keep-logs", action="store_true", help="leave its log file")
+    wait = _command(container, "wait", cmd_container_wait, "wait for the end; print the exit code")
+    inspect = _command(container, "inspect", cmd_container_inspect, "the status of a container")
+    stats = _command(container, "stats", cmd_container_stats, "CPU, memory, pids and I/O of a container")
+    logs = _command(container, "logs", cmd_container_logs, "the output of a container")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing until it exits")
+    logs.add_argument("--tail", type=unsigned(32), metavar="N", help="start with the last N lines")
+    logs.add_argument("--since", type=since, metavar="WHEN", help="seconds ago (90, 10m, 2h) or a Unix time")
+    channel = logs.add_mutually_exclusive_group()
+    channel.add_argument("--stdout", action="store_true", help="only stdout")
+    channel.add_argument("--stderr", action="store_true", help="only stderr")
+    execute = _command(container, "exec", cmd_container_exec, "run a command in a running container")
+    execute.add_argument("-i", "--interactive", action="store_true", help="send stdin")
+    execute.add_argument("-t", "--tty", action="store_true", help="on a terminal (raw mode locally with -i)")
+    for parser in (start, stop, kill, remove, wait, inspect, stats, logs, execute):
+        parser.add_argument("name", metavar="NAME", help="the container's name or id")
+    execute.add_argument("args", nargs="*", metavar="CMD", help="after --: the command and its arguments")
+
+    listing = _command(container, "ls", cmd_container_list, "the containers")
+    listing.add_argument("--label", "-l", action="append", type=key_value, metavar="K=V", help="only these")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aer", description="Command line for auraed.")
     _global_options(parser, suppress=False)
@@ -657,6 +1350,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_cell_commands(subparsers)
     _add_observe_commands(subparsers)
+    _add_image_commands(subparsers)
+    _add_container_commands(subparsers)
     _add_pki_commands(subparsers)
     return parser
 
@@ -670,7 +1365,8 @@ def _fail(message: str) -> int:
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
-    """Parse ``argv``; all that follows the first ``--`` is the program of ``cell start``.
+    """Parse ``argv``; all that follows the first ``--`` is the program of ``cell start``,
+    ``container create``, ``run`` or ``exec``.
 
     argparse alone would drop ``-- ARGS`` that come after an option (``--env K=V -- prog``).
     """
