@@ -75,6 +75,10 @@ class DaemonConfig:
     ca_crt: Path = field(
         default=Path("/etc/aurae/pki/ca.crt"), metadata=_help("CA certificate clients must be signed by")
     )
+    ca_key: Path = field(
+        default=Path("/etc/aurae/pki/ca.key"),
+        metadata=_help("CA key, used to issue each guest VM its certificate (host role only)"),
+    )
     server_crt: Path = field(default=Path("/etc/aurae/pki/server.crt"), metadata=_help("server certificate"))
     server_key: Path = field(default=Path("/etc/aurae/pki/server.key"), metadata=_help("server private key"))
     state_dir: Path = field(

@@ -86,20 +86,24 @@ class _TeeReader:
     def __init__(self, chunks: Iterator[bytes], sink: Callable[[bytes], None]) -> None:
         self._chunks = chunks
         self._sink = sink
-        self._buffer = b""
+        self._chunk = b""
+        self._offset = 0  # into _chunk: small reads must not copy the rest of a 1 MiB chunk
 
     def read(self, size: int = -1) -> bytes:
-        while size < 0 or len(self._buffer) < size:
-            chunk = next(self._chunks, b"")
-            if not chunk:
-                break
-            self._sink(chunk)
-            self._buffer += chunk
-        if size < 0:
-            data, self._buffer = self._buffer, b""
-        else:
-            data, self._buffer = self._buffer[:size], self._buffer[size:]
-        return data
+        parts: list[bytes] = []
+        wanted = size if size >= 0 else None
+        while wanted is None or wanted > 0:
+            if self._offset >= len(self._chunk):
+                self._chunk, self._offset = next(self._chunks, b""), 0
+                if not self._chunk:
+                    break
+                self._sink(self._chunk)
+            end = len(self._chunk) if wanted is None else min(len(self._chunk), self._offset + wanted)
+            parts.append(self._chunk[self._offset : end])
+            if wanted is not None:
+                wanted -= end - self._offset
+            self._offset = end
+        return b"".join(parts)
 
     def drain(self) -> None:
         while self.read(CHUNK):

@@ -10,7 +10,9 @@ from pathlib import Path
 
 from auraed.system.monitor import parse_cri_log_line
 
-POLL_INTERVAL = 0.1  # seconds between looks at a followed file that has no new data
+# Seconds between looks at a followed file with no new data: short right after data arrived (so a
+# follower sees a line within ~10 ms), backing off to the longest while the file stays quiet.
+POLL_SHORTEST, POLL_LONGEST = 0.01, 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +76,7 @@ async def stream_lines(
         return
     assembler = _Assembler()
     buffer = b""
+    pause = POLL_SHORTEST
     while True:
         done = finished()  # read before the data, so nothing written before the end is missed
         chunk = await asyncio.to_thread(_read_from, path, offset)
@@ -86,8 +89,11 @@ async def stream_lines(
                 yield fed
         if done and not chunk:
             return
-        if not chunk:
-            await asyncio.sleep(POLL_INTERVAL)
+        if chunk:
+            pause = POLL_SHORTEST
+        else:
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, POLL_LONGEST)
 
 
 def _read_from(path: Path, offset: int) -> bytes:

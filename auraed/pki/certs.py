@@ -403,8 +403,11 @@ def load_private_key(path: Path) -> PrivateKey:
 
 def load_ca(directory: Path) -> CertificateAuthority:
     """Load ``ca.crt`` and ``ca.key`` from ``directory`` and check that they belong together."""
-    cert_path = directory / CA_CERT_FILE
-    key_path = directory / CA_KEY_FILE
+    return load_ca_files(directory / CA_CERT_FILE, directory / CA_KEY_FILE)
+
+
+def load_ca_files(cert_path: Path, key_path: Path) -> CertificateAuthority:
+    """Load a CA certificate and its key and check that they belong together."""
     cert = load_certificate(cert_path)
     key = load_private_key(key_path)
     if _cert_public_key_der(cert) != _public_key_der(key):
