@@ -24,8 +24,10 @@ socket = "/run/aurae/aurae.sock"
 ca_crt = "/etc/aurae/pki/ca.crt"
 server_crt = "/etc/aurae/pki/server.crt"
 server_key = "/etc/aurae/pki/server.key"
-state_dir = "/var/lib/aurae"
-runtime_dir = "/run/aurae"
+# The root is an overlay on tmpfs, and overlayfs refuses an upper dir on an overlay: container
+# layers live on /run (a plain tmpfs) instead.
+state_dir = "/run/aurae/state"
+runtime_dir = "/run/aurae/run"
 stop_containers_on_shutdown = true
 
 [authorization]
