@@ -115,6 +115,23 @@ class DaemonConfig:
     allow_device_nodes: bool = field(
         default=False, metadata=_help("create device nodes found in image layers (skipped otherwise)")
     )
+    vm_address_pool: str = field(
+        default="10.213.0.0/16",
+        metadata=_help("private IPv4 pool for VM taps, cut into /30s; checked against every host route"),
+    )
+    vm_machine: str = field(default="microvm", metadata=_help("QEMU machine type: microvm or q35"))
+    vm_guest_port: int = field(default=8443, metadata=_help("port the guests' auraed listens on (mTLS)"))
+    qemu_binary: str = field(default="qemu-system-x86_64", metadata=_help("QEMU system emulator"))
+    cloud_hypervisor_binary: str = field(
+        default="cloud-hypervisor", metadata=_help("cloud-hypervisor binary (used only when KVM works)")
+    )
+    guest_image: Path = field(
+        default=Path("/var/lib/aurae/guest-image"),
+        metadata=_help("directory with vmlinuz, initramfs.img and rootfs.img for guests (guest-image/build)"),
+    )
+    guest_ready_timeout: float = field(
+        default=120.0, metadata=_help("seconds a booting guest has to answer health SERVING")
+    )
     log_buffer_lines: int = field(
         default=10000, metadata=_help("how many of auraed's own log lines Observe keeps")
     )

@@ -222,3 +222,24 @@ async def wait_until(predicate: Callable[[], object], timeout: float = 10.0, int
             return
         await asyncio.sleep(interval)
     raise AssertionError("condition not met in time")
+
+
+@pytest.fixture(scope="session")
+def guest_image() -> Path:
+    """guest-image/build's output directory (built once, cached by the builder)."""
+    prebuilt = os.environ.get("AURAED_TEST_GUEST_IMAGE")
+    if prebuilt:
+        out = Path(prebuilt)
+    else:
+        result = subprocess.run(
+            [str(Path(__file__).resolve().parent.parent / "guest-image" / "build")],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            check=False,
+        )
+        assert result.returncode == 0, f"guest-image/build failed:\n{result.stderr[-4000:]}"
+        out = Path(result.stdout.strip().splitlines()[-1])
+    for name in ("vmlinuz", "initramfs.img", "rootfs.img", "bare-initramfs.img", "manifest.json"):
+        assert (out / name).is_file(), f"guest image {out} lacks {name}"
+    return out

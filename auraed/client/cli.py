@@ -38,6 +38,7 @@ from auraed.api.aurae.cells import v0 as cells_pb
 from auraed.api.aurae.containers import v0 as containers_pb
 from auraed.api.aurae.discovery import v0 as discovery_pb
 from auraed.api.aurae.observe import v0 as observe_pb
+from auraed.api.aurae.vms import v0 as vms_pb
 from auraed.client.client import AuraeClient, ClientConfig, ClientError, load_client_config
 from auraed.pki import PkiError, PkiPaths, ensure_dev_pki, issue_client_cert, load_ca, write_pem_files
 from auraed.pki.certs import (
@@ -52,6 +53,7 @@ CELLS = "aurae.cells.v0.CellService"
 OBSERVE = "aurae.observe.v0.ObserveService"
 DISCOVERY = "aurae.discovery.v0.DiscoveryService"
 CONTAINERS = "aurae.containers.v0.ContainerService"
+VMS = "aurae.vms.v0.VmService"
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_SOCKET = "/var/run/aurae/aurae.sock"
 EXIT_INTERRUPTED = 130
@@ -186,7 +188,7 @@ def _session(args: argparse.Namespace, body: Callable[[AuraeClient], Awaitable[T
 
     async def run() -> T:
         try:
-            client = AuraeClient.connect(config)
+            client = AuraeClient.connect(config, vm=getattr(args, "vm", None) or "")
         except ClientError as exc:  # unreadable certificate or key: a local problem
             raise CliError(exc.message) from None
         async with client:
@@ -1156,6 +1158,12 @@ def _global_options(parser: argparse.ArgumentParser, suppress: bool, deadline: b
         "--address", default=default(None), metavar="ADDR", help="auraed address: unix:/path or host:port"
     )
     group.add_argument("--json", action="store_true", default=default(False), help="machine-readable output")
+    group.add_argument(
+        "--vm",
+        default=default(None),
+        metavar="NAME",
+        help="run container and image commands in this VM's guest (the host sends it the image)",
+    )
     if deadline:
         group.add_argument(
             "--timeout", type=seconds, default=default(None), metavar="SECONDS", help="deadline of each call"
@@ -1339,6 +1347,123 @@ def _add_container_commands(subparsers: Any) -> None:
     listing.add_argument("--label", "-l", action="append", type=key_value, metavar="K=V", help="only these")
 
 
+# --------------------------------------------------------------------------- vms
+
+VM_START_SLACK_MS = 300_000  # a guest booting under emulation takes a while to answer
+
+
+def _vm_line(status: Any) -> str:
+    state = vms_pb.VmState(status.state).name
+    where = f" at {status.address}" if status.address else ""
+    reason = f" ({status.reason})" if status.reason else ""
+    return f"{status.vm.name}: {state}{where}{reason}"
+
+
+def cmd_vm_allocate(args: argparse.Namespace) -> int:
+    vm = vms_pb.VirtualMachine(
+        name=args.name,
+        vcpus=args.vcpus,
+        memory_mib=args.memory,
+        kernel=_absolute(args.kernel),
+        initramfs=_absolute(args.initramfs),
+        root_disk=_absolute(args.root_disk),
+        kernel_args=args.kernel_arg or [],
+        network=args.network or args.guest,
+        role="guest" if args.guest else (args.role or ""),
+    )
+    reply = _call(args, VMS, "Allocate", vms_pb.VmServiceAllocateRequest(vm=vm))
+    _report(args, reply, f"allocated {_vm_line(reply.status)}")
+    return 0
+
+
+def _absolute(path: str | None) -> str:
+    return str(Path(path).absolute()) if path else ""
+
+
+def cmd_vm_start(args: argparse.Namespace) -> int:
+    request = vms_pb.VmServiceStartRequest(name=args.name, wait_for_console=args.wait_for_console or "")
+    reply = _call(args, VMS, "Start", request, slack_ms=VM_START_SLACK_MS)
+    ready = f", ready in {reply.console_ready_ms / 1000:.1f} s" if reply.console_ready_ms else ""
+    _report(args, reply, f"started {_vm_line(reply.status)}{ready}")
+    return 0
+
+
+def cmd_vm_stop(args: argparse.Namespace) -> int:
+    grace = None if args.grace is None else round(args.grace * 1000)
+    reply = _call(
+        args, VMS, "Stop", vms_pb.VmServiceStopRequest(name=args.name, timeout_ms=grace), slack_ms=grace
+    )
+    _report(args, reply, f"stopped {_vm_line(reply.status)}")
+    return 0
+
+
+def cmd_vm_free(args: argparse.Namespace) -> int:
+    reply = _call(args, VMS, "Free", vms_pb.VmServiceFreeRequest(name=args.name))
+    _report(args, reply, f"freed VM {args.name}")
+    return 0
+
+
+def cmd_vm_list(args: argparse.Namespace) -> int:
+    reply = _call(args, VMS, "List", vms_pb.VmServiceListRequest())
+    if args.json:
+        _print_json(reply)
+        return 0
+    table = Table("NAME", "STATE", "BACKEND", "ADDRESS", "PID", "TAP", box=None, header_style="bold")
+    for status in reply.vms:
+        table.add_row(
+            status.vm.name,
+            vms_pb.VmState(status.state).name,
+            f"{status.backend}/{status.accelerator}",
+            status.address or "-",
+            str(status.pid or "-"),
+            status.tap or "-",
+        )
+    console.print(table if reply.vms else "no VMs")
+    return 0
+
+
+def cmd_vm_console(args: argparse.Namespace) -> int:
+    request = vms_pb.VmServiceGetConsoleRequest(name=args.name, tail=args.tail, follow=args.follow)
+    timeout = _timeout(args, args.follow)
+
+    async def body(client: AuraeClient) -> None:
+        async for reply in client.stream(VMS, "GetConsole", request, timeout):
+            _emit(args, reply, reply.line)
+
+    _session(args, body)
+    return 0
+
+
+def _add_vm_commands(subparsers: Any) -> None:
+    vm = _group(subparsers, "vm", "virtual machines: guests with their own auraed, or any kernel")
+    allocate = _command(vm, "allocate", cmd_vm_allocate, "define a VM (and its tap and addresses)")
+    allocate.add_argument("name", metavar="NAME")
+    allocate.add_argument("--guest", action="store_true", help="boot the guest image with auraed as PID 1")
+    allocate.add_argument("--vcpus", type=int, default=0, help="virtual CPUs (default 1)")
+    allocate.add_argument("--memory", type=int, default=0, metavar="MIB", help="memory in MiB (default 512)")
+    allocate.add_argument("--kernel", help="kernel image (the guest image's with --guest)")
+    allocate.add_argument("--initramfs")
+    allocate.add_argument("--root-disk", help="read-only root disk image")
+    allocate.add_argument("--kernel-arg", action="append", metavar="ARG", help="extra kernel argument")
+    allocate.add_argument("--network", action="store_true", help="a tap and an address pair")
+    allocate.add_argument("--role", help="auraed role passed on the kernel command line")
+    start = _command(vm, "start", cmd_vm_start, "boot a VM; a guest is ready once its auraed serves")
+    start.add_argument("name", metavar="NAME")
+    start.add_argument("--wait-for-console", metavar="TEXT", help="return once TEXT is on the console")
+    stop = _command(
+        vm, "stop", cmd_vm_stop, "power off (ACPI), forced after the grace period", deadline=False
+    )
+    stop.add_argument("name", metavar="NAME")
+    stop.add_argument("--grace", type=seconds, default=None, metavar="SECONDS")
+    free = _command(vm, "free", cmd_vm_free, "stop a VM and remove its tap, files and record")
+    free.add_argument("name", metavar="NAME")
+    _command(vm, "ls", cmd_vm_list, "the VMs, with state read from their VMM")
+    console_ = _command(vm, "console", cmd_vm_console, "the serial console")
+    console_.add_argument("name", metavar="NAME")
+    console_.add_argument("-f", "--follow", action="store_true")
+    console_.add_argument("--tail", type=int, default=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aer", description="Command line for auraed.")
     _global_options(parser, suppress=False)
@@ -1352,6 +1477,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_observe_commands(subparsers)
     _add_image_commands(subparsers)
     _add_container_commands(subparsers)
+    _add_vm_commands(subparsers)
     _add_pki_commands(subparsers)
     return parser
 

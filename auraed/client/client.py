@@ -25,6 +25,8 @@ import grpc
 from auraed.errors import AuraeError, ErrorKind
 from auraed.server.rpc import message_class, service_descriptor, snake_case
 
+# The metadata key by which a host routes a ContainerService call to a guest (vms/placement.py).
+VM_METADATA_KEY = "aurae-vm"
 CONFIG_PATHS = (Path("~/.aurae/config"), Path("/etc/aurae/config"))
 DEFAULT_SERVER_NAME = "server.unsafe.aurae.io"
 # A booting guest must be reachable the moment it listens; grpc's default backoff waits seconds.
@@ -149,12 +151,15 @@ class ServiceStub:
 
 
 class AuraeClient:
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    """``vm``: send every ContainerService call to that VM's guest, through the host."""
+
+    def __init__(self, channel: grpc.aio.Channel, vm: str = "") -> None:
         self.channel = channel
+        self._metadata = ((VM_METADATA_KEY, vm),) if vm else None
 
     @classmethod
-    def connect(cls, config: ClientConfig | None = None) -> AuraeClient:
-        return cls(channel_for(config or load_client_config()))
+    def connect(cls, config: ClientConfig | None = None, vm: str = "") -> AuraeClient:
+        return cls(channel_for(config or load_client_config()), vm)
 
     async def __aenter__(self) -> AuraeClient:
         return self
@@ -182,7 +187,7 @@ class AuraeClient:
             f"/{service}/{method}", request_serializer=bytes, response_deserializer=response.parse
         )
         try:
-            return await callable_(request, timeout=timeout)
+            return await callable_(request, timeout=timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise _client_error(exc) from None
 
@@ -193,7 +198,7 @@ class AuraeClient:
         callable_ = self.channel.unary_stream(
             f"/{service}/{method}", request_serializer=bytes, response_deserializer=response.parse
         )
-        call = callable_(request, timeout=timeout)
+        call = callable_(request, timeout=timeout, metadata=self._metadata)
         try:
             async for item in call:
                 yield item
@@ -214,7 +219,7 @@ class AuraeClient:
         callable_ = self.channel.stream_stream(
             f"/{service}/{method}", request_serializer=bytes, response_deserializer=response.parse
         )
-        call = callable_(requests, timeout=timeout)
+        call = callable_(requests, timeout=timeout, metadata=self._metadata)
         try:
             async for item in call:
                 yield item
@@ -236,7 +241,7 @@ class AuraeClient:
             f"/{service}/{method}", request_serializer=bytes, response_deserializer=response.parse
         )
         try:
-            return await callable_(requests, timeout=timeout)
+            return await callable_(requests, timeout=timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise _client_error(exc) from None
 

@@ -19,11 +19,9 @@ from auraed.cells.cells import Cells
 from auraed.cells.servicer import SERVICE_NAME as CELLS
 from auraed.cells.servicer import CellServicer
 from auraed.config import DaemonConfig
-from auraed.containers.containers import Containers
-from auraed.discovery.capabilities import probe
+from auraed.discovery.capabilities import Capabilities, probe
 from auraed.discovery.servicer import SERVICE_NAME as DISCOVERY
 from auraed.discovery.servicer import DiscoveryServicer
-from auraed.images.images import Images
 from auraed.init.roles import Role, detect_role
 from auraed.observe.events import DaemonLogHandler, ObserveHub
 from auraed.observe.servicer import SERVICE_NAME as OBSERVE
@@ -45,10 +43,12 @@ from auraed.system.supervisor import Supervisor
 if TYPE_CHECKING:
     from auraed.containers.containers import Containers
     from auraed.images.images import Images
+    from auraed.vms.guests import Guests
 
 log = logging.getLogger("auraed")
 
 CONTAINERS = "aurae.containers.v0.ContainerService"
+VMS = "aurae.vms.v0.VmService"
 HEALTH = "grpc.health.v1.Health"
 REFLECTION = reflection.SERVICE_NAME
 SERVER_STOP_GRACE = 2.0  # seconds in-flight calls get once shutdown begins
@@ -85,6 +85,7 @@ class Daemon:
         self.cells: Cells | None = None
         self.images: Images | None = None
         self.containers: Containers | None = None
+        self.guests: Guests | None = None
         self.store: Store | None = None
         self._server: grpc.aio.Server | None = None
         self._stopping = asyncio.Event()
@@ -98,6 +99,8 @@ class Daemon:
         services = [CELLS, DISCOVERY, OBSERVE]
         if self.role is not Role.NESTED:
             services.append(CONTAINERS)
+        if self.role is Role.HOST:
+            services.append(VMS)
         return sorted(services)
 
     async def run(self) -> int:
@@ -154,17 +157,22 @@ class Daemon:
             self.images, self.containers = setup.build(config, self.store, cgroups, supervisor)
             await self.containers.recover()
         capabilities = await asyncio.to_thread(probe, cgroups)
-
-        services = self.services()
-        server = grpc.aio.server(
-            interceptors=[AuthorizationInterceptor(config.authorization)], options=SERVER_OPTIONS
-        )
-        self._server = server
+        interceptors: list[grpc.aio.ServerInterceptor] = [AuthorizationInterceptor(config.authorization)]
         handlers = []
         if self.containers is not None and self.images is not None:
             from auraed.containers.servicer import ContainerServicer
 
             handlers.append(generic_handler(CONTAINERS, ContainerServicer(self.images, self.containers)))
+        if self.role is Role.HOST and self.images is not None:
+            handlers.append(await self._vm_service(capabilities))
+            assert self.guests is not None
+            from auraed.vms.placement import GuestRouter
+
+            interceptors.append(GuestRouter(self.guests.lookup, self.images))
+
+        services = self.services()
+        server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
+        self._server = server
         server.add_generic_rpc_handlers(
             [
                 *handlers,
@@ -189,6 +197,21 @@ class Daemon:
         await server.start()
         log.info("serving on unix:%s", config.socket)
         await self._set_health([*services, ""], serving=True)
+
+    async def _vm_service(self, capabilities: Capabilities) -> grpc.GenericRpcHandler:
+        from auraed.system.kvm import KvmProbe
+        from auraed.vms import setup
+        from auraed.vms.guests import Guests, GuestTrust
+        from auraed.vms.servicer import VmServicer
+
+        config = self.config
+        assert self.store is not None
+        kvm = KvmProbe(capabilities.kvm_present, capabilities.kvm_usable, capabilities.kvm_detail, 0.0)
+        vms = setup.build(config, self.store, kvm=kvm)
+        await vms.recover()
+        trust = GuestTrust(config.ca_crt, config.ca_key, config.state_dir / "pki")
+        self.guests = Guests(vms, trust, config.guest_image, config.guest_ready_timeout)
+        return generic_handler(VMS, VmServicer(vms, self.guests))
 
     async def _set_health(self, services: list[str], serving: bool) -> None:
         status = (
@@ -215,6 +238,12 @@ class Daemon:
                 await self.containers.close()
             except Exception:
                 log.exception("error while stopping containers")
+        if self.guests is not None:
+            try:
+                await self.guests.vms.shutdown(stop_vms=False)
+                await self.guests.trust.close()
+            except Exception:
+                log.exception("error while closing VMs")
         if self.images is not None:
             self.images.close()
         if self._server is not None:

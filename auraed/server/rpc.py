@@ -97,11 +97,15 @@ def _wire_checker(cls: type[betterproto2.Message]) -> Callable[[bytes], Any]:
 
 def _parse(cls: type[betterproto2.Message], data: bytes) -> betterproto2.Message:
     # Parsed here rather than by grpc's deserializer hook: grpc answers a failing hook with
-    # INTERNAL, but a malformed message is the client's mistake. betterproto2 accepts some
-    # malformed input (leaving fields None), so protobuf's strict C parser checks the wire first.
+    # INTERNAL, but a malformed message is the client's mistake. betterproto2 trusts the wire:
+    # it accepts malformed input (leaving fields None) and takes a field sent with the wrong
+    # wire type as whatever arrived (an int where a string belongs). So protobuf's strict C
+    # parser reads the request first, unknown and mistyped fields are dropped, and betterproto2
+    # parses what is left — clean bytes of the declared types.
     try:
-        _wire_checker(cls)(data)
-        return cls.parse(data)
+        checked = _wire_checker(cls)(data)
+        checked.DiscardUnknownFields()
+        return cls.parse(checked.SerializeToString())
     except Exception as exc:
         raise _MalformedRequest(f"malformed {cls.__name__}: {exc}") from exc
 

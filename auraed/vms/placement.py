@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from auraed.api.aurae.containers import v0 as pb
+from auraed.client.client import VM_METADATA_KEY
 from auraed.errors import AuraeError
 from auraed.images.content import ContentStore
 from auraed.images.images import Images
@@ -26,7 +27,6 @@ from auraed.server.rpc import Context, status_for
 log = logging.getLogger(__name__)
 
 CONTAINERS = "aurae.containers.v0.ContainerService"
-VM_METADATA_KEY = "aurae-vm"
 CHUNK = 1 << 20
 
 

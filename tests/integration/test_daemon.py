@@ -21,6 +21,7 @@ AURAE_SERVICES = {
     "aurae.containers.v0.ContainerService",
     "aurae.discovery.v0.DiscoveryService",
     "aurae.observe.v0.ObserveService",
+    "aurae.vms.v0.VmService",
 }
 
 

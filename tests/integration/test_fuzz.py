@@ -20,6 +20,7 @@ from tests.conftest import DaemonProcess
 
 SERVICES = [
     "aurae.cells.v0.CellService",
+    "aurae.containers.v0.ContainerService",
     "aurae.observe.v0.ObserveService",
     "aurae.discovery.v0.DiscoveryService",
 ]
@@ -31,6 +32,8 @@ CLIENT_MISTAKE_OK = {
     grpc.StatusCode.ALREADY_EXISTS,
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.DEADLINE_EXCEEDED,  # our own deadline on endless streams
+    grpc.StatusCode.UNAVAILABLE,  # a registry the request names is not reachable (no network here)
+    grpc.StatusCode.PERMISSION_DENIED,  # a registry refused
 }
 NAMES = st.sampled_from(["fz", "fz/a", "fz/a/b", "fz2", "aurae", "", "-x", "A", "a" * 64, "x/../y", "a//b"])
 # Executables are real processes: only harmless programs, or ones that do not exist.
@@ -57,6 +60,8 @@ def _scalar(field: FieldDescriptor) -> st.SearchStrategy[Any]:
         return st.text(max_size=120)
     if field.type == FieldDescriptor.TYPE_BOOL:
         return st.booleans()
+    if field.type == FieldDescriptor.TYPE_BYTES:
+        return st.binary(max_size=256)
     if field.type == FieldDescriptor.TYPE_DOUBLE:
         return st.floats(allow_nan=False)
     if field.type == FieldDescriptor.TYPE_ENUM:
@@ -72,9 +77,12 @@ def message_strategy(descriptor: Descriptor, depth: int = 0) -> st.SearchStrateg
     for field in descriptor.fields:
         attribute = _attribute_name(cls, field)
         if field.type == FieldDescriptor.TYPE_MESSAGE:
+            assert field.message_type is not None
+            if field.message_type.GetOptions().map_entry:
+                fields[attribute] = st.dictionaries(st.text(max_size=40), st.text(max_size=40), max_size=4)
+                continue
             if depth >= 3:
                 continue
-            assert field.message_type is not None
             value = message_strategy(field.message_type, depth + 1)
         else:
             value = _scalar(field)

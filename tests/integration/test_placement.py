@@ -17,6 +17,7 @@ import pytest
 
 from auraed.api.aurae.containers import v0 as pb
 from auraed.client import AuraeClient, ClientError
+from auraed.client.client import VM_METADATA_KEY
 from auraed.containers.containers import Containers
 from auraed.containers.servicer import SERVICE_NAME, ContainerServicer
 from auraed.errors import AuraeError
@@ -24,7 +25,7 @@ from auraed.images.content import ContentStore
 from auraed.images.images import Images
 from auraed.server.rpc import generic_handler
 from auraed.state.store import Store
-from auraed.vms.placement import VM_METADATA_KEY, GuestEndpoint, GuestRouter, send_image
+from auraed.vms.placement import GuestEndpoint, GuestRouter, send_image
 from tests.conftest import DaemonProcess
 from tests.support.images import BuiltImage, build_busybox_layout
 

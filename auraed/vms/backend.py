@@ -1,0 +1,239 @@
+"""The one interface every VMM backend implements, and what they share: launching and watching the VMM.
+
+A backend boots a ``LaunchSpec`` and returns a ``VmHandle``; from then on everything goes through
+the handle: ``status`` (asked of the VMM: QMP query-status or the REST API's vm.info),
+``shutdown`` (graceful, then forced once the timeout has passed), ``kill``, ``wait`` (until the
+VMM process ends, through a pidfd) and ``close`` (drop the control connection but leave the VMM
+running, as when auraed stops). After a restart ``reattach`` finds a VMM again by pid and start
+time (so a recycled pid is never mistaken for it) and its control socket.
+
+The VMM runs as a child of auraed in its own session, so it outlives auraed (and its process
+group's signals); its stdout/stderr go to ``vmm.log`` in the VM's run directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from auraed.system import processes
+from auraed.vms.model import RunInfo
+
+CONSOLE_LOG = "console.log"
+VMM_LOG = "vmm.log"
+KILL_WAIT = 10.0  # seconds to wait for a SIGKILLed VMM to be gone
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchDisk:
+    path: str
+    writable: bool
+    serial: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchNet:
+    tap: str
+    mac: str
+    host_ip: str
+    guest_ip: str
+    netmask: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchSpec:
+    """Everything a backend needs to boot a VM; paths are checked by the caller."""
+
+    name: str
+    vcpus: int
+    memory_mib: int
+    kernel: str
+    initramfs: str
+    disks: tuple[LaunchDisk, ...]
+    # The complete kernel command line but for what the backend itself adds (kernel_args()).
+    cmdline: str
+    net: LaunchNet | None
+    run_dir: Path
+    timeout: float = 30.0  # for the VMM to come up and report the guest running
+
+
+@dataclasses.dataclass
+class VmHandle:
+    """A running VMM: its process identity, control socket and (for a backend) its client."""
+
+    backend: str
+    pid: int
+    start_ticks: int | None
+    control_socket: Path
+    console_path: Path
+    accelerator: str
+    # Our child when this auraed started it (then its exit status can be collected).
+    process: subprocess.Popen[bytes] | None = None
+    client: Any = None
+
+    def run_info(self) -> RunInfo:
+        return RunInfo(
+            pid=self.pid,
+            start_ticks=self.start_ticks,
+            control_socket=str(self.control_socket),
+            console_path=str(self.console_path),
+            accelerator=self.accelerator,
+        )
+
+    @property
+    def alive(self) -> bool:
+        return processes.is_alive(self.pid, self.start_ticks)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExitInfo:
+    """How a VMM ended, as far as it can be known.
+
+    ``guest_initiated``: True when the guest powered off (or reset) itself, False when the host
+    side ended it (a signal, a quit), None when unknown (the VMM was not our child and said
+    nothing before it ended).
+    """
+
+    exit_code: int | None
+    signal: int | None
+    guest_initiated: bool | None
+    detail: str
+
+
+class Backend(Protocol):
+    name: str
+
+    def problem(self) -> str | None:
+        """Why this backend cannot boot VMs on this host (binary missing, no KVM); None when it can."""
+        ...
+
+    def kernel_args(self) -> list[str]:
+        """Arguments this backend puts first on every kernel command line (console, clock)."""
+        ...
+
+    def console_log_path(self, run_dir: Path) -> Path: ...
+
+    async def start(self, spec: LaunchSpec) -> VmHandle: ...
+
+    async def status(self, handle: VmHandle) -> str:
+        """The guest's state as the VMM reports it now, lower-case ("running", "paused", ...)."""
+        ...
+
+    async def shutdown(self, handle: VmHandle, timeout: float) -> bool:
+        """Power the guest off gracefully, then end the VMM after ``timeout``; True if graceful."""
+        ...
+
+    async def kill(self, handle: VmHandle) -> None: ...
+
+    async def wait(self, handle: VmHandle) -> ExitInfo:
+        """Return once the VMM process has ended, saying how."""
+        ...
+
+    def reattach(self, run: RunInfo) -> VmHandle | None:
+        """The VMM of a record after an auraed restart, or None when it is gone."""
+        ...
+
+    async def close(self, handle: VmHandle) -> None:
+        """Drop the control connection; the VMM keeps running."""
+        ...
+
+
+# -- shared process handling -------------------------------------------------------------------
+
+
+def spawn(argv: list[str], run_dir: Path) -> subprocess.Popen[bytes]:
+    """Start a VMM in its own session with output to run_dir/vmm.log."""
+    with (run_dir / VMM_LOG).open("ab") as log:
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            close_fds=True,
+            cwd=run_dir,
+        )
+
+
+def vmm_log_tail(run_dir: Path, limit: int = 2000) -> str:
+    try:
+        data = (run_dir / VMM_LOG).read_bytes()[-limit:]
+    except OSError:
+        return ""
+    return data.decode(errors="replace").strip()
+
+
+def exit_of(process: subprocess.Popen[bytes] | None) -> tuple[int | None, int | None]:
+    """(exit code, signal) of an ended child; (None, None) when it is not our child."""
+    if process is None:
+        return None, None
+    code = process.poll()
+    if code is None:
+        return None, None
+    return (None, -code) if code < 0 else (code, None)
+
+
+async def wait_exit(handle: VmHandle, timeout: float | None = None) -> bool:
+    """Wait until the VMM has ended (and reap it if it is ours); False if still running at timeout."""
+    try:
+        if timeout is None:
+            await processes.wait_for_exit(handle.pid, handle.start_ticks)
+        else:
+            async with asyncio.timeout(timeout):
+                await processes.wait_for_exit(handle.pid, handle.start_ticks)
+    except TimeoutError:
+        return False
+    if handle.process is not None:
+        # It has exited: this does not block (for more than the kernel's bookkeeping).
+        await asyncio.to_thread(handle.process.wait)
+    return True
+
+
+async def kill(handle: VmHandle) -> None:
+    processes.send_signal(handle.pid, signal.SIGKILL, handle.start_ticks)
+    await wait_exit(handle, KILL_WAIT)
+
+
+def processes_referencing(run_dir: Path) -> list[int]:
+    """Pids with an argument that is run_dir or names something inside it (a VMM whose pid was
+    never recorded). ``/vms/web`` does not match ``/vms/web2/qmp.sock``."""
+    directory = os.fsencode(str(run_dir).rstrip("/"))
+    inside = directory + b"/"
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+            if any(arg == directory or inside in arg for arg in args):
+                found.append(int(entry.name))
+    return found
+
+
+def kill_processes_referencing(run_dir: Path) -> list[int]:
+    """SIGKILL every process naming run_dir and wait (briefly) until they are gone."""
+    killed = []
+    for pid in processes_referencing(run_dir):
+        ticks = processes.start_ticks(pid)
+        if processes.send_signal(pid, signal.SIGKILL, ticks):
+            killed.append((pid, ticks))
+    deadline = time.monotonic() + KILL_WAIT
+    for pid, ticks in killed:
+        while processes.is_alive(pid, ticks) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)  # our own child (a VMM whose start was interrupted)
+    return [pid for pid, _ in killed]
+
+
+def remove_quietly(*paths: Path) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()

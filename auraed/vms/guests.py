@@ -1,0 +1,216 @@
+"""The host's side of trust with its guests: who it is to them, and its channels to them.
+
+The host CA (``ca_crt`` + ``ca_key``) issues each guest a server certificate on its config disk
+(guest_config.py) and the host a client certificate with the identity ``aurae-host``, the only
+identity a guest lets in. Channels to guests use short reconnect backoff: a booting guest must be
+reached the moment it listens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import ipaddress
+import logging
+import time
+from pathlib import Path
+
+import grpc
+
+from auraed.api.aurae.vms import v0 as vms_pb
+from auraed.errors import AuraeError, ErrorKind
+from auraed.pki import (
+    CertificateAuthority,
+    PkiError,
+    certificate_pem,
+    issue_client_cert,
+    load_ca_files,
+    write_pem_files,
+)
+from auraed.vms.guest_config import GuestIdentity, build_config_disk
+from auraed.vms.model import DiskSpec, VmRecord, VmSpec
+from auraed.vms.placement import GuestEndpoint
+from auraed.vms.vms import Vms
+
+log = logging.getLogger(__name__)
+
+HOST_IDENTITY = "aurae-host"
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 100),
+]
+
+
+class GuestTrust:
+    def __init__(self, ca_crt: Path, ca_key: Path, pki_dir: Path) -> None:
+        self._ca_crt, self._ca_key, self._pki_dir = ca_crt, ca_key, pki_dir
+        self._ca: CertificateAuthority | None = None
+        self._credentials: grpc.ChannelCredentials | None = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def ca(self) -> CertificateAuthority:
+        if self._ca is None:
+            try:
+                self._ca = load_ca_files(self._ca_crt, self._ca_key)
+            except PkiError as exc:
+                raise AuraeError(
+                    ErrorKind.FAILED_PRECONDITION,
+                    f"guests need the host CA to issue their certificates: {exc}",
+                ) from None
+        return self._ca
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """mTLS as ``aurae-host``, trusting only the host CA; the client cert is made once."""
+        if self._credentials is None:
+            crt, key = self._pki_dir / f"{HOST_IDENTITY}.crt", self._pki_dir / f"{HOST_IDENTITY}.key"
+            if not crt.exists() or not key.exists():
+                cert, private = issue_client_cert(self.ca(), HOST_IDENTITY)
+                write_pem_files(self._pki_dir, HOST_IDENTITY, cert, private)
+                log.info("issued the host's client certificate for guests: %s", crt)
+            self._credentials = grpc.ssl_channel_credentials(
+                root_certificates=certificate_pem(self.ca().cert),
+                private_key=key.read_bytes(),
+                certificate_chain=crt.read_bytes(),
+            )
+        return self._credentials
+
+    def config_disk(self, output: Path, identity: GuestIdentity) -> Path:
+        return build_config_disk(output, identity, self.ca(), HOST_IDENTITY)
+
+    def endpoint(self, name: str, identity: GuestIdentity) -> GuestEndpoint:
+        channel = self._channels.get(name)
+        if channel is None:
+            options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", identity.server_name)]
+            channel = grpc.aio.secure_channel(identity.endpoint, self.credentials(), options=options)
+            self._channels[name] = channel
+        return GuestEndpoint(name, identity.endpoint, identity.server_name, channel)
+
+    async def forget(self, name: str) -> None:
+        channel = self._channels.pop(name, None)
+        if channel is not None:
+            await channel.close()
+
+    async def wait_serving(self, endpoint: GuestEndpoint, timeout: float) -> float:
+        """Seconds until the guest's health is SERVING; DEADLINE_EXCEEDED after ``timeout``."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        started = time.monotonic()
+        stub = health_pb2_grpc.HealthStub(endpoint.channel)
+        last_error = ""
+        while (remaining := timeout - (time.monotonic() - started)) > 0:
+            try:
+                reply = await stub.Check(
+                    health_pb2.HealthCheckRequest(), timeout=min(remaining, 5.0), wait_for_ready=True
+                )
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return time.monotonic() - started
+                last_error = f"health {reply.status}"
+            except grpc.aio.AioRpcError as exc:
+                last_error = f"{exc.code().name}: {exc.details()}"
+            await asyncio.sleep(0.05)
+        raise AuraeError(
+            ErrorKind.DEADLINE_EXCEEDED,
+            f"guest {endpoint.name} at {endpoint.address} was not serving within {timeout:g} s "
+            f"({last_error})",
+        )
+
+    async def close(self) -> None:
+        for name in list(self._channels):
+            await self.forget(name)
+
+
+def identity_for(name: str, guest_address: str, host_address: str, port: int) -> GuestIdentity:
+    """``guest_address`` with its prefix ("10.213.0.2/30"); ``host_address`` the tap's end."""
+    return GuestIdentity(
+        hostname=name,
+        address=ipaddress.IPv4Interface(guest_address),
+        gateway=ipaddress.IPv4Interface(host_address).ip,
+        port=port,
+    )
+
+
+CONFIG_DISK = "config.img"
+CONFIG_SERIAL = "config"
+GUEST_IMAGE_FILES = {"kernel": "vmlinuz", "initramfs": "initramfs.img", "root_disk": "rootfs.img"}
+
+
+class Guests:
+    """VMs whose role is "guest": booted from the guest image with a config disk, ready when serving.
+
+    Allocate fills in the guest image and the config disk; Start writes the config disk (the
+    guest's address is known only once allocated), boots, and returns once the guest's auraed
+    answers health SERVING over mTLS — or stops the VM and reports its console.
+    """
+
+    def __init__(self, vms: Vms, trust: GuestTrust, image_dir: Path, ready_timeout: float) -> None:
+        self.vms = vms
+        self.trust = trust
+        self._image_dir = image_dir
+        self._ready_timeout = ready_timeout
+
+    @staticmethod
+    def is_guest(spec: VmSpec) -> bool:
+        return spec.role == "guest"
+
+    def complete(self, message: vms_pb.VirtualMachine) -> None:
+        """Defaults for a guest: the guest image, a network; fills the message in place."""
+        if message.role != "guest":
+            return
+        for field, filename in GUEST_IMAGE_FILES.items():
+            if not getattr(message, field):
+                path = self._image_dir / filename
+                if not path.is_file():
+                    raise AuraeError(
+                        ErrorKind.FAILED_PRECONDITION,
+                        f"no guest image at {self._image_dir} ({filename} missing): build one with "
+                        "hack/guest-image and set guest_image",
+                    )
+                setattr(message, field, str(path))
+        message.network = True
+
+    def with_config_disk(self, spec: VmSpec) -> VmSpec:
+        if not self.is_guest(spec):
+            return spec
+        disk = DiskSpec(str(self.vms.run_dir(spec.name) / CONFIG_DISK), False, CONFIG_SERIAL)
+        return dataclasses.replace(spec, extra_disks=(*spec.extra_disks, disk))
+
+    def identity(self, record: VmRecord) -> GuestIdentity:
+        if record.net is None:
+            raise AuraeError(ErrorKind.FAILED_PRECONDITION, f"VM {record.name} has no network")
+        return identity_for(
+            record.name,
+            f"{record.net.guest_ip}/{record.net.prefixlen}",
+            f"{record.net.host_ip}/{record.net.prefixlen}",
+            self.vms.guest_port,
+        )
+
+    async def before_start(self, name: str) -> None:
+        record = self.vms.get(name)
+        if self.is_guest(record.spec):
+            output = self.vms.run_dir(name) / CONFIG_DISK
+            await asyncio.to_thread(self.trust.config_disk, output, self.identity(record))
+
+    async def after_start(self, name: str) -> float | None:
+        record = self.vms.get(name)
+        if not self.is_guest(record.spec):
+            return None
+        endpoint = await self.lookup(name)
+        try:
+            return await self.trust.wait_serving(endpoint, self._ready_timeout)
+        except AuraeError as exc:
+            tail = self.vms.console_tail(name)
+            await self.vms.stop(name, 0.0)
+            raise AuraeError(
+                exc.kind, f"{exc.message}; stopped it. Console tail:\n" + "\n".join(tail)
+            ) from None
+
+    async def lookup(self, name: str) -> GuestEndpoint:
+        """The endpoint of a running guest (for placing work in it)."""
+        record = self.vms.get(name)
+        if not self.is_guest(record.spec):
+            raise AuraeError(ErrorKind.FAILED_PRECONDITION, f"VM {name} does not run a guest auraed")
+        return self.trust.endpoint(name, self.identity(record))
+
+    async def forget(self, name: str) -> None:
+        await self.trust.forget(name)

@@ -1,0 +1,302 @@
+"""Typed, validated VM specs (parsed from requests at the edge) and the records persisted for them."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Any
+
+from auraed.api.aurae.vms import v0 as pb
+from auraed.config import ROLES
+from auraed.errors import ErrorKind
+from auraed.names import validate_label
+from auraed.vms.errors import VmError
+
+BACKENDS = ("qemu", "cloud-hypervisor")
+DEFAULT_VCPUS = 1
+MAX_VCPUS = 255
+DEFAULT_MEMORY_MIB = 512
+MIN_MEMORY_MIB = 64
+MAX_EXTRA_DISKS = 16
+MAX_KERNEL_ARGS = 256
+# x86's COMMAND_LINE_SIZE is 2048 bytes, including what auraed adds (~150 bytes).
+MAX_KERNEL_ARGS_BYTES = 1700
+SERIAL = re.compile(r"^[A-Za-z0-9_-]{1,20}$")
+ROOT_SERIAL = "root"
+
+
+def invalid(field: str, problem: str) -> VmError:
+    return VmError(ErrorKind.INVALID_ARGUMENT, f"{field}: {problem}")
+
+
+class State:
+    ALLOCATING = "allocating"  # record written, kernel objects being made; torn down at start
+    ALLOCATED = "allocated"
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    EXITED = "exited"
+    CRASHED = "crashed"
+
+
+# States in which a VMM process may exist.
+ACTIVE_STATES = frozenset({State.STARTING, State.RUNNING, State.STOPPING})
+# States from which Start may boot the VM.
+STARTABLE_STATES = frozenset({State.ALLOCATED, State.STOPPED, State.EXITED, State.CRASHED})
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskSpec:
+    path: str
+    writable: bool
+    serial: str
+
+
+@dataclasses.dataclass(frozen=True)
+class VmSpec:
+    name: str
+    vcpus: int
+    memory_mib: int
+    kernel: str
+    initramfs: str
+    root_disk: str
+    extra_disks: tuple[DiskSpec, ...]
+    kernel_args: tuple[str, ...]
+    network: bool
+    backend: str  # as requested: "", "qemu" or "cloud-hypervisor"
+    role: str
+
+    def files(self) -> list[tuple[str, str]]:
+        """(field, path) of every file the VM boots from."""
+        files = [("vm.kernel", self.kernel)]
+        if self.initramfs:
+            files.append(("vm.initramfs", self.initramfs))
+        if self.root_disk:
+            files.append(("vm.root_disk", self.root_disk))
+        files += [(f"vm.extra_disks[{i}].path", d.path) for i, d in enumerate(self.extra_disks)]
+        return files
+
+    def to_doc(self) -> dict[str, Any]:
+        doc = dataclasses.asdict(self)
+        doc["extra_disks"] = [dataclasses.asdict(d) for d in self.extra_disks]
+        doc["kernel_args"] = list(self.kernel_args)
+        return doc
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> VmSpec:
+        return cls(
+            **{
+                **doc,
+                "extra_disks": tuple(DiskSpec(**d) for d in doc["extra_disks"]),
+                "kernel_args": tuple(doc["kernel_args"]),
+            }
+        )
+
+    def to_message(self) -> pb.VirtualMachine:
+        return pb.VirtualMachine(
+            name=self.name,
+            vcpus=self.vcpus,
+            memory_mib=self.memory_mib,
+            kernel=self.kernel,
+            initramfs=self.initramfs,
+            root_disk=self.root_disk,
+            extra_disks=[
+                pb.Disk(path=d.path, writable=d.writable, serial=d.serial) for d in self.extra_disks
+            ],
+            kernel_args=list(self.kernel_args),
+            network=self.network,
+            backend=self.backend,
+            role=self.role,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class NetInfo:
+    """A VM's share of the address pool: block ``index`` (a /30), its tap, both addresses."""
+
+    index: int
+    tap: str
+    host_ip: str
+    guest_ip: str
+    prefixlen: int
+    mac: str
+
+    @property
+    def netmask(self) -> str:
+        bits = (0xFFFFFFFF << (32 - self.prefixlen)) & 0xFFFFFFFF
+        return ".".join(str((bits >> shift) & 0xFF) for shift in (24, 16, 8, 0))
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> NetInfo:
+        return cls(**doc)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInfo:
+    """The VMM process of a running VM: identity (pid + start ticks) and its control socket."""
+
+    pid: int
+    start_ticks: int | None
+    control_socket: str
+    console_path: str
+    accelerator: str
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> RunInfo:
+        return cls(**doc)
+
+
+@dataclasses.dataclass
+class VmRecord:
+    spec: VmSpec
+    backend: str  # resolved: "qemu" or "cloud-hypervisor"
+    run_dir: str  # runtime_dir/vms/<name>: control socket, console log, VMM log
+    state: str = State.ALLOCATING
+    net: NetInfo | None = None
+    run: RunInfo | None = None
+    accelerator: str = ""
+    started_at: float = 0.0
+    finished_at: float | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    reason: str = ""
+    console_tail: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def console_path(self) -> Path:
+        return Path(self.run_dir) / "console.log"
+
+    def to_doc(self) -> dict[str, Any]:
+        doc = dataclasses.asdict(self)
+        doc["spec"] = self.spec.to_doc()
+        return doc
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> VmRecord:
+        return cls(
+            **{
+                **doc,
+                "spec": VmSpec.from_doc(doc["spec"]),
+                "net": NetInfo.from_doc(doc["net"]) if doc.get("net") else None,
+                "run": RunInfo.from_doc(doc["run"]) if doc.get("run") else None,
+            }
+        )
+
+
+# -- validation ---------------------------------------------------------------------------------
+
+
+def host_memory_mib() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def check_file(field: str, path: str) -> None:
+    """The file must exist and be a readable regular file (or block device): NOT_FOUND naming it."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise VmError(ErrorKind.NOT_FOUND, f"{field}: {path} not found") from None
+    except OSError as exc:
+        raise invalid(field, f"cannot access {path}: {exc.strerror}") from None
+    if not (stat.S_ISREG(info.st_mode) or stat.S_ISBLK(info.st_mode)):
+        raise invalid(field, f"{path} is not a regular file or block device")
+    if not os.access(path, os.R_OK):
+        raise invalid(field, f"{path} is not readable")
+
+
+def _path(value: str, field: str, required: bool) -> str:
+    if not value:
+        if required:
+            raise invalid(field, "is required")
+        return ""
+    if "\0" in value or len(value) > 4096:
+        raise invalid(field, "is not a plausible path")
+    if not os.path.isabs(value):
+        raise invalid(field, f"{value[:80]!r} is not an absolute path")
+    # QEMU's -drive/-kernel options are comma-separated: a comma would be read as an option.
+    if "," in value:
+        raise invalid(field, f"{value[:80]!r} contains a comma, which VMM command lines cannot carry")
+    return os.path.normpath(value)
+
+
+def _kernel_args(values: list[str]) -> tuple[str, ...]:
+    if len(values) > MAX_KERNEL_ARGS:
+        raise invalid("vm.kernel_args", f"more than {MAX_KERNEL_ARGS} arguments")
+    for index, arg in enumerate(values):
+        if not arg or any(c.isspace() or not c.isprintable() for c in arg):
+            raise invalid(
+                f"vm.kernel_args[{index}]",
+                f"{arg[:80]!r} must be one non-empty argument of printable characters without whitespace",
+            )
+    if sum(len(a) + 1 for a in values) > MAX_KERNEL_ARGS_BYTES:
+        raise invalid("vm.kernel_args", f"longer than {MAX_KERNEL_ARGS_BYTES} bytes in all")
+    return tuple(values)
+
+
+def _disks(values: list[pb.Disk]) -> tuple[DiskSpec, ...]:
+    if len(values) > MAX_EXTRA_DISKS:
+        raise invalid("vm.extra_disks", f"more than {MAX_EXTRA_DISKS} disks")
+    disks = []
+    seen = {ROOT_SERIAL}
+    for index, disk in enumerate(values):
+        field = f"vm.extra_disks[{index}]"
+        serial = disk.serial or f"disk{index + 1}"
+        if not SERIAL.match(serial):
+            raise invalid(f"{field}.serial", f"{serial[:40]!r} is not 1-20 characters of [A-Za-z0-9_-]")
+        if serial in seen:
+            raise invalid(f"{field}.serial", f"{serial!r} is used by another disk")
+        seen.add(serial)
+        disks.append(DiskSpec(_path(disk.path, f"{field}.path", True), bool(disk.writable), serial))
+    return tuple(disks)
+
+
+def parse_vm(message: pb.VirtualMachine | None, *, memory_limit_mib: int | None = None) -> VmSpec:
+    """Validate a request's VM into a VmSpec; every file must exist (NOT_FOUND names the path)."""
+    if message is None:
+        raise invalid("vm", "is required")
+    name = validate_label(message.name, "vm.name")
+    vcpus = message.vcpus or DEFAULT_VCPUS
+    if not 1 <= vcpus <= MAX_VCPUS:
+        raise invalid("vm.vcpus", f"{vcpus} is out of range 1..{MAX_VCPUS}")
+    memory = message.memory_mib or DEFAULT_MEMORY_MIB
+    limit = host_memory_mib() if memory_limit_mib is None else memory_limit_mib
+    if memory < MIN_MEMORY_MIB:
+        raise invalid("vm.memory_mib", f"{memory} MiB is less than the minimum of {MIN_MEMORY_MIB} MiB")
+    if limit and memory > limit:
+        raise invalid("vm.memory_mib", f"{memory} MiB is more than the host has ({limit} MiB MemTotal)")
+    backend = message.backend
+    if backend and backend not in BACKENDS:
+        raise invalid("vm.backend", f"{backend[:40]!r} is not one of {', '.join(BACKENDS)} (or empty)")
+    role = message.role
+    if role and role not in ROLES:
+        raise invalid("vm.role", f"{role[:40]!r} is not one of {', '.join(ROLES)} (or empty)")
+    spec = VmSpec(
+        name=name,
+        vcpus=vcpus,
+        memory_mib=memory,
+        kernel=_path(message.kernel, "vm.kernel", True),
+        initramfs=_path(message.initramfs, "vm.initramfs", False),
+        root_disk=_path(message.root_disk, "vm.root_disk", False),
+        extra_disks=_disks(list(message.extra_disks)),
+        kernel_args=_kernel_args(list(message.kernel_args)),
+        network=bool(message.network),
+        backend=backend,
+        role=role,
+    )
+    for field, path in spec.files():
+        check_file(field, path)
+    return spec

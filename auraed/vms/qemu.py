@@ -1,0 +1,301 @@
+"""The QEMU backend: microvm (default) or q35, KVM when it really works and TCG otherwise, QMP control.
+
+- ``-M microvm,x-option-roms=off,isa-serial=on,rtc=on`` with virtio-*-device (virtio-mmio,
+  described to the guest through ACPI), or ``-M q35`` with virtio-*-pci;
+- ``-accel kvm -cpu host`` only when the KVM probe says guests really run; otherwise
+  ``-accel tcg -cpu max``;
+- on microvm the kernel gets ``tsc_early_khz=<host TSC kHz>``: without it microvm hangs on about one
+  boot in three (the TSC calibration against the PIT races under emulation);
+- disks are raw images attached ``if=none`` (read-only unless asked), the root disk first with serial
+  "root"; the NIC is the VM's tap (``script=no,downscript=no``) with its MAC;
+- the serial console goes to a file (chardev file), readable while it grows; QMP listens on a unix
+  socket (``server=on,wait=off``); ``-no-reboot``: a guest reboot ends the VM, it is reported;
+- QEMU runs sandboxed (``-sandbox on``: no spawning, no privilege changes) in its own session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from auraed.errors import ErrorKind
+from auraed.system import processes
+from auraed.vms import backend as common
+from auraed.vms.backend import ExitInfo, LaunchSpec, VmHandle
+from auraed.vms.errors import VmError
+from auraed.vms.model import RunInfo
+from auraed.vms.qmp import QmpClient, QmpError
+
+log = logging.getLogger(__name__)
+
+MACHINES = ("microvm", "q35")
+QMP_SOCKET = "qmp.sock"
+STATUS_TIMEOUT = 5.0
+QUIT_WAIT = 5.0
+MICROVM = "microvm,x-option-roms=off,isa-serial=on,rtc=on"
+
+
+def host_tsc_khz(cpuinfo: Path = Path("/proc/cpuinfo")) -> int | None:
+    """The host's TSC frequency in kHz, from the first "cpu MHz" line of /proc/cpuinfo."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "cpu MHz":
+                return round(float(value) * 1000)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def build_command(
+    spec: LaunchSpec,
+    *,
+    binary: str,
+    machine: str,
+    accelerator: str,
+    qmp_socket: Path,
+    console_path: Path,
+    kernel_cmdline: str,
+) -> list[str]:
+    """The QEMU command line for a VM (pure: tested without QEMU)."""
+    if machine not in MACHINES:
+        raise ValueError(f"unknown machine {machine!r}")
+    mmio = machine == "microvm"
+    blk = "virtio-blk-device" if mmio else "virtio-blk-pci"
+    nic = "virtio-net-device" if mmio else "virtio-net-pci"
+    rng = "virtio-rng-device" if mmio else "virtio-rng-pci"
+    argv = [
+        binary,
+        "-name", f"{spec.name},debug-threads=on",
+        "-M", MICROVM if mmio else "q35",
+        "-accel", accelerator,
+        "-cpu", "host" if accelerator == "kvm" else "max",
+        "-smp", str(spec.vcpus),
+        "-m", f"{spec.memory_mib}M",
+        "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+        "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+        "-kernel", spec.kernel,
+        "-append", kernel_cmdline,
+        "-chardev", f"file,id=console,path={console_path}",
+        "-serial", "chardev:console",
+        "-qmp", f"unix:{qmp_socket},server=on,wait=off",
+        "-object", "rng-random,id=rng0,filename=/dev/urandom",
+        "-device", f"{rng},rng=rng0",
+    ]  # fmt: skip
+    if spec.initramfs:
+        argv += ["-initrd", spec.initramfs]
+    for index, disk in enumerate(spec.disks):
+        readonly = "off" if disk.writable else "on"
+        argv += [
+            "-drive", f"id=disk{index},file={disk.path},format=raw,if=none,readonly={readonly}",
+            "-device", f"{blk},drive=disk{index},serial={disk.serial}",
+        ]  # fmt: skip
+    if spec.net is not None:
+        argv += [
+            "-netdev", f"tap,id=net0,ifname={spec.net.tap},script=no,downscript=no",
+            "-device", f"{nic},netdev=net0,mac={spec.net.mac}",
+        ]  # fmt: skip
+    return argv
+
+
+class QemuBackend:
+    name = "qemu"
+
+    def __init__(
+        self,
+        *,
+        binary: str = "qemu-system-x86_64",
+        machine: str = "microvm",
+        kvm_usable: Callable[[], bool] = lambda: False,
+    ) -> None:
+        if machine not in MACHINES:
+            raise VmError(ErrorKind.INVALID_ARGUMENT, f"vm_machine: {machine!r} is not one of {MACHINES}")
+        self.binary = binary
+        self.machine = machine
+        self._kvm_usable = kvm_usable
+
+    def problem(self) -> str | None:
+        if shutil.which(self.binary) is None:
+            return f"QEMU ({self.binary}) is not installed"
+        return None
+
+    @property
+    def accelerator(self) -> str:
+        return "kvm" if self._kvm_usable() else "tcg"
+
+    def kernel_args(self) -> list[str]:
+        args = ["console=ttyS0"]
+        if self.machine == "microvm":
+            khz = host_tsc_khz()
+            if khz:
+                args.append(f"tsc_early_khz={khz}")
+        return args
+
+    def console_log_path(self, run_dir: Path) -> Path:
+        return run_dir / common.CONSOLE_LOG
+
+    async def start(self, spec: LaunchSpec) -> VmHandle:
+        problem = self.problem()
+        if problem:
+            raise VmError.precondition(problem)
+        run_dir = spec.run_dir
+        qmp_socket = run_dir / QMP_SOCKET
+        console = self.console_log_path(run_dir)
+        common.remove_quietly(qmp_socket)
+        cmdline = " ".join([*self.kernel_args(), spec.cmdline]).strip()
+        accelerator = self.accelerator
+        argv = build_command(
+            spec,
+            binary=self.binary,
+            machine=self.machine,
+            accelerator=accelerator,
+            qmp_socket=qmp_socket,
+            console_path=console,
+            kernel_cmdline=cmdline,
+        )
+        log.debug("starting VM %s: %s", spec.name, " ".join(argv))
+        process = await asyncio.to_thread(common.spawn, argv, run_dir)
+        handle = VmHandle(
+            backend=self.name,
+            pid=process.pid,
+            start_ticks=processes.start_ticks(process.pid),
+            control_socket=qmp_socket,
+            console_path=console,
+            accelerator=accelerator,
+            process=process,
+            client=QmpClient(qmp_socket),
+        )
+        try:
+            await self._connect(handle, spec.timeout)
+            status = await self.status(handle)
+            if status not in ("running", "prelaunch"):
+                raise VmError.internal(f"QEMU reports the new VM {status!r}, not running")
+        except BaseException:
+            await self.kill(handle)
+            raise
+        return handle
+
+    async def _connect(self, handle: VmHandle, timeout: float) -> None:
+        """Wait for QEMU's QMP socket and connect; fail with QEMU's own words if it exits."""
+        deadline = time.monotonic() + timeout
+        client: QmpClient = handle.client
+        while True:
+            if handle.process is not None and handle.process.poll() is not None:
+                code, sig = common.exit_of(handle.process)
+                how = f"exit code {code}" if sig is None else f"signal {sig}"
+                detail = common.vmm_log_tail(handle.control_socket.parent) or "no output"
+                raise VmError.precondition(f"QEMU ended at start ({how}): {detail}")
+            if handle.control_socket.exists():
+                try:
+                    await client.connect(timeout=max(0.5, deadline - time.monotonic()))
+                    return
+                except QmpError:
+                    if time.monotonic() > deadline:
+                        raise
+            if time.monotonic() > deadline:
+                raise VmError.deadline(f"QEMU did not open its QMP socket within {timeout:g} s")
+            await asyncio.sleep(0.02)
+
+    async def _client(self, handle: VmHandle) -> QmpClient:
+        client: QmpClient = handle.client
+        if not client.connected:
+            await client.connect(timeout=STATUS_TIMEOUT)
+        return client
+
+    async def status(self, handle: VmHandle) -> str:
+        client = await self._client(handle)
+        result = await client.execute("query-status", timeout=STATUS_TIMEOUT)
+        return str(result.get("status", "unknown")) if isinstance(result, dict) else "unknown"
+
+    async def query(self, handle: VmHandle, command: str) -> object:
+        """Any QMP query (e.g. query-block), for diagnostics and tests."""
+        client = await self._client(handle)
+        return await client.execute(command, timeout=STATUS_TIMEOUT)
+
+    async def shutdown(self, handle: VmHandle, timeout: float) -> bool:
+        if timeout > 0:
+            try:
+                client = await self._client(handle)
+                await client.execute("system_powerdown", timeout=STATUS_TIMEOUT)
+            except QmpError as exc:
+                log.warning("VM at %s: system_powerdown failed: %s", handle.control_socket, exc)
+            if await common.wait_exit(handle, timeout):
+                return True
+        try:
+            client = await self._client(handle)
+        except QmpError as exc:
+            log.warning("VM at %s: no QMP to quit through (%s): killing QEMU", handle.control_socket, exc)
+            await self.kill(handle)
+            return False
+        try:
+            await client.execute("quit", timeout=STATUS_TIMEOUT)
+        except QmpError as exc:
+            # quit often loses the race with QEMU closing the socket; the exit is what counts.
+            log.debug("VM at %s: quit: %s", handle.control_socket, exc)
+        if not await common.wait_exit(handle, QUIT_WAIT):
+            await self.kill(handle)
+        return False
+
+    async def kill(self, handle: VmHandle) -> None:
+        await common.kill(handle)
+        await self.close(handle)
+
+    async def wait(self, handle: VmHandle) -> ExitInfo:
+        client: QmpClient = handle.client
+        if not client.connected and handle.alive:
+            # A reattached VMM: listen for its events (SHUTDOWN says who ended it).
+            try:
+                await client.connect(timeout=STATUS_TIMEOUT)
+            except QmpError as exc:
+                log.warning("VM at %s: cannot connect to QMP: %s", handle.control_socket, exc)
+        await common.wait_exit(handle)
+        # The SHUTDOWN event precedes QEMU closing the socket: give the reader a moment to see it.
+        if client.connected:
+            try:
+                async with asyncio.timeout(1.0):
+                    await client.wait_closed()
+            except TimeoutError:
+                pass
+        code, sig = common.exit_of(handle.process)
+        event = client.shutdown_event
+        # QEMU's own SHUTDOWN event says best who ended it; without one, a signal means a kill.
+        if event is not None:
+            reason = str(event.get("reason", ""))
+            guest = bool(event.get("guest"))
+            if reason == "guest-reset":
+                detail = "the guest rebooted (VMs end on reboot)"
+            elif guest:
+                detail = "the guest powered off"
+            else:
+                detail = f"QEMU shut down ({reason or 'host request'})"
+            return ExitInfo(code, sig, guest, detail)
+        if sig is not None:
+            return ExitInfo(code, sig, False, f"QEMU killed by signal {sig}")
+        if code is not None:
+            return ExitInfo(code, None, False if code else None, f"QEMU exited with code {code}")
+        return ExitInfo(None, None, None, "QEMU ended")
+
+    def reattach(self, run: RunInfo) -> VmHandle | None:
+        if not processes.is_alive(run.pid, run.start_ticks):
+            return None
+        socket = Path(run.control_socket)
+        if not socket.exists():
+            return None
+        return VmHandle(
+            backend=self.name,
+            pid=run.pid,
+            start_ticks=run.start_ticks,
+            control_socket=socket,
+            console_path=Path(run.console_path),
+            accelerator=run.accelerator,
+            process=None,
+            client=QmpClient(socket),
+        )
+
+    async def close(self, handle: VmHandle) -> None:
+        client: QmpClient = handle.client
+        await client.close()

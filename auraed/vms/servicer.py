@@ -1,0 +1,136 @@
+"""aurae.vms.v0.VmService over gRPC: requests are validated into typed values here, at the edge."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from auraed.api.aurae.vms import v0 as pb
+from auraed.errors import ErrorKind
+from auraed.names import validate_label
+from auraed.server.rpc import Context
+from auraed.vms.errors import VmError
+from auraed.vms.guests import Guests
+from auraed.vms.model import State, parse_vm
+from auraed.vms.vms import DEFAULT_START_TIMEOUT, Vms, VmView
+
+SERVICE_NAME = "aurae.vms.v0.VmService"
+MAX_TIMEOUT_MS = 10 * 60 * 1000
+MAX_TAIL = 1_000_000
+MAX_MARKER = 4096
+
+STATES = {
+    State.ALLOCATING: pb.VmState.ALLOCATED,
+    State.ALLOCATED: pb.VmState.ALLOCATED,
+    State.STARTING: pb.VmState.STARTING,
+    State.RUNNING: pb.VmState.RUNNING,
+    State.STOPPING: pb.VmState.STOPPING,
+    State.STOPPED: pb.VmState.STOPPED,
+    State.EXITED: pb.VmState.EXITED,
+    State.CRASHED: pb.VmState.CRASHED,
+}
+
+
+def invalid(field: str, problem: str) -> VmError:
+    return VmError(ErrorKind.INVALID_ARGUMENT, f"{field}: {problem}")
+
+
+def timeout_ms(value: int | None, field: str) -> float | None:
+    if value is None:
+        return None
+    if value > MAX_TIMEOUT_MS:
+        raise invalid(field, f"at most {MAX_TIMEOUT_MS} ms")
+    return value / 1000.0
+
+
+def status_message(view: VmView) -> pb.VmStatus:
+    record = view.record
+    state = STATES[record.state]
+    reported = view.backend_status
+    if (
+        state == pb.VmState.RUNNING
+        and reported not in ("", "running")
+        and not reported.startswith("unreachable")
+    ):
+        state = pb.VmState.PAUSED
+    net = record.net
+    return pb.VmStatus(
+        vm=record.spec.to_message(),
+        state=state,
+        backend=record.backend,
+        backend_status=view.backend_status,
+        pid=view.pid,
+        tap=net.tap if net else "",
+        host_address=f"{net.host_ip}/{net.prefixlen}" if net else "",
+        guest_address=f"{net.guest_ip}/{net.prefixlen}" if net else "",
+        mac=net.mac if net else "",
+        address=view.address,
+        console_path=str(record.console_path),
+        accelerator=record.accelerator,
+        started_at=record.started_at,
+        finished_at=record.finished_at,
+        exit_code=record.exit_code,
+        signal=record.signal,
+        reason=record.reason,
+        console_tail=list(record.console_tail),
+    )
+
+
+class VmServicer:
+    def __init__(self, vms: Vms, guests: Guests) -> None:
+        self._vms = vms
+        self._guests = guests
+
+    async def allocate(
+        self, request: pb.VmServiceAllocateRequest, context: Context
+    ) -> pb.VmServiceAllocateResponse:
+        if request.vm is not None:
+            self._guests.complete(request.vm)
+        spec = self._guests.with_config_disk(parse_vm(request.vm))
+        record = await self._vms.allocate(spec)
+        return pb.VmServiceAllocateResponse(status=status_message(await self._vms.view(record)))
+
+    async def free(self, request: pb.VmServiceFreeRequest, context: Context) -> pb.VmServiceFreeResponse:
+        name = validate_label(request.name, "name")
+        await self._vms.free(name, timeout_ms(request.timeout_ms, "timeout_ms"))
+        await self._guests.forget(name)
+        return pb.VmServiceFreeResponse()
+
+    async def start(self, request: pb.VmServiceStartRequest, context: Context) -> pb.VmServiceStartResponse:
+        name = validate_label(request.name, "name")
+        marker = request.wait_for_console
+        if len(marker) > MAX_MARKER or "\0" in marker:
+            raise invalid("wait_for_console", f"at most {MAX_MARKER} characters, no NUL")
+        timeout = timeout_ms(request.timeout_ms, "timeout_ms")
+        if timeout is not None and timeout <= 0:
+            raise invalid("timeout_ms", "must be positive")
+        await self._guests.before_start(name)
+        record, ready = await self._vms.start(
+            name, wait_for_console=marker, timeout=timeout or DEFAULT_START_TIMEOUT
+        )
+        serving = await self._guests.after_start(name)
+        ready = serving if serving is not None else ready
+        view = await self._vms.view(record)
+        return pb.VmServiceStartResponse(
+            address=view.address,
+            status=status_message(view),
+            console_ready_ms=round(ready * 1000) if ready is not None else 0,
+        )
+
+    async def stop(self, request: pb.VmServiceStopRequest, context: Context) -> pb.VmServiceStopResponse:
+        name = validate_label(request.name, "name")
+        record = await self._vms.stop(name, timeout_ms(request.timeout_ms, "timeout_ms"))
+        return pb.VmServiceStopResponse(status=status_message(await self._vms.view(record)))
+
+    async def list(self, request: pb.VmServiceListRequest, context: Context) -> pb.VmServiceListResponse:
+        name = validate_label(request.name, "name") if request.name else ""
+        views = await self._vms.list(name)
+        return pb.VmServiceListResponse(vms=[status_message(v) for v in views])
+
+    async def get_console(
+        self, request: pb.VmServiceGetConsoleRequest, context: Context
+    ) -> AsyncIterator[pb.VmServiceGetConsoleResponse]:
+        name = validate_label(request.name, "name")
+        if request.tail is not None and request.tail > MAX_TAIL:
+            raise invalid("tail", f"at most {MAX_TAIL}")
+        async for line in self._vms.console(name, request.tail, request.follow):
+            yield pb.VmServiceGetConsoleResponse(line=line)

@@ -1,0 +1,235 @@
+"""The nested flow for real: a host auraed boots a guest VM (QEMU, TCG here) whose PID 1 is auraed,
+and places a container in it; the guest runs it with crun on cgroup v2.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from auraed.api.aurae.cells import v0 as cells
+from auraed.api.aurae.containers import v0 as pb
+from auraed.api.aurae.discovery import v0 as discovery
+from auraed.api.aurae.vms import v0 as vms
+from auraed.client import AuraeClient, ClientConfig, ClientError
+from auraed.pki import PkiPaths, create_ca, issue_client_cert, write_pem_files
+from tests.conftest import DaemonFactory, DaemonProcess, wait_until
+from tests.integration.containers_helpers import CONTAINERS, import_layout
+from tests.integration.test_vms import free_test_pool
+from tests.support.images import BuiltImage, build_busybox_layout
+
+VMS = "aurae.vms.v0.VmService"
+IMAGE = "localhost/busybox:nested"
+
+
+@pytest.fixture(scope="module")
+def layout(tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
+    return build_busybox_layout(tmp_path_factory.mktemp("nested-layout"))
+
+
+@pytest.fixture
+async def host(
+    daemon_factory: DaemonFactory, guest_image: Path, pki: PkiPaths
+) -> AsyncIterator[DaemonProcess]:
+    daemon = daemon_factory(
+        "--guest-image",
+        str(guest_image),
+        "--ca-key",
+        str(pki.ca_key),
+        "--vm-address-pool",
+        str(free_test_pool()),
+    )
+    yield daemon
+    async with daemon.client() as client:
+        listing = await client.call(VMS, "List", vms.VmServiceListRequest())
+        for status in listing.vms:
+            await client.call(VMS, "Free", vms.VmServiceFreeRequest(name=status.vm.name, timeout_ms=0))
+
+
+def guest_client(
+    daemon: DaemonProcess, address: str, crt: Path, key: Path, ca: Path | None = None
+) -> AuraeClient:
+    """A client that talks to the guest directly (tests only; users go through the host)."""
+    config = ClientConfig(ca or daemon.pki.ca_crt, crt, key, address, server_name="g1.guest.aurae")
+    return AuraeClient.connect(config)
+
+
+async def test_guest_boots_and_runs_a_placed_container(
+    host: DaemonProcess, layout: BuiltImage, tmp_path: Path
+) -> None:
+    async with host.client() as client:
+        await import_layout(client, layout.layout, IMAGE)
+        await client.call(
+            VMS,
+            "Allocate",
+            vms.VmServiceAllocateRequest(vm=vms.VirtualMachine(name="g1", role="guest", memory_mib=768)),
+        )
+        started = await client.call(VMS, "Start", vms.VmServiceStartRequest(name="g1"), timeout=300)
+        address = started.address
+        assert started.status.state == vms.VmState.RUNNING and address.endswith(":8443")
+
+        await _run_containers_in_guest(AuraeClient(client.channel, vm="g1"))
+        await _use_guest_directly(host, address)
+        await _refusals(host, address, tmp_path)
+        # Stop and free leave nothing behind: no tap, no QEMU, no files.
+        status = (await client.call(VMS, "List", vms.VmServiceListRequest(name="g1"))).vms[0]
+        await client.call(VMS, "Stop", vms.VmServiceStopRequest(name="g1", timeout_ms=30_000), timeout=120)
+        await client.call(VMS, "Free", vms.VmServiceFreeRequest(name="g1"), timeout=60)
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    assert status.tap not in links
+    assert not Path(status.console_path).exists()
+    await wait_until(lambda: not _qemu_running(status.pid))
+
+
+async def _run_containers_in_guest(on_guest: AuraeClient) -> None:
+    # The host places a container in the guest: the image travels as blobs, crun runs it.
+    config = pb.ContainerConfig(
+        name="hello",
+        image=IMAGE,
+        command=["sh", "-c", "echo hello from the guest; cat /proc/self/cgroup"],
+        resources=pb.Resources(memory_max=64 << 20),
+    )
+    await on_guest.call(CONTAINERS, "Create", pb.ContainerServiceCreateRequest(config=config), timeout=120)
+    await on_guest.call(
+        CONTAINERS, "Start", pb.ContainerServiceStartRequest(container_id="hello"), timeout=60
+    )
+    final = await on_guest.call(
+        CONTAINERS, "Wait", pb.ContainerServiceWaitRequest(container_id="hello"), timeout=120
+    )
+    assert final.status.exit_code == 0
+    lines = [
+        r.line
+        async for r in on_guest.stream(
+            CONTAINERS, "Logs", pb.ContainerServiceLogsRequest(container_id="hello"), timeout=60
+        )
+    ]
+    assert lines[0] == "hello from the guest"
+    assert lines[1].startswith("0::/")  # cgroup v2, inside its own cgroup namespace
+
+    # The memory limit is enforced by the guest's kernel.
+    hog = pb.ContainerConfig(
+        name="hog",
+        image=IMAGE,
+        resources=pb.Resources(memory_max=32 << 20),
+        command=["sh", "-c", "x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo ${#x}"],
+    )
+    await on_guest.call(CONTAINERS, "Create", pb.ContainerServiceCreateRequest(config=hog), timeout=120)
+    await on_guest.call(CONTAINERS, "Start", pb.ContainerServiceStartRequest(container_id="hog"), timeout=60)
+    final = await on_guest.call(
+        CONTAINERS, "Wait", pb.ContainerServiceWaitRequest(container_id="hog"), timeout=120
+    )
+    assert final.status.oom_killed
+
+    # Exec, relayed both ways.
+    box = pb.ContainerConfig(name="box", image=IMAGE, command=["sleep", "300"])
+    await on_guest.call(CONTAINERS, "Create", pb.ContainerServiceCreateRequest(config=box), timeout=120)
+    await on_guest.call(CONTAINERS, "Start", pb.ContainerServiceStartRequest(container_id="box"), timeout=60)
+
+    async def exec_requests() -> AsyncIterator[pb.ContainerServiceExecRequest]:
+        yield pb.ContainerServiceExecRequest(
+            start=pb.ExecStart(container_id="box", command=["cat"], stdin=True)
+        )
+        yield pb.ContainerServiceExecRequest(stdin=b"through the host\n")
+        yield pb.ContainerServiceExecRequest(close_stdin=True)
+
+    out = b"".join([r.stdout async for r in on_guest.duplex(CONTAINERS, "Exec", exec_requests(), timeout=60)])
+    assert out == b"through the host\n"
+
+
+async def _use_guest_directly(host: DaemonProcess, address: str) -> None:
+    # Straight to the guest with the host's identity: its cells use cgroup v2, PID 1 reaps.
+    host_crt = host.root / "state" / "pki" / "aurae-host.crt"
+    async with guest_client(host, address, host_crt, host_crt.with_suffix(".key")) as guest:
+        found = await guest.call(
+            "aurae.discovery.v0.DiscoveryService",
+            "Discover",
+            discovery.DiscoveryServiceDiscoverRequest(),
+            timeout=30,
+        )
+        assert found.role == "guest" and found.capabilities.cgroup_layout == discovery.CgroupLayout.V2
+        await guest.call(
+            "aurae.cells.v0.CellService",
+            "Allocate",
+            cells.CellServiceAllocateRequest(
+                cell=cells.Cell(name="orphans", memory=cells.MemoryController(max=48 << 20))
+            ),
+            timeout=30,
+        )
+        await guest.call(
+            "aurae.cells.v0.CellService",
+            "Start",
+            cells.CellServiceStartRequest(
+                cell_name="orphans",
+                executable=cells.Executable(
+                    name="spawn",
+                    shell_command="cat /sys/fs/cgroup/aurae/orphans/memory.max; "
+                    "for i in $(seq 30); do (sleep 0.2 &); done",
+                ),
+            ),
+            timeout=30,
+        )
+
+        from auraed.api.aurae.observe import v0 as observe
+
+        async def output(name: str) -> list[str]:
+            request = observe.ObserveServiceGetSubProcessStreamRequest(
+                cell_name="orphans", executable_name=name, follow=True
+            )
+            return [
+                i.item.line
+                async for i in guest.stream(
+                    "aurae.observe.v0.ObserveService", "GetSubProcessStream", request, timeout=60
+                )
+            ]
+
+        await output("spawn")  # the orphans' parent has ended; they now belong to PID 1
+        await guest.call(
+            "aurae.cells.v0.CellService",
+            "Start",
+            cells.CellServiceStartRequest(
+                cell_name="orphans",
+                executable=cells.Executable(
+                    name="count",
+                    shell_command="sleep 1.5; grep -l '^State:.Z' /proc/[0-9]*/status 2>/dev/null | wc -l",
+                ),
+            ),
+            timeout=30,
+        )
+        assert (await output("spawn"))[0] == str(48 << 20)
+        assert (await output("count")) == ["0"]
+
+
+async def _refusals(host: DaemonProcess, address: str, tmp_path: Path) -> None:
+    # A certificate from another CA is refused by the guest; the host's ordinary client
+    # identity is authenticated but not authorized there.
+    foreign_ca = create_ca("elsewhere")
+    crt, key = write_pem_files(tmp_path, "foreign", *issue_client_cert(foreign_ca, "aurae-host"))
+    async with guest_client(host, address, crt, key) as intruder:
+        with pytest.raises(ClientError) as error:
+            await intruder.call(
+                "aurae.discovery.v0.DiscoveryService",
+                "Discover",
+                discovery.DiscoveryServiceDiscoverRequest(),
+                timeout=10,
+            )
+        assert error.value.code == "UNAVAILABLE"
+    client_crt, client_key = host.pki.clients["aurae-client"]
+    async with guest_client(host, address, client_crt, client_key) as stranger:
+        with pytest.raises(ClientError) as error:
+            await stranger.call(
+                "aurae.discovery.v0.DiscoveryService",
+                "Discover",
+                discovery.DiscoveryServiceDiscoverRequest(),
+                timeout=10,
+            )
+        assert error.value.code == "PERMISSION_DENIED"
+
+
+def _qemu_running(pid: int) -> bool:
+    try:
+        return b"qemu" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False

@@ -1,0 +1,101 @@
+"""QEMU command lines (microvm/q35, TCG/KVM) and the host facts they are built from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from auraed.vms.backend import LaunchDisk, LaunchNet, LaunchSpec
+from auraed.vms.qemu import QemuBackend, build_command, host_tsc_khz
+
+SPEC = LaunchSpec(
+    name="web",
+    vcpus=2,
+    memory_mib=384,
+    kernel="/images/vmlinuz",
+    initramfs="/images/initramfs.img",
+    disks=(LaunchDisk("/images/rootfs.img", False, "root"), LaunchDisk("/images/config.img", False, "disk1")),
+    cmdline="auraed.hostname=web",
+    net=LaunchNet("atap7", "02:ae:0a:d5:00:1e", "10.213.0.29", "10.213.0.30", "255.255.255.252"),
+    run_dir=Path("/run/aurae/vms/web"),
+)
+
+
+def command(machine: str = "microvm", accelerator: str = "tcg", spec: LaunchSpec = SPEC) -> list[str]:
+    return build_command(
+        spec,
+        binary="qemu-system-x86_64",
+        machine=machine,
+        accelerator=accelerator,
+        qmp_socket=Path("/run/aurae/vms/web/qmp.sock"),
+        console_path=Path("/run/aurae/vms/web/console.log"),
+        kernel_cmdline="console=ttyS0 auraed.hostname=web",
+    )
+
+
+def option(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, word in enumerate(argv) if word == flag]
+
+
+def test_microvm_tcg() -> None:
+    argv = command()
+    assert option(argv, "-M") == ["microvm,x-option-roms=off,isa-serial=on,rtc=on"]
+    assert option(argv, "-accel") == ["tcg"] and option(argv, "-cpu") == ["max"]
+    assert option(argv, "-smp") == ["2"] and option(argv, "-m") == ["384M"]
+    assert option(argv, "-kernel") == ["/images/vmlinuz"] and option(argv, "-initrd") == [
+        "/images/initramfs.img"
+    ]
+    assert option(argv, "-append") == ["console=ttyS0 auraed.hostname=web"]
+    assert option(argv, "-drive") == [
+        "id=disk0,file=/images/rootfs.img,format=raw,if=none,readonly=on",
+        "id=disk1,file=/images/config.img,format=raw,if=none,readonly=on",
+    ]
+    devices = option(argv, "-device")
+    assert "virtio-blk-device,drive=disk0,serial=root" in devices
+    assert "virtio-blk-device,drive=disk1,serial=disk1" in devices
+    assert "virtio-net-device,netdev=net0,mac=02:ae:0a:d5:00:1e" in devices
+    assert option(argv, "-netdev") == ["tap,id=net0,ifname=atap7,script=no,downscript=no"]
+    assert option(argv, "-qmp") == ["unix:/run/aurae/vms/web/qmp.sock,server=on,wait=off"]
+    assert option(argv, "-chardev") == ["file,id=console,path=/run/aurae/vms/web/console.log"]
+    assert option(argv, "-serial") == ["chardev:console"]
+    assert "-no-reboot" in argv and "-nodefaults" in argv and "-daemonize" not in argv
+
+
+def test_q35_kvm_and_writable_disk() -> None:
+    spec = LaunchSpec(
+        **{**SPEC.__dict__, "disks": (LaunchDisk("/images/scratch.img", True, "scratch"),), "net": None}
+    )
+    argv = command("q35", "kvm", spec)
+    assert option(argv, "-M") == ["q35"]
+    assert option(argv, "-accel") == ["kvm"] and option(argv, "-cpu") == ["host"]
+    assert option(argv, "-drive") == ["id=disk0,file=/images/scratch.img,format=raw,if=none,readonly=off"]
+    devices = option(argv, "-device")
+    assert "virtio-blk-pci,drive=disk0,serial=scratch" in devices
+    assert not any("net" in d for d in devices) and "-netdev" not in argv
+    with pytest.raises(ValueError):
+        command("pc")
+
+
+def test_tsc_khz(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nmodel name\t: x\ncpu MHz\t\t: 2100.000\n\nprocessor\t: 1\ncpu MHz\t\t: 2099.5\n"
+    )
+    assert host_tsc_khz(cpuinfo) == 2100000
+    cpuinfo.write_text("processor\t: 0\n")
+    assert host_tsc_khz(cpuinfo) is None
+    assert host_tsc_khz(tmp_path / "absent") is None
+    real = host_tsc_khz()
+    assert real is not None and real > 100_000
+
+
+def test_kernel_args_and_accelerator() -> None:
+    microvm = QemuBackend(machine="microvm", kvm_usable=lambda: False)
+    assert microvm.kernel_args() == ["console=ttyS0", f"tsc_early_khz={host_tsc_khz()}"]
+    assert microvm.accelerator == "tcg"
+    q35 = QemuBackend(machine="q35", kvm_usable=lambda: True)
+    assert q35.kernel_args() == ["console=ttyS0"]
+    assert q35.accelerator == "kvm"
+    assert QemuBackend(binary="/nonexistent/qemu").problem() is not None
+    assert QemuBackend().problem() is None
