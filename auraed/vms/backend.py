@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -146,6 +147,26 @@ class Backend(Protocol):
 
 
 # -- shared process handling -------------------------------------------------------------------
+
+
+def reattach(backend: str, run: RunInfo, client: Callable[[Path], Any]) -> VmHandle | None:
+    """The handle of a VMM still running from before a restart (same pid and start time, socket
+    present); None when it is gone. ``client`` makes the backend's control client for the socket."""
+    if not processes.is_alive(run.pid, run.start_ticks):
+        return None
+    socket = Path(run.control_socket)
+    if not socket.exists():
+        return None
+    return VmHandle(
+        backend=backend,
+        pid=run.pid,
+        start_ticks=run.start_ticks,
+        control_socket=socket,
+        console_path=Path(run.console_path),
+        accelerator=run.accelerator,
+        process=None,
+        client=client(socket),
+    )
 
 
 def spawn(argv: list[str], run_dir: Path) -> subprocess.Popen[bytes]:

@@ -280,21 +280,7 @@ class QemuBackend:
         return ExitInfo(None, None, None, "QEMU ended")
 
     def reattach(self, run: RunInfo) -> VmHandle | None:
-        if not processes.is_alive(run.pid, run.start_ticks):
-            return None
-        socket = Path(run.control_socket)
-        if not socket.exists():
-            return None
-        return VmHandle(
-            backend=self.name,
-            pid=run.pid,
-            start_ticks=run.start_ticks,
-            control_socket=socket,
-            console_path=Path(run.console_path),
-            accelerator=run.accelerator,
-            process=None,
-            client=QmpClient(socket),
-        )
+        return common.reattach(self.name, run, QmpClient)
 
     async def close(self, handle: VmHandle) -> None:
         client: QmpClient = handle.client
