@@ -168,6 +168,9 @@ class Guests:
                     )
                 setattr(message, field, str(path))
         message.network = True
+        # Transparent huge pages cost a small guest 2-4 MiB of RSS for nothing.
+        if not any(arg.startswith("transparent_hugepage=") for arg in message.kernel_args):
+            message.kernel_args = [*message.kernel_args, "transparent_hugepage=madvise"]
 
     def with_config_disk(self, spec: VmSpec) -> VmSpec:
         if not self.is_guest(spec):
