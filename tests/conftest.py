@@ -179,7 +179,19 @@ def remove_daemon_leftovers(daemon: DaemonProcess) -> None:
     for mount in sorted((m for m in mounts if m.startswith(str(daemon.root))), key=len, reverse=True):
         subprocess.run(["umount", "-l", mount], capture_output=True, check=False)
     free_all_cells(daemon)
+    remove_taps_of(daemon.root)
     subprocess.run(["rm", "-rf", str(daemon.root)], check=False)
+
+
+def remove_taps_of(root: Path) -> None:
+    """Taps a daemon made carry the alias "auraed-vm <its run dir>": remove those under ``root``."""
+    links = subprocess.run(
+        ["ip", "-o", "-d", "link", "show"], capture_output=True, text=True, check=False
+    ).stdout
+    for line in links.splitlines():
+        name = line.split(": ")[1].split("@")[0] if ": " in line else ""
+        if name.startswith("atap") and f"alias auraed-vm {root}" in line:
+            subprocess.run(["ip", "link", "delete", name], capture_output=True, check=False)
 
 
 @pytest.fixture
