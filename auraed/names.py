@@ -1,4 +1,4 @@
-"""Names clients give to things: DNS labels, and "/"-separated paths of them."""
+"""Values clients give in requests: names (DNS labels, "/"-separated paths of them) and durations."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from auraed.errors import AuraeError, ErrorKind
 DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 MAX_PATH_LENGTH = 253
 MAX_PATH_DEPTH = 8
+# The longest grace period or timeout a request may ask for.
+MAX_WAIT_MS = 10 * 60 * 1000
 # "aurae"/"auraed" name the daemon's own cgroup and log source; "root" and "all" would be
 # ambiguous wherever a name and a keyword meet (CLI arguments, Observe filters).
 RESERVED_NAMES = frozenset({"aurae", "auraed", "root", "all"})
@@ -43,3 +45,12 @@ def validate_path(path: str, field: str) -> str:
 def parent_of(path: str) -> str | None:
     head, _, _ = path.rpartition("/")
     return head or None
+
+
+def seconds_from_ms(value: int | None, field: str) -> float | None:
+    """A grace period or timeout given in milliseconds, in seconds; None when not given."""
+    if value is None:
+        return None
+    if value > MAX_WAIT_MS:
+        raise AuraeError.invalid(field, f"at most {MAX_WAIT_MS} ms")
+    return value / 1000.0

@@ -88,8 +88,8 @@ class Cells:
     def children(self, name: str | None) -> list[CellRecord]:
         return [r for n, r in sorted(self._cells.items()) if parent_of(n) == name]
 
-    def grace(self, milliseconds: int | None) -> float:
-        return self._default_grace if milliseconds is None else milliseconds / 1000.0
+    def grace(self, seconds: float | None) -> float:
+        return self._default_grace if seconds is None else seconds
 
     # -- allocate / free -------------------------------------------------------------------
 

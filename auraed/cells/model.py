@@ -10,7 +10,6 @@ from typing import Any
 
 from auraed.api.aurae.cells import v0 as pb
 from auraed.cells.errors import CellError
-from auraed.errors import ErrorKind
 from auraed.names import validate_label, validate_path
 from auraed.system.cgroupfs import CgroupLimits, cpus_present, parse_cpu_list
 
@@ -26,10 +25,6 @@ MAX_ARG_BYTES = 128 * 1024
 MAX_ENV = 4096
 MAX_ID = 0xFFFFFFFE  # (uid_t)-1 means "unchanged" to the kernel
 DEFAULT_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-
-def invalid(field: str, problem: str) -> CellError:
-    return CellError(ErrorKind.INVALID_ARGUMENT, f"{field}: {problem}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +92,7 @@ class ExecutableSpec:
 
 def _in_range(value: int | None, field: str, low: int, high: int) -> int | None:
     if value is not None and not low <= value <= high:
-        raise invalid(field, f"{value} is out of range {low}..{high}")
+        raise CellError.invalid(field, f"{value} is out of range {low}..{high}")
     return value
 
 
@@ -107,12 +102,12 @@ def _cpuset(value: str | None, field: str, available: set[int]) -> str | None:
     try:
         wanted = parse_cpu_list(value)
     except ValueError as exc:
-        raise invalid(field, f"{value[:80]!r} is not a list like '0-1,3': {exc}") from exc
+        raise CellError.invalid(field, f"{value[:80]!r} is not a list like '0-1,3': {exc}") from exc
     if not wanted:
-        raise invalid(field, "must name at least one")
+        raise CellError.invalid(field, "must name at least one")
     absent = sorted(wanted - available)
     if absent:
-        raise invalid(field, f"{', '.join(map(str, absent[:8]))} not present on this machine")
+        raise CellError.invalid(field, f"{', '.join(map(str, absent[:8]))} not present on this machine")
     return value
 
 
@@ -131,7 +126,7 @@ def _memory(message: pb.MemoryController | None) -> dict[str, int | None]:
     order = [(k, v) for k, v in values.items() if v is not None]
     for (lower, low_value), (upper, up_value) in itertools.pairwise(order):
         if low_value is not None and up_value is not None and low_value > up_value:
-            raise invalid(
+            raise CellError.invalid(
                 f"cell.memory.{lower}", f"must not exceed memory.{upper} ({low_value} > {up_value})"
             )
     return values
@@ -139,7 +134,7 @@ def _memory(message: pb.MemoryController | None) -> dict[str, int | None]:
 
 def parse_cell(message: pb.Cell | None) -> CellSpec:
     if message is None:
-        raise invalid("cell", "is required")
+        raise CellError.invalid("cell", "is required")
     name = validate_path(message.name, "cell.name")
     cpu = message.cpu or pb.CpuController()
     cpuset = message.cpuset or pb.CpusetController()
@@ -162,12 +157,12 @@ def parse_cell(message: pb.Cell | None) -> CellSpec:
 
 def _strings(values: list[str], field: str, limit: int) -> tuple[str, ...]:
     if len(values) > limit:
-        raise invalid(field, f"more than {limit} entries")
+        raise CellError.invalid(field, f"more than {limit} entries")
     for index, value in enumerate(values):
         if "\0" in value:
-            raise invalid(f"{field}[{index}]", "contains a NUL character")
+            raise CellError.invalid(f"{field}[{index}]", "contains a NUL character")
         if len(value.encode()) > MAX_ARG_BYTES:
-            raise invalid(f"{field}[{index}]", f"longer than {MAX_ARG_BYTES} bytes")
+            raise CellError.invalid(f"{field}[{index}]", f"longer than {MAX_ARG_BYTES} bytes")
     return tuple(values)
 
 
@@ -176,7 +171,7 @@ def _env(values: list[str]) -> tuple[str, ...]:
     for index, entry in enumerate(env):
         key, sep, _ = entry.partition("=")
         if not sep or not key:
-            raise invalid(f"executable.env[{index}]", f"{entry[:80]!r} is not KEY=value")
+            raise CellError.invalid(f"executable.env[{index}]", f"{entry[:80]!r} is not KEY=value")
     if not any(entry.startswith("PATH=") for entry in env):
         env += (DEFAULT_PATH,)
     return env
@@ -184,18 +179,18 @@ def _env(values: list[str]) -> tuple[str, ...]:
 
 def parse_executable(cell_name: str, message: pb.Executable | None) -> ExecutableSpec:
     if message is None:
-        raise invalid("executable", "is required")
+        raise CellError.invalid("executable", "is required")
     name = validate_label(message.name, "executable.name")
     args = _strings(list(message.args), "executable.args", MAX_ARGS)
     if bool(args) == bool(message.shell_command):
-        raise invalid("executable", "set exactly one of args and shell_command")
+        raise CellError.invalid("executable", "set exactly one of args and shell_command")
     if args and not args[0]:
-        raise invalid("executable.args[0]", "the program must not be empty")
+        raise CellError.invalid("executable.args[0]", "the program must not be empty")
     if message.shell_command:
         args = ("/bin/sh", "-c", *_strings([message.shell_command], "executable.shell_command", 1))
     cwd = message.cwd or "/"
     if not os.path.isabs(cwd) or "\0" in cwd:
-        raise invalid("executable.cwd", f"{cwd[:80]!r} is not an absolute path")
+        raise CellError.invalid("executable.cwd", f"{cwd[:80]!r} is not an absolute path")
     return ExecutableSpec(
         cell_name=cell_name,
         name=name,

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from auraed.api.aurae.cells import v0 as pb
 from auraed.cells.cells import Cells
-from auraed.cells.errors import CellError
 from auraed.cells.executables import ExecutableRecord, State
 from auraed.cells.model import parse_cell, parse_executable
-from auraed.errors import ErrorKind
-from auraed.names import validate_label, validate_path
+from auraed.names import seconds_from_ms, validate_label, validate_path
 from auraed.server.rpc import Context
 
 SERVICE_NAME = "aurae.cells.v0.CellService"
-MAX_GRACE_PERIOD_MS = 10 * 60 * 1000
 
 STATES = {
     State.STARTING: pb.ExecutableState.RUNNING,
@@ -20,12 +17,6 @@ STATES = {
     State.EXITED: pb.ExecutableState.EXITED,
     State.UNKNOWN: pb.ExecutableState.UNKNOWN,
 }
-
-
-def grace_ms(value: int | None, field: str) -> int | None:
-    if value is not None and value > MAX_GRACE_PERIOD_MS:
-        raise CellError(ErrorKind.INVALID_ARGUMENT, f"{field}: at most {MAX_GRACE_PERIOD_MS} ms")
-    return value
 
 
 def executable_status(record: ExecutableRecord) -> pb.ExecutableStatus:
@@ -59,7 +50,7 @@ class CellServicer:
 
     async def free(self, request: pb.CellServiceFreeRequest, context: Context) -> pb.CellServiceFreeResponse:
         name = validate_path(request.cell_name, "cell_name")
-        grace = grace_ms(request.grace_period_ms, "grace_period_ms")
+        grace = seconds_from_ms(request.grace_period_ms, "grace_period_ms")
         await self._cells.free(name, self._cells.grace(grace))
         return pb.CellServiceFreeResponse()
 
@@ -74,7 +65,7 @@ class CellServicer:
     async def stop(self, request: pb.CellServiceStopRequest, context: Context) -> pb.CellServiceStopResponse:
         cell_name = validate_path(request.cell_name, "cell_name")
         name = validate_label(request.executable_name, "executable_name")
-        grace = grace_ms(request.grace_period_ms, "grace_period_ms")
+        grace = seconds_from_ms(request.grace_period_ms, "grace_period_ms")
         record = await self._cells.stop(cell_name, name, self._cells.grace(grace))
         return pb.CellServiceStopResponse(status=executable_status(record))
 

@@ -17,14 +17,12 @@ from auraed.containers.containers import Containers, spec_error
 from auraed.containers.errors import ContainerError
 from auraed.containers.exec import ExecSession
 from auraed.containers.model import ContainerRecord, State
-from auraed.errors import ErrorKind
 from auraed.images.images import Images, PullProgress
 from auraed.images.model import ImageRecord
-from auraed.names import validate_label
+from auraed.names import seconds_from_ms, validate_label
 from auraed.server.rpc import Context
 
 SERVICE_NAME = "aurae.containers.v0.ContainerService"
-MAX_TIMEOUT_MS = 10 * 60 * 1000
 MAX_TAIL = 1_000_000
 STREAMS = {
     "": frozenset({"stdout", "stderr"}),
@@ -40,15 +38,11 @@ STATES = {
 }
 
 
-def invalid(field: str, problem: str) -> ContainerError:
-    return ContainerError(ErrorKind.INVALID_ARGUMENT, f"{field}: {problem}")
-
-
 def _required(value: str, field: str) -> str:
     if not value:
-        raise invalid(field, "is required")
+        raise ContainerError.invalid(field, "is required")
     if len(value) > 4096 or "\0" in value:
-        raise invalid(field, "is not a plausible value")
+        raise ContainerError.invalid(field, "is not a plausible value")
     return value
 
 
@@ -111,19 +105,11 @@ def container_request(config: pb.ContainerConfig) -> oci.ContainerRequest:
 
 def _labels(values: dict[str, str], field: str) -> dict[str, str]:
     if len(values) > 256:
-        raise invalid(field, "more than 256 labels")
+        raise ContainerError.invalid(field, "more than 256 labels")
     for key, value in values.items():
         if not key or len(key) > 253 or len(value) > 4096:
-            raise invalid(field, f"label {key[:60]!r} is empty or too long")
+            raise ContainerError.invalid(field, f"label {key[:60]!r} is empty or too long")
     return dict(values)
-
-
-def _timeout_ms(value: int | None, field: str) -> float | None:
-    if value is None:
-        return None
-    if value > MAX_TIMEOUT_MS:
-        raise invalid(field, f"at most {MAX_TIMEOUT_MS} ms")
-    return value / 1000.0
 
 
 def _signal(value: str) -> int:
@@ -219,7 +205,7 @@ class ContainerServicer:
         self, request: pb.ContainerServiceMissingBlobsRequest, context: Context
     ) -> pb.ContainerServiceMissingBlobsResponse:
         if len(request.digests) > 10_000:
-            raise invalid("digests", "more than 10000")
+            raise ContainerError.invalid("digests", "more than 10000")
         return pb.ContainerServiceMissingBlobsResponse(
             digests=self._images.missing_blobs(list(request.digests))
         )
@@ -229,13 +215,13 @@ class ContainerServicer:
     ) -> pb.ContainerServiceImportImageResponse:
         first = await anext(aiter(requests), None)
         if first is None or first.header is None:
-            raise invalid("header", "the first message must carry the header")
+            raise ContainerError.invalid("header", "the first message must carry the header")
         header = first.header
 
         async def chunks() -> AsyncIterator[tuple[str, bytes, bool]]:
             async for message in requests:
                 if message.chunk is None:
-                    raise invalid("chunk", "every message after the first must carry a chunk")
+                    raise ContainerError.invalid("chunk", "every message after the first must carry a chunk")
                 yield message.chunk.digest, message.chunk.data, message.chunk.last
 
         image, received = await self._images.import_image(
@@ -253,7 +239,7 @@ class ContainerServicer:
 
         path = _required(request.path, "path")
         if not path.startswith("/"):
-            raise invalid("path", "must be absolute")
+            raise ContainerError.invalid("path", "must be absolute")
         image = await self._images.import_layout(Path(path), request.ref_name, request.reference)
         return pb.ContainerServiceImportImageLayoutResponse(image=image_message(image))
 
@@ -284,7 +270,7 @@ class ContainerServicer:
     ) -> pb.ContainerServiceCreateResponse:
         config = request.config
         if config is None:
-            raise invalid("config", "is required")
+            raise ContainerError.invalid("config", "is required")
         typed = container_request(config)
         record = await self._containers.create(
             typed, _required(config.image, "config.image"), _labels(config.labels, "config.labels")
@@ -301,7 +287,7 @@ class ContainerServicer:
         self, request: pb.ContainerServiceStopRequest, context: Context
     ) -> pb.ContainerServiceStopResponse:
         record = self._find(request.container_id)
-        record = await self._containers.stop(record, _timeout_ms(request.timeout_ms, "timeout_ms"))
+        record = await self._containers.stop(record, seconds_from_ms(request.timeout_ms, "timeout_ms"))
         return pb.ContainerServiceStopResponse(status=status_message(record))
 
     async def kill(
@@ -340,9 +326,9 @@ class ContainerServicer:
         record = self._find(request.container_id)
         streams = STREAMS.get(request.stream)
         if streams is None:
-            raise invalid("stream", "must be stdout, stderr or empty")
+            raise ContainerError.invalid("stream", "must be stdout, stderr or empty")
         if request.tail is not None and request.tail > MAX_TAIL:
-            raise invalid("tail", f"at most {MAX_TAIL}")
+            raise ContainerError.invalid("tail", f"at most {MAX_TAIL}")
         async for line in self._containers.logs(record, streams, request.tail, request.follow, request.since):
             yield pb.ContainerServiceLogsResponse(
                 line=line.content, stream=line.stream, timestamp=line.timestamp
@@ -361,7 +347,7 @@ class ContainerServicer:
     ) -> AsyncIterator[pb.ContainerServiceExecResponse]:
         first = await anext(aiter(requests), None)
         if first is None or first.start is None:
-            raise invalid("start", "the first message must carry start")
+            raise ContainerError.invalid("start", "the first message must carry start")
         start = first.start
         record = self._find(start.container_id)
         if record.state != State.RUNNING:
@@ -388,14 +374,14 @@ class ContainerServicer:
 
     def _exec_process(self, record: ContainerRecord, start: pb.ExecStart) -> dict[str, Any]:
         if not start.command:
-            raise invalid("start.command", "is required")
+            raise ContainerError.invalid("start.command", "is required")
         process = self._containers.process_defaults(record)
         process["args"] = list(start.command)
         if start.env:
             process["env"] = [*process.get("env", []), *start.env]
         if start.working_dir:
             if not start.working_dir.startswith("/"):
-                raise invalid("start.working_dir", "must be absolute")
+                raise ContainerError.invalid("start.working_dir", "must be absolute")
             process["cwd"] = start.working_dir
         if start.user:
             try:

@@ -28,10 +28,6 @@ SERIAL = re.compile(r"^[A-Za-z0-9_-]{1,20}$")
 ROOT_SERIAL = "root"
 
 
-def invalid(field: str, problem: str) -> VmError:
-    return VmError(ErrorKind.INVALID_ARGUMENT, f"{field}: {problem}")
-
-
 class State:
     ALLOCATING = "allocating"  # record written, kernel objects being made; torn down at start
     ALLOCATED = "allocated"
@@ -211,54 +207,56 @@ def check_file(field: str, path: str) -> None:
     except FileNotFoundError:
         raise VmError(ErrorKind.NOT_FOUND, f"{field}: {path} not found") from None
     except OSError as exc:
-        raise invalid(field, f"cannot access {path}: {exc.strerror}") from None
+        raise VmError.invalid(field, f"cannot access {path}: {exc.strerror}") from None
     if not (stat.S_ISREG(info.st_mode) or stat.S_ISBLK(info.st_mode)):
-        raise invalid(field, f"{path} is not a regular file or block device")
+        raise VmError.invalid(field, f"{path} is not a regular file or block device")
     if not os.access(path, os.R_OK):
-        raise invalid(field, f"{path} is not readable")
+        raise VmError.invalid(field, f"{path} is not readable")
 
 
 def _path(value: str, field: str, required: bool) -> str:
     if not value:
         if required:
-            raise invalid(field, "is required")
+            raise VmError.invalid(field, "is required")
         return ""
     if "\0" in value or len(value) > 4096:
-        raise invalid(field, "is not a plausible path")
+        raise VmError.invalid(field, "is not a plausible path")
     if not os.path.isabs(value):
-        raise invalid(field, f"{value[:80]!r} is not an absolute path")
+        raise VmError.invalid(field, f"{value[:80]!r} is not an absolute path")
     # QEMU's -drive/-kernel options are comma-separated: a comma would be read as an option.
     if "," in value:
-        raise invalid(field, f"{value[:80]!r} contains a comma, which VMM command lines cannot carry")
+        raise VmError.invalid(field, f"{value[:80]!r} contains a comma, which VMM command lines cannot carry")
     return os.path.normpath(value)
 
 
 def _kernel_args(values: list[str]) -> tuple[str, ...]:
     if len(values) > MAX_KERNEL_ARGS:
-        raise invalid("vm.kernel_args", f"more than {MAX_KERNEL_ARGS} arguments")
+        raise VmError.invalid("vm.kernel_args", f"more than {MAX_KERNEL_ARGS} arguments")
     for index, arg in enumerate(values):
         if not arg or any(c.isspace() or not c.isprintable() for c in arg):
-            raise invalid(
+            raise VmError.invalid(
                 f"vm.kernel_args[{index}]",
                 f"{arg[:80]!r} must be one non-empty argument of printable characters without whitespace",
             )
     if sum(len(a) + 1 for a in values) > MAX_KERNEL_ARGS_BYTES:
-        raise invalid("vm.kernel_args", f"longer than {MAX_KERNEL_ARGS_BYTES} bytes in all")
+        raise VmError.invalid("vm.kernel_args", f"longer than {MAX_KERNEL_ARGS_BYTES} bytes in all")
     return tuple(values)
 
 
 def _disks(values: list[pb.Disk]) -> tuple[DiskSpec, ...]:
     if len(values) > MAX_EXTRA_DISKS:
-        raise invalid("vm.extra_disks", f"more than {MAX_EXTRA_DISKS} disks")
+        raise VmError.invalid("vm.extra_disks", f"more than {MAX_EXTRA_DISKS} disks")
     disks = []
     seen = {ROOT_SERIAL}
     for index, disk in enumerate(values):
         field = f"vm.extra_disks[{index}]"
         serial = disk.serial or f"disk{index + 1}"
         if not SERIAL.match(serial):
-            raise invalid(f"{field}.serial", f"{serial[:40]!r} is not 1-20 characters of [A-Za-z0-9_-]")
+            raise VmError.invalid(
+                f"{field}.serial", f"{serial[:40]!r} is not 1-20 characters of [A-Za-z0-9_-]"
+            )
         if serial in seen:
-            raise invalid(f"{field}.serial", f"{serial!r} is used by another disk")
+            raise VmError.invalid(f"{field}.serial", f"{serial!r} is used by another disk")
         seen.add(serial)
         disks.append(DiskSpec(_path(disk.path, f"{field}.path", True), bool(disk.writable), serial))
     return tuple(disks)
@@ -267,23 +265,29 @@ def _disks(values: list[pb.Disk]) -> tuple[DiskSpec, ...]:
 def parse_vm(message: pb.VirtualMachine | None, *, memory_limit_mib: int | None = None) -> VmSpec:
     """Validate a request's VM into a VmSpec; every file must exist (NOT_FOUND names the path)."""
     if message is None:
-        raise invalid("vm", "is required")
+        raise VmError.invalid("vm", "is required")
     name = validate_label(message.name, "vm.name")
     vcpus = message.vcpus or DEFAULT_VCPUS
     if not 1 <= vcpus <= MAX_VCPUS:
-        raise invalid("vm.vcpus", f"{vcpus} is out of range 1..{MAX_VCPUS}")
+        raise VmError.invalid("vm.vcpus", f"{vcpus} is out of range 1..{MAX_VCPUS}")
     memory = message.memory_mib or DEFAULT_MEMORY_MIB
     limit = host_memory_mib() if memory_limit_mib is None else memory_limit_mib
     if memory < MIN_MEMORY_MIB:
-        raise invalid("vm.memory_mib", f"{memory} MiB is less than the minimum of {MIN_MEMORY_MIB} MiB")
+        raise VmError.invalid(
+            "vm.memory_mib", f"{memory} MiB is less than the minimum of {MIN_MEMORY_MIB} MiB"
+        )
     if limit and memory > limit:
-        raise invalid("vm.memory_mib", f"{memory} MiB is more than the host has ({limit} MiB MemTotal)")
+        raise VmError.invalid(
+            "vm.memory_mib", f"{memory} MiB is more than the host has ({limit} MiB MemTotal)"
+        )
     backend = message.backend
     if backend and backend not in BACKENDS:
-        raise invalid("vm.backend", f"{backend[:40]!r} is not one of {', '.join(BACKENDS)} (or empty)")
+        raise VmError.invalid(
+            "vm.backend", f"{backend[:40]!r} is not one of {', '.join(BACKENDS)} (or empty)"
+        )
     role = message.role
     if role and role not in ROLES:
-        raise invalid("vm.role", f"{role[:40]!r} is not one of {', '.join(ROLES)} (or empty)")
+        raise VmError.invalid("vm.role", f"{role[:40]!r} is not one of {', '.join(ROLES)} (or empty)")
     spec = VmSpec(
         name=name,
         vcpus=vcpus,

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from auraed.api.aurae.vms import v0 as pb
-from auraed.errors import ErrorKind
-from auraed.names import validate_label
+from auraed.names import seconds_from_ms, validate_label
 from auraed.server.rpc import Context
 from auraed.vms.errors import VmError
 from auraed.vms.guests import Guests
@@ -14,7 +13,6 @@ from auraed.vms.model import State, parse_vm
 from auraed.vms.vms import DEFAULT_START_TIMEOUT, Vms, VmView
 
 SERVICE_NAME = "aurae.vms.v0.VmService"
-MAX_TIMEOUT_MS = 10 * 60 * 1000
 MAX_TAIL = 1_000_000
 MAX_MARKER = 4096
 
@@ -28,18 +26,6 @@ STATES = {
     State.EXITED: pb.VmState.EXITED,
     State.CRASHED: pb.VmState.CRASHED,
 }
-
-
-def invalid(field: str, problem: str) -> VmError:
-    return VmError(ErrorKind.INVALID_ARGUMENT, f"{field}: {problem}")
-
-
-def timeout_ms(value: int | None, field: str) -> float | None:
-    if value is None:
-        return None
-    if value > MAX_TIMEOUT_MS:
-        raise invalid(field, f"at most {MAX_TIMEOUT_MS} ms")
-    return value / 1000.0
 
 
 def status_message(view: VmView) -> pb.VmStatus:
@@ -91,7 +77,7 @@ class VmServicer:
 
     async def free(self, request: pb.VmServiceFreeRequest, context: Context) -> pb.VmServiceFreeResponse:
         name = validate_label(request.name, "name")
-        await self._vms.free(name, timeout_ms(request.timeout_ms, "timeout_ms"))
+        await self._vms.free(name, seconds_from_ms(request.timeout_ms, "timeout_ms"))
         await self._guests.forget(name)
         return pb.VmServiceFreeResponse()
 
@@ -99,10 +85,10 @@ class VmServicer:
         name = validate_label(request.name, "name")
         marker = request.wait_for_console
         if len(marker) > MAX_MARKER or "\0" in marker:
-            raise invalid("wait_for_console", f"at most {MAX_MARKER} characters, no NUL")
-        timeout = timeout_ms(request.timeout_ms, "timeout_ms")
+            raise VmError.invalid("wait_for_console", f"at most {MAX_MARKER} characters, no NUL")
+        timeout = seconds_from_ms(request.timeout_ms, "timeout_ms")
         if timeout is not None and timeout <= 0:
-            raise invalid("timeout_ms", "must be positive")
+            raise VmError.invalid("timeout_ms", "must be positive")
         await self._guests.before_start(name)
         record, ready = await self._vms.start(
             name, wait_for_console=marker, timeout=timeout or DEFAULT_START_TIMEOUT
@@ -118,7 +104,7 @@ class VmServicer:
 
     async def stop(self, request: pb.VmServiceStopRequest, context: Context) -> pb.VmServiceStopResponse:
         name = validate_label(request.name, "name")
-        record = await self._vms.stop(name, timeout_ms(request.timeout_ms, "timeout_ms"))
+        record = await self._vms.stop(name, seconds_from_ms(request.timeout_ms, "timeout_ms"))
         return pb.VmServiceStopResponse(status=status_message(await self._vms.view(record)))
 
     async def list(self, request: pb.VmServiceListRequest, context: Context) -> pb.VmServiceListResponse:
@@ -131,6 +117,6 @@ class VmServicer:
     ) -> AsyncIterator[pb.VmServiceGetConsoleResponse]:
         name = validate_label(request.name, "name")
         if request.tail is not None and request.tail > MAX_TAIL:
-            raise invalid("tail", f"at most {MAX_TAIL}")
+            raise VmError.invalid("tail", f"at most {MAX_TAIL}")
         async for line in self._vms.console(name, request.tail, request.follow):
             yield pb.VmServiceGetConsoleResponse(line=line)
