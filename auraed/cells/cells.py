@@ -199,13 +199,8 @@ class Cells:
 
     def recover(self) -> None:
         """Reload cells from the store, checked against the kernel; clean what is half-made or gone."""
-        for name, doc in self._store.list(KIND):
-            try:
-                record = CellRecord.from_doc(doc)
-            except (KeyError, TypeError) as exc:
-                log.warning("dropping unreadable cell record %s: %s", name, exc)
-                self._store.delete(KIND, name)
-                continue
+        for record in self._store.load(KIND, CellRecord.from_doc):
+            name = record.spec.name
             if record.state != "ready":
                 log.warning("cell %s was being allocated when auraed stopped; removing it", name)
                 self._unmake_quietly(record)

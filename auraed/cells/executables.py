@@ -237,13 +237,7 @@ class Executables:
 
     def recover(self, cell_exists: Callable[[str], bool]) -> None:
         """Rebuild the view from the store and the kernel after a start or a restart."""
-        for key, doc in self._store.list(KIND):
-            try:
-                record = ExecutableRecord.from_doc(doc)
-            except (KeyError, TypeError) as exc:
-                log.warning("dropping unreadable executable record %s: %s", key, exc)
-                self._store.delete(KIND, key)
-                continue
+        for record in self._store.load(KIND, ExecutableRecord.from_doc):
             if not cell_exists(record.spec.cell_name):
                 self._forget(record)
                 continue

@@ -346,13 +346,7 @@ class Containers:
         self._store.put(KIND, record.id, record.to_doc())
 
     async def recover(self) -> None:
-        for key, doc in self._store.list(KIND):
-            try:
-                record = ContainerRecord.from_doc(doc)
-            except (KeyError, TypeError) as exc:
-                log.warning("dropping unreadable container record %s: %s", key, exc)
-                self._store.delete(KIND, key)
-                continue
+        for record in self._store.load(KIND, ContainerRecord.from_doc):
             self._records[record.id] = record
             if record.state == State.CREATING:
                 log.warning("container %s was being created when auraed stopped; removing it", record.name)

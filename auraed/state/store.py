@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from auraed.errors import AuraeError, ErrorKind
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
@@ -81,6 +85,18 @@ class Store:
     def delete(self, kind: str, key: str) -> None:
         with self._lock:
             self._db.execute("DELETE FROM records WHERE kind = ? AND key = ?", (kind, key))
+
+    def load(self, kind: str, parse: Callable[[dict[str, Any]], T]) -> list[T]:
+        """Every record of ``kind`` through ``parse``; records it cannot read (written by another
+        version, or damaged) are logged and dropped, so recovery never stops on one."""
+        loaded = []
+        for key, doc in self.list(kind):
+            try:
+                loaded.append(parse(doc))
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("dropping unreadable %s record %s: %s", kind, key, exc)
+                self.delete(kind, key)
+        return loaded
 
     def list(self, kind: str) -> list[tuple[str, dict[str, Any]]]:
         with self._lock:

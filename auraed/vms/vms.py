@@ -471,13 +471,8 @@ class Vms:
 
     async def recover(self) -> None:
         """Reload VMs from the store, reattach running VMMs, clean what is half-made or gone."""
-        for name, doc in self._store.list(KIND):
-            try:
-                record = VmRecord.from_doc(doc)
-            except (KeyError, TypeError, ValueError) as exc:
-                log.warning("dropping unreadable VM record %s: %s", name, exc)
-                self._store.delete(KIND, name)
-                continue
+        for record in self._store.load(KIND, VmRecord.from_doc):
+            name = record.name
             try:
                 await self._recover_one(record)
             except Exception:
