@@ -179,26 +179,26 @@ class AuraeClient:
         descriptor = service_descriptor(service)
         return message_class(descriptor.methods_by_name[method].output_type.full_name)
 
-    async def call(
-        self, service: str, method: str, request: betterproto2.Message, timeout: float | None = None
-    ) -> Any:
+    def _callable(self, kind: str, service: str, method: str) -> Any:
+        """grpc's multicallable of ``kind`` ("unary_unary", "stream_stream", ...) for one method."""
         response = self._response_class(service, method)
-        callable_ = self.channel.unary_unary(
-            f"/{service}/{method}", request_serializer=bytes, response_deserializer=response.parse
-        )
+        make = getattr(self.channel, kind)
+        return make(f"/{service}/{method}", request_serializer=bytes, response_deserializer=response.parse)
+
+    async def _one_reply(
+        self, kind: str, service: str, method: str, payload: Any, timeout: float | None
+    ) -> Any:
         try:
-            return await callable_(request, timeout=timeout, metadata=self._metadata)
+            return await self._callable(kind, service, method)(
+                payload, timeout=timeout, metadata=self._metadata
+            )
         except grpc.aio.AioRpcError as exc:
             raise _client_error(exc) from None
 
-    async def stream(
-        self, service: str, method: str, request: betterproto2.Message, timeout: float | None = None
+    async def _replies(
+        self, kind: str, service: str, method: str, payload: Any, timeout: float | None
     ) -> AsyncIterator[Any]:
-        response = self._response_class(service, method)
-        callable_ = self.channel.unary_stream(
-            f"/{service}/{method}", request_serializer=bytes, response_deserializer=response.parse
-        )
-        call = callable_(request, timeout=timeout, metadata=self._metadata)
+        call = self._callable(kind, service, method)(payload, timeout=timeout, metadata=self._metadata)
         try:
             async for item in call:
                 yield item
@@ -207,7 +207,17 @@ class AuraeClient:
         finally:
             call.cancel()
 
-    async def duplex(
+    async def call(
+        self, service: str, method: str, request: betterproto2.Message, timeout: float | None = None
+    ) -> Any:
+        return await self._one_reply("unary_unary", service, method, request, timeout)
+
+    def stream(
+        self, service: str, method: str, request: betterproto2.Message, timeout: float | None = None
+    ) -> AsyncIterator[Any]:
+        return self._replies("unary_stream", service, method, request, timeout)
+
+    def duplex(
         self,
         service: str,
         method: str,
@@ -215,18 +225,7 @@ class AuraeClient:
         timeout: float | None = None,
     ) -> AsyncIterator[Any]:
         """A bidirectional-streaming call: send ``requests``, yield the replies as they come."""
-        response = self._response_class(service, method)
-        callable_ = self.channel.stream_stream(
-            f"/{service}/{method}", request_serializer=bytes, response_deserializer=response.parse
-        )
-        call = callable_(requests, timeout=timeout, metadata=self._metadata)
-        try:
-            async for item in call:
-                yield item
-        except grpc.aio.AioRpcError as exc:
-            raise _client_error(exc) from None
-        finally:
-            call.cancel()
+        return self._replies("stream_stream", service, method, requests, timeout)
 
     async def upload(
         self,
@@ -236,14 +235,7 @@ class AuraeClient:
         timeout: float | None = None,
     ) -> Any:
         """A client-streaming call: send ``requests``, return the one reply."""
-        response = self._response_class(service, method)
-        callable_ = self.channel.stream_unary(
-            f"/{service}/{method}", request_serializer=bytes, response_deserializer=response.parse
-        )
-        try:
-            return await callable_(requests, timeout=timeout, metadata=self._metadata)
-        except grpc.aio.AioRpcError as exc:
-            raise _client_error(exc) from None
+        return await self._one_reply("stream_unary", service, method, requests, timeout)
 
     async def health(self, service: str = "", timeout: float | None = None) -> str:
         """The health status name (SERVING, NOT_SERVING, SERVICE_UNKNOWN) of ``service``."""
