@@ -158,13 +158,14 @@ class InProcess:
         loop = asyncio.get_running_loop()
         hub.daemon_log.bind(loop)
         hub.signals.bind(loop)
+        self.supervisor = Supervisor(root / "run")
         self.cells = Cells(
             self.store,
             hub,
             Cgroupfs(base=base),
             runtime_dir=root / "run",
             default_grace_period=GRACE_MS / 1000,
-            supervisor=Supervisor(),
+            supervisor=self.supervisor,
         )
 
     async def iteration(self, name: str) -> dict[str, float]:
@@ -189,6 +190,7 @@ class InProcess:
         try:
             await self.cells.shutdown(stop_executables=True, free_cells=True)
         finally:
+            self.supervisor.close()
             self.store.close()
 
 

@@ -485,7 +485,7 @@ async def run(
         if not all(lower.is_dir() for lower in lowers):
             raise RuntimeError(f"auraed's layer snapshots are not where expected: {lowers}")
         bare = Bare(root / "bare", lowers, auraed.config_json, bare_base)
-        supervisor = Supervisor()
+        supervisor = Supervisor(root / "bare-monitor")
         try:
             for i in range(args.warmup + args.iterations):
                 measured: dict[str, dict[str, float]] = {}
@@ -506,6 +506,7 @@ async def run(
                     for series, phases in measured.items():
                         results[series].append(phases)
         finally:
+            supervisor.close()
             bare.cleanup()
         refs = {"rpc_health_check": await rpc_floor(client, 100)}
     refs["python_-I_-S_startup"] = python_startup()

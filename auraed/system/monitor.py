@@ -1,7 +1,9 @@
 """Per-executable monitor: supervises one executable so that it survives the death of auraed.
 
-Run as ``python -m auraed.system.monitor SPEC_JSON_PATH SYNC_FD`` or, cheaper (no runpy, no site),
-as ``monitor_command(...)`` builds it: ``python -I -S .../auraed/system/monitor.py SPEC SYNC_FD``.
+Run as ``python -m auraed.system.monitor SPEC_JSON_PATH SYNC_FD``, cheaper (no runpy, no site) as
+``monitor_command(...)`` builds it, or cheapest forked by ``auraed.system.monitor_launcher``, which
+calls ``main`` in a child of a process that has imported this module already (what the
+Supervisor does).
 
 The monitor makes itself a session leader, forks the executable (optionally as PID 1 of a new pid
 namespace, inside a network namespace, with new mount/uts/ipc namespaces), makes the child join the
@@ -141,7 +143,7 @@ def _errno_of(exc: BaseException) -> int:
     return exc.errno if isinstance(exc, OSError) and exc.errno else 0
 
 
-def _stderr(message: str) -> None:
+def log_error(message: str) -> None:
     try:
         os.write(2, f"auraed-monitor[{os.getpid()}]: {message}\n".encode(errors="replace"))
     except OSError:
@@ -265,7 +267,7 @@ class _CriLog:
             self.open()
             self.failed = False
         except OSError as exc:
-            _stderr(f"reopen {self.path}: {_describe(exc)}")
+            log_error(f"reopen {self.path}: {_describe(exc)}")
             return
         if old >= 0:
             os.close(old)
@@ -290,7 +292,7 @@ class _CriLog:
             _write_all(self.fd, b"".join(records))
         except OSError as exc:
             if not self.failed:  # say it once; keep draining the pipes so the executable never blocks
-                _stderr(f"write {self.path}: {_describe(exc)}")
+                log_error(f"write {self.path}: {_describe(exc)}")
             self.failed = True
 
     def feed(self, stream: _Stream, data: bytes) -> None:
@@ -499,7 +501,7 @@ class _Monitor:
         try:
             _write_all(self.sync_fd, (_dumps(message) + "\n").encode())
         except OSError as exc:  # auraed is gone: keep supervising, exit.json will tell
-            _stderr(f"write sync fd: {_describe(exc)}")
+            log_error(f"write sync fd: {_describe(exc)}")
         try:
             os.close(self.sync_fd)
         except OSError:
@@ -603,7 +605,7 @@ class _Monitor:
             try:
                 os.setsid()
             except OSError as exc:
-                _stderr(f"setsid: {_describe(exc)}")
+                log_error(f"setsid: {_describe(exc)}")
         for sig in (_signal.SIGINT, _signal.SIGHUP, _signal.SIGPIPE):
             _signal.signal(sig, _signal.SIG_IGN)
         _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)  # SIG_IGN (inherited) would auto-reap
@@ -708,7 +710,7 @@ class _Monitor:
         status, output, master = self.await_runtime([fd for fd in (out_r, err_r) if fd >= 0])
         self.runtime_running = False
         if output:
-            _stderr(f"{name} said: {output.decode(errors='replace').strip()}")
+            log_error(f"{name} said: {output.decode(errors='replace').strip()}")
         error: str | None = None
         pid = 0
         if not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0):
@@ -920,7 +922,7 @@ class _Monitor:
 
             traceback.print_exc()
         except BaseException:
-            _stderr(f"crashed in {self.step}: {_describe(exc)}")
+            log_error(f"crashed in {self.step}: {_describe(exc)}")
         message = f"{self.step}: {_describe(exc)}"
         try:
             self.sync({"error": message, "errno": _errno_of(exc)})
@@ -944,18 +946,18 @@ class _Monitor:
         try:
             self.check_child(block=True)
         except BaseException as reap_exc:
-            _stderr(f"waitpid {self.pid}: {_describe(reap_exc)}")
+            log_error(f"waitpid {self.pid}: {_describe(reap_exc)}")
         failed_to_start = self.pid <= 0 or self.runtime_running
         try:
             self.write_exit(error=message if failed_to_start else None)
         except BaseException as write_exc:
-            _stderr(f"write {self.exit_path}: {_describe(write_exc)}")
+            log_error(f"write {self.exit_path}: {_describe(write_exc)}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or not args[1].isdigit():
-        _stderr("usage: monitor SPEC_JSON_PATH SYNC_FD")
+        log_error("usage: monitor SPEC_JSON_PATH SYNC_FD")
         return 2
     monitor = _Monitor(int(args[1]))
     try:
@@ -974,27 +976,34 @@ MONITOR_PATH = os.path.abspath(__file__)
 _SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(MONITOR_PATH)))
 # Imported as a module (cached bytecode), not run as a script (compiled on every start: ~8 ms);
 # os._exit skips interpreter teardown once the exit record is written (~3 ms).
-_BOOT = (
-    "import sys,os;sys.path.append({root!r});"
-    "from auraed.system.monitor import main;os._exit(main(sys.argv[1:]))"
-)
+_BOOT = "import sys,os;sys.path.append({root!r});from {module} import main;os._exit(main(sys.argv[1:]))"
+
+
+def module_command(module: str, args: list[str], python: str | None = None) -> list[str]:
+    """Run ``module.main(args)`` the cheapest way: isolated (-I), without site (-S), from bytecode.
+
+    Skips runpy (~7 ms), site/.pth processing (~3-15 ms) and compiling a script (~8 ms), and ends
+    with os._exit. The module must import only what ``python -I -S`` finds plus auraed itself.
+    """
+    return [python or sys.executable, "-I", "-S", "-c", _BOOT.format(root=_SOURCE_ROOT, module=module), *args]
 
 
 def monitor_command(spec_path: str, sync_fd: int, python: str | None = None) -> list[str]:
-    """The cheapest way to start the monitor: isolated (-I), without site (-S), from bytecode.
+    """One monitor as its own interpreter; pass ``sync_fd`` in ``pass_fds``.
 
-    Skips runpy (~7 ms), site/.pth processing (~3-15 ms) and compiling the script (~8 ms).
-    Pass ``sync_fd`` in ``pass_fds``.
+    Supervisor forks monitors from a launcher instead (``auraed.system.monitor_launcher``);
+    this is for pass-through exec sessions, whose stdio are auraed's asyncio pipes.
     """
-    return [
-        python or sys.executable,
-        "-I",
-        "-S",
-        "-c",
-        _BOOT.format(root=_SOURCE_ROOT),
-        spec_path,
-        str(sync_fd),
-    ]
+    return module_command("auraed.system.monitor", [spec_path, str(sync_fd)], python)
+
+
+def preload() -> None:
+    """Import what a monitor would otherwise import on demand, for processes that fork monitors."""
+    import _json  # noqa: F401 - the spec parser's scanner
+    import warnings  # noqa: F401 - os.execvpe imports it in the child, just before exec
+
+    _namespaces()
+    _pty()
 
 
 class MonitorSpec:

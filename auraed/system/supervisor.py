@@ -1,24 +1,32 @@
 """Launching monitors and learning when they end: shared by executables and containers.
 
 A monitor (``auraed.system.monitor``) is started detached, reports the supervised process on a
-sync pipe, and writes an exit record when it ends. Here: start one and wait for its report,
-then wait for its end, also for monitors a previous auraed started.
+sync pipe, and writes an exit record when it ends. Monitors are forked by one long-lived
+launcher (``auraed.system.monitor_launcher``) that this class starts and restarts as needed.
+Here: start one and wait for its report, then wait for its end, also for monitors a previous
+auraed started.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
+import signal
+import socket
 import subprocess
 from pathlib import Path
 from typing import Any
 
 from auraed.system import processes
-from auraed.system.monitor import ExitRecord, MonitorSpec, monitor_command, read_exit_record
+from auraed.system.monitor import ExitRecord, MonitorSpec, read_exit_record
+from auraed.system.monitor_launcher import DESCRIPTORS, REPLY_MAX, launcher_command
 
 START_TIMEOUT = 30.0  # seconds; generous because guests run under slow emulation
+_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+LAUNCHER_STOP_TIMEOUT = 5.0  # seconds for the launcher to leave after its socket closed
 
 
 class MonitorStartError(Exception):
@@ -40,63 +48,135 @@ class Supervised:
 
 
 class Supervisor:
-    """Starts monitors and reaps the ones this process started."""
+    """Starts monitors through the launcher and waits for their end.
 
-    def __init__(self) -> None:
-        self._children: dict[int, subprocess.Popen[bytes]] = {}
+    ``runtime_dir`` holds the launcher's log and names the launcher (and so every monitor it
+    forks) in its command line.
+    """
+
+    def __init__(self, runtime_dir: Path) -> None:
+        self._runtime_dir = runtime_dir
+        self._launcher: subprocess.Popen[bytes] | None = None
+        self._control: socket.socket | None = None
+        self._lock = asyncio.Lock()  # one request at a time on the launcher's socket
+
+    @property
+    def launcher_pid(self) -> int | None:
+        """The running launcher's pid, None before the first launch or after close."""
+        return self._launcher.pid if self._launcher is not None else None
+
+    def start(self) -> None:
+        """Start the launcher now rather than at the first launch (idempotent)."""
+        self._ensure_launcher()
+
+    def close(self) -> None:
+        """Let the launcher go (it leaves at EOF); monitors it forked keep running."""
+        if self._control is not None:
+            self._control.close()
+            self._control = None
+        launcher, self._launcher = self._launcher, None
+        if launcher is not None:
+            try:
+                launcher.wait(LAUNCHER_STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
+                launcher.wait()
 
     async def launch(self, spec: MonitorSpec, run_dir: Path, timeout: float = START_TIMEOUT) -> Supervised:
         spec_path = run_dir / "monitor.json"
         spec_path.write_text(spec.to_json())
         read_end, write_end = os.pipe()
         try:
-            child = _launch(spec_path, write_end, run_dir / "monitor.log")
-        finally:
-            os.close(write_end)
-        self._children[child.pid] = child
-        monitor_ticks = processes.start_ticks(child.pid)
-        try:
-            line = await asyncio.wait_for(asyncio.to_thread(_read_all, read_end), timeout)
-        except TimeoutError:
-            child.kill()
-            await self._reap_now(child)
-            raise MonitorStartError("the monitor did not report in time", timed_out=True) from None
+            try:
+                with contextlib.ExitStack() as fds:
+                    null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+                    fds.callback(os.close, null)
+                    log = os.open(run_dir / "monitor.log", _APPEND, 0o644)
+                    fds.callback(os.close, log)
+                    monitor_pid = await self._fork_monitor(spec_path, [null, log, log, write_end])
+            finally:
+                os.close(write_end)
+            monitor_ticks = processes.start_ticks(monitor_pid)
+            try:
+                line = await asyncio.wait_for(asyncio.to_thread(_read_all, read_end), timeout)
+            except TimeoutError:
+                processes.send_signal(monitor_pid, signal.SIGKILL, monitor_ticks)
+                raise MonitorStartError("the monitor did not report in time", timed_out=True) from None
         finally:
             os.close(read_end)
         report = _parse_sync_line(line)
         if "error" in report:
-            await self._reap_now(child)
+            await processes.wait_for_exit(monitor_pid, monitor_ticks)
             raise MonitorStartError(str(report["error"]))
-        return Supervised(child.pid, monitor_ticks, int(report["pid"]), report.get("start_ticks"))
-
-    async def _reap_now(self, child: subprocess.Popen[bytes]) -> None:
-        await asyncio.to_thread(child.wait)
-        self._children.pop(child.pid, None)
+        return Supervised(monitor_pid, monitor_ticks, int(report["pid"]), report.get("start_ticks"))
 
     async def wait(self, supervised: Supervised, exit_path: Path) -> ExitRecord | None:
         """Wait until the monitor has ended; its exit record, or None when it left none."""
         await processes.wait_for_exit(supervised.monitor_pid, supervised.monitor_ticks)
-        child = self._children.pop(supervised.monitor_pid, None)
-        if child is not None:
-            child.poll()  # reap it: it is our child when this auraed started it
         return read_exit_record(exit_path)
 
     @staticmethod
     def alive(supervised: Supervised) -> bool:
         return processes.is_alive(supervised.monitor_pid, supervised.monitor_ticks)
 
+    async def _fork_monitor(self, spec_path: Path, fds: list[int]) -> int:
+        """Ask the launcher for a monitor; its pid."""
+        assert len(fds) == DESCRIPTORS
+        loop = asyncio.get_running_loop()
+        async with self._lock:
+            control = self._ensure_launcher()
+            try:
+                # Never blocks: one request at a time, a few hundred bytes in a fresh buffer.
+                socket.send_fds(control, [os.fsencode(spec_path)], fds)
+            except OSError:  # the launcher is gone (EPIPE): nothing was forked, start another
+                self._forget_launcher()
+                control = self._ensure_launcher()
+                socket.send_fds(control, [os.fsencode(spec_path)], fds)
+            try:
+                reply = await loop.sock_recv(control, REPLY_MAX)
+            except OSError:
+                reply = b""
+            if not reply:  # it died while on our request: a monitor may or may not exist
+                self._forget_launcher()
+                raise MonitorStartError("the monitor launcher ended without answering")
+        text = reply.decode(errors="replace")
+        if not text.isdigit():
+            raise MonitorStartError(f"the monitor launcher could not fork: {text.removeprefix('error: ')}")
+        return int(text)
 
-def _launch(spec_path: Path, sync_fd: int, log_path: Path) -> subprocess.Popen[bytes]:
-    """Start the monitor in its own session, so signals aimed at auraed's process group miss it."""
-    with log_path.open("ab") as monitor_log:
-        return subprocess.Popen(
-            monitor_command(str(spec_path), sync_fd),
-            pass_fds=[sync_fd],
-            stdin=subprocess.DEVNULL,
-            stdout=monitor_log,
-            stderr=monitor_log,
-            start_new_session=True,
-        )
+    def _ensure_launcher(self) -> socket.socket:
+        if self._control is not None and self._launcher is not None and self._launcher.poll() is None:
+            return self._control
+        self._forget_launcher()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._runtime_dir.mkdir(parents=True, exist_ok=True)
+            with (self._runtime_dir / "monitor-launcher.log").open("ab") as log:
+                self._launcher = subprocess.Popen(
+                    launcher_command(theirs.fileno(), str(self._runtime_dir)),
+                    pass_fds=[theirs.fileno()],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    start_new_session=True,  # signals aimed at auraed's process group miss it
+                )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self._control = ours
+        return ours
+
+    def _forget_launcher(self) -> None:
+        if self._control is not None:
+            self._control.close()
+            self._control = None
+        if self._launcher is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._launcher.wait(0)  # reap it if it has ended; a live one leaves at EOF
+            self._launcher = None
 
 
 def _read_all(fd: int) -> bytes:

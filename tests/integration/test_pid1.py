@@ -154,9 +154,12 @@ class Workload:
                 log_path=str(run_dir / "out.log"),
                 exit_path=str(run_dir / "exit.json"),
             )
-            supervisor = Supervisor()
-            handle = await supervisor.launch(spec, run_dir)
-            record = await supervisor.wait(handle, run_dir / "exit.json")
+            supervisor = Supervisor(run_dir)
+            try:
+                handle = await supervisor.launch(spec, run_dir)
+                record = await supervisor.wait(handle, run_dir / "exit.json")
+            finally:
+                supervisor.close()
             return None if record is None else record.exit_code
 
         makers = await asyncio.create_subprocess_exec(

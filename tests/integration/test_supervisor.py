@@ -1,0 +1,110 @@
+"""Supervisor and its monitor launcher, for real: forked monitors, their life after the launcher,
+a launcher that died, many launches at once."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from auraed.system import processes
+from auraed.system.monitor import MonitorSpec, parse_cri_log_line
+from auraed.system.supervisor import MonitorStartError, Supervised, Supervisor
+
+LAUNCHED: list[Supervised] = []
+
+
+@pytest.fixture
+async def supervisor(tmp_path: Path) -> AsyncIterator[Supervisor]:
+    supervisor = Supervisor(tmp_path / "run")
+    try:
+        yield supervisor
+    finally:
+        supervisor.close()
+        while LAUNCHED:  # whatever a failed test left running
+            handle = LAUNCHED.pop()
+            processes.send_signal(handle.pid, signal.SIGKILL, handle.ticks)
+            processes.send_signal(handle.monitor_pid, signal.SIGKILL, handle.monitor_ticks)
+
+
+async def launch(supervisor: Supervisor, run_dir: Path, argv: list[str]) -> Supervised:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec = MonitorSpec(argv=argv, log_path=str(run_dir / "out.log"), exit_path=str(run_dir / "exit.json"))
+    handle = await supervisor.launch(spec, run_dir)
+    LAUNCHED.append(handle)
+    return handle
+
+
+def logged(run_dir: Path) -> list[str]:
+    return [parse_cri_log_line(line)[3] for line in (run_dir / "out.log").read_text().splitlines()]
+
+
+def cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+async def test_monitors_are_forked_by_one_launcher_named_after_the_runtime_dir(
+    supervisor: Supervisor, tmp_path: Path
+) -> None:
+    first = await launch(supervisor, tmp_path / "a", ["sh", "-c", "echo one"])
+    second = await launch(supervisor, tmp_path / "b", ["sh", "-c", "echo two"])
+    launcher = supervisor.launcher_pid
+    assert launcher is not None
+    assert str(tmp_path / "run").encode() in cmdline(launcher)
+    assert b"auraed.system.monitor_launcher" in cmdline(launcher)
+    for handle, run_dir, line in ((first, tmp_path / "a", "one"), (second, tmp_path / "b", "two")):
+        record = await supervisor.wait(handle, run_dir / "exit.json")
+        assert record is not None and record.exit_code == 0
+        assert logged(run_dir) == [line]
+    assert supervisor.launcher_pid == launcher  # one launcher served both
+
+
+async def test_monitors_outlive_the_launcher(supervisor: Supervisor, tmp_path: Path) -> None:
+    handle = await launch(supervisor, tmp_path / "a", ["sh", "-c", "sleep 0.5; echo after; exit 3"])
+    launcher = supervisor.launcher_pid
+    assert launcher is not None
+    supervisor.close()  # as when auraed stops or dies: the launcher leaves at EOF
+    assert not Path(f"/proc/{launcher}").exists()
+    assert Supervisor.alive(handle)
+    record = await supervisor.wait(handle, tmp_path / "a" / "exit.json")
+    assert record is not None and record.exit_code == 3
+    assert logged(tmp_path / "a") == ["after"]
+
+
+async def test_a_killed_launcher_is_replaced(supervisor: Supervisor, tmp_path: Path) -> None:
+    running = await launch(supervisor, tmp_path / "a", ["sleep", "30"])
+    launcher = supervisor.launcher_pid
+    assert launcher is not None
+    ticks = processes.start_ticks(launcher)
+    os.kill(launcher, signal.SIGKILL)
+    await processes.wait_for_exit(launcher, ticks)
+    handle = await launch(supervisor, tmp_path / "b", ["sh", "-c", "echo again"])
+    assert supervisor.launcher_pid not in (None, launcher)
+    record = await supervisor.wait(handle, tmp_path / "b" / "exit.json")
+    assert record is not None and record.exit_code == 0
+    assert Supervisor.alive(running)  # the killed launcher's monitor goes on
+    processes.send_signal(running.pid, signal.SIGTERM, running.ticks)
+    record = await supervisor.wait(running, tmp_path / "a" / "exit.json")
+    assert record is not None and record.signal == signal.SIGTERM
+
+
+async def test_start_errors_come_from_the_monitor(supervisor: Supervisor, tmp_path: Path) -> None:
+    with pytest.raises(MonitorStartError, match="no-such-binary"):
+        await launch(supervisor, tmp_path / "a", ["/no-such-binary"])
+    handle = await launch(supervisor, tmp_path / "b", ["true"])  # the launcher is still fine
+    assert (await supervisor.wait(handle, tmp_path / "b" / "exit.json")) is not None
+
+
+async def test_many_launches_at_once(supervisor: Supervisor, tmp_path: Path) -> None:
+    handles = await asyncio.gather(
+        *(launch(supervisor, tmp_path / f"c{i}", ["sh", "-c", f"echo {i}; exit {i}"]) for i in range(20))
+    )
+    assert len({handle.monitor_pid for handle in handles}) == 20
+    for i, handle in enumerate(handles):
+        record = await supervisor.wait(handle, tmp_path / f"c{i}" / "exit.json")
+        assert record is not None and record.exit_code == i
+        assert logged(tmp_path / f"c{i}") == [str(i)]
