@@ -861,15 +861,14 @@ def cmd_container_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_container_run(args: argparse.Namespace) -> int:
-    """Create, start, print the logs until it exits; exit as it did. ``--rm`` deletes it in any case."""
-    create = containers_pb.ContainerServiceCreateRequest(config=_container_config(args))
+    """Create and start (one call), print the logs until it exits; exit as it did. ``--rm`` deletes
+    it in any case."""
+    create = containers_pb.ContainerServiceCreateRequest(config=_container_config(args), start=True)
     timeout = _timeout(args)
 
     async def body(client: AuraeClient) -> containers_pb.ContainerStatus:
         await client.call(CONTAINERS, "Create", create, timeout)
         try:
-            start = containers_pb.ContainerServiceStartRequest(container_id=args.name)
-            await client.call(CONTAINERS, "Start", start, timeout)
             follow = containers_pb.ContainerServiceLogsRequest(container_id=args.name, follow=True)
             await _print_logs(args, client, follow)
             wait = containers_pb.ContainerServiceWaitRequest(container_id=args.name)

@@ -105,8 +105,9 @@ class Containers:
     # -- create ----------------------------------------------------------------------------
 
     async def create(
-        self, request: oci.ContainerRequest, image_name: str, labels: dict[str, str]
+        self, request: oci.ContainerRequest, image_name: str, labels: dict[str, str], start: bool = False
     ) -> ContainerRecord:
+        """Create a container; with ``start`` also start it, through one runtime command."""
         async with self._lock:
             if any(r.name == request.name for r in self._records.values()):
                 raise ContainerError.already_exists(f"container {request.name}")
@@ -127,14 +128,22 @@ class Containers:
             self._save(record)  # before any kernel object exists: a crash from here on is cleaned at start
         try:
             await asyncio.to_thread(self._prepare, record, image, request)
-            await self._launch(record)
+            await self._launch(record, start)
         except BaseException:
             await self._teardown(record, keep_logs=False)
             raise
-        record.state = State.CREATED
+        record.state = State.RUNNING if start else State.CREATED
+        if start:
+            record.started_at = time.time()
         self._save(record)
         self._watch(record)
-        log.info("created container %s (%s) from %s", record.name, record.id, image_name)
+        log.info(
+            "%s container %s (%s) from %s",
+            "started" if start else "created",
+            record.name,
+            record.id,
+            image_name,
+        )
         return record
 
     def _prepare(self, record: ContainerRecord, image: ImageRecord, request: oci.ContainerRequest) -> None:
@@ -160,13 +169,14 @@ class Containers:
         self._sockets_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         return self._sockets_dir / f"{record.id}.sock"
 
-    async def _launch(self, record: ContainerRecord) -> None:
+    async def _launch(self, record: ContainerRecord, start: bool) -> None:
         monitor = MonitorSpec(
             argv=self._runtime.create_argv(
                 record.id,
                 record.bundle,
                 record.path / "container.pid",
                 self._console_socket(record) if record.tty else None,
+                start=start,
             ),
             log_path=str(record.log_path),
             exit_path=str(record.exit_path),
@@ -174,12 +184,14 @@ class Containers:
             subreaper=True,
             pid_file=str(record.path / "container.pid"),
             console_socket=str(self._console_socket(record)) if record.tty else None,
+            runtime_starts=start,
         )
         try:
             supervised = await self._supervisor.launch(monitor, record.path)
         except MonitorStartError as exc:
             kind = ErrorKind.UNAVAILABLE if exc.timed_out else ErrorKind.FAILED_PRECONDITION
-            raise ContainerError(kind, f"cannot create container {record.name}: {exc}") from None
+            verb = "run" if start else "create"
+            raise ContainerError(kind, f"cannot {verb} container {record.name}: {exc}") from None
         record.monitor_pid, record.monitor_ticks = supervised.monitor_pid, supervised.monitor_ticks
         record.pid, record.ticks = supervised.pid, supervised.ticks
 

@@ -124,10 +124,17 @@ class OciRuntime:
     # -- commands run by the monitor ---------------------------------------------------------
 
     def create_argv(
-        self, container_id: str, bundle: Path, pid_file: Path, console_socket: Path | None
+        self,
+        container_id: str,
+        bundle: Path,
+        pid_file: Path,
+        console_socket: Path | None,
+        start: bool = False,
     ) -> list[str]:
-        """``create`` for the monitor (MonitorSpec argv with pid_file, subreaper, console_socket)."""
-        argv = [*self.base_argv(), "create", "--bundle", str(bundle), "--pid-file", str(pid_file)]
+        """``create`` (or with ``start``, ``run --detach``: created and started by one command) for
+        the monitor (MonitorSpec argv with pid_file, subreaper, console_socket)."""
+        command = ["run", "--detach"] if start else ["create"]
+        argv = [*self.base_argv(), *command, "--bundle", str(bundle), "--pid-file", str(pid_file)]
         if console_socket is not None:
             argv += ["--console-socket", check_socket_path(console_socket)]
         argv.append(check_container_id(container_id))

@@ -273,7 +273,10 @@ class ContainerServicer:
             raise ContainerError.invalid("config", "is required")
         typed = container_request(config)
         record = await self._containers.create(
-            typed, _required(config.image, "config.image"), _labels(config.labels, "config.labels")
+            typed,
+            _required(config.image, "config.image"),
+            _labels(config.labels, "config.labels"),
+            start=request.start,
         )
         return pb.ContainerServiceCreateResponse(status=status_message(record))
 

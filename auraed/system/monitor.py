@@ -24,6 +24,10 @@ Containers (OCI runtimes) use three more spec options:
 - ``console_socket``: the monitor listens there before running argv (which carries
   ``--console-socket``), receives the terminal master the runtime sends, and logs its output as
   stdout.
+- ``runtime_starts``: argv also starts the process (``runc run --detach``), so what the shared
+  pipes carry while argv runs may already be the process's output: kept (up to
+  EARLY_OUTPUT_MAX per pipe, then the pipe is left unread until argv ends) and logged once argv
+  succeeded, used as the error message when it failed. (runc and crun print nothing on success.)
 
 With an empty ``log_path`` the monitor copies nothing: argv inherits the monitor's own stdin,
 stdout and stderr, which the monitor then drops (pass-through, used for exec sessions).
@@ -61,6 +65,9 @@ EXIT_GRACE_SECONDS = 2.0
 
 RUNTIME_OUTPUT_MAX = 16 * 1024
 """How much of a runtime command's own output is kept for its error message."""
+
+EARLY_OUTPUT_MAX = 1024 * 1024
+"""With runtime_starts: how much of a pipe is read while the runtime runs (the rest waits)."""
 
 _READ_SIZE = 64 * 1024
 _EIO = 5  # errno.EIO: a terminal master once the last slave descriptor is closed
@@ -481,6 +488,8 @@ class _Monitor:
         self.subreaper = False
         self.foreign = False  # the supervised pid is not our child: no exit status, only its end
         self.runtime_running = False  # self.pid is a runtime command (pid_file mode) still running
+        self.runtime_starts = False  # that command also starts the process (run --detach)
+        self.early: dict[int, bytes] = {}  # with runtime_starts: pipe -> what it carried meanwhile
         self.started_at = time.time()
         self.finished_at: float | None = None
         self.oom_file: str | None = None
@@ -620,6 +629,7 @@ class _Monitor:
         console = spec.get("console_socket")
         log_path = spec.get("log_path")
         self.subreaper = bool(spec.get("subreaper") or pid_file)
+        self.runtime_starts = bool(pid_file and spec.get("runtime_starts"))
         need_ns = self.subreaper or any(
             spec.get(key)
             for key in ("new_pid_ns", "new_mount_ns", "new_uts_ns", "new_ipc_ns", "hostname", "netns_path")
@@ -684,6 +694,10 @@ class _Monitor:
             master = self.start_through_runtime(name, str(pid_file), out_r, err_r)
             if master < -1:
                 return
+            for stream in streams:  # the process's first output, read while the runtime ran
+                data = self.early.pop(stream.fd, b"")
+                if data and self.log is not None:
+                    self.log.feed(stream, data)
             if master >= 0:
                 streams.append(_Stream(master, b"stdout", crlf=True))
         else:
@@ -791,13 +805,12 @@ class _Monitor:
                         data = self.read_some(fd)
                         if data:
                             output = (output + data)[-RUNTIME_OUTPUT_MAX:]
-                        else:
-                            poller.unregister(fd)
-                            readable.discard(fd)
+                            if self.keep_early(fd, data):
+                                continue
+                        poller.unregister(fd)  # EOF, or enough kept: the rest waits in the pipe
+                        readable.discard(fd)
             self.ended(status)
-            for fd in readable:  # what it wrote just before exiting
-                while data := self.read_some(fd):
-                    output = (output + data)[-RUNTIME_OUTPUT_MAX:]
+            output = self.drain_runtime_output(readable, status, output)
             if self.listener is not None and master < 0:
                 try:
                     master = self.accept_console()
@@ -807,6 +820,26 @@ class _Monitor:
             if pidfd >= 0:
                 os.close(pidfd)
         return status, output, master
+
+    def drain_runtime_output(self, fds: set[int], status: int, output: bytes) -> bytes:
+        """Add what the runtime wrote just before it exited; not when it started a process that
+        may write on and on (runtime_starts and success): the pipes are the process's now."""
+        if self.runtime_starts and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+            return output
+        for fd in fds:
+            while data := self.read_some(fd):
+                output = (output + data)[-RUNTIME_OUTPUT_MAX:]
+                self.keep_early(fd, data)
+        return output
+
+    def keep_early(self, fd: int, data: bytes) -> bool:
+        """With runtime_starts, keep data read while the runtime runs; False once the pipe's
+        share is full (then it is no longer read until the runtime has ended)."""
+        if not self.runtime_starts:
+            return True
+        kept = self.early.get(fd, b"") + data
+        self.early[fd] = kept
+        return len(kept) < EARLY_OUTPUT_MAX
 
     @staticmethod
     def read_some(fd: int) -> bytes:
@@ -1013,6 +1046,7 @@ class MonitorSpec:
     argv is an OCI runtime command (``create --pid-file``, ``exec --detach --pid-file``) and the
     process to supervise is the pid it writes there (implies ``subreaper``). ``console_socket``:
     the path given to the runtime as ``--console-socket``; the terminal's output is logged as stdout.
+    ``runtime_starts``: the pid_file command also starts the process (``run --detach``).
     """
 
     __slots__ = (
@@ -1032,6 +1066,7 @@ class MonitorSpec:
         "new_uts_ns",
         "oom_counter_file",
         "pid_file",
+        "runtime_starts",
         "subreaper",
         "uid",
     )
@@ -1057,6 +1092,7 @@ class MonitorSpec:
         subreaper: bool = False,
         pid_file: str | None = None,
         console_socket: str | None = None,
+        runtime_starts: bool = False,
     ) -> None:
         self.argv = list(argv)
         self.env = list(env) if env is not None else []
@@ -1076,6 +1112,7 @@ class MonitorSpec:
         self.subreaper = subreaper
         self.pid_file = pid_file
         self.console_socket = console_socket
+        self.runtime_starts = runtime_starts
 
     def to_dict(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in self.__slots__}

@@ -197,7 +197,13 @@ class Lab:
         return container_id
 
     def prepare(
-        self, args: list[str], *, terminal: bool = False, pid_ns: bool = True, bundle_config: bool = True
+        self,
+        args: list[str],
+        *,
+        terminal: bool = False,
+        pid_ns: bool = True,
+        bundle_config: bool = True,
+        start: bool = False,
     ) -> tuple[str, Path, MonitorSpec]:
         container_id = self.new_id()
         directory = self.base / container_id
@@ -209,13 +215,14 @@ class Lab:
         console = directory / "console.sock" if terminal else None
         pid_file = directory / "container.pid"
         monitor = MonitorSpec(
-            argv=self.runtime.create_argv(container_id, bundle, pid_file, console),
+            argv=self.runtime.create_argv(container_id, bundle, pid_file, console, start=start),
             log_path=str(directory / "output.log"),
             exit_path=str(directory / "exit.json"),
             env=ENV,
             subreaper=True,
             pid_file=str(pid_file),
             console_socket=str(console) if console else None,
+            runtime_starts=start,
             oom_counter_file=str(
                 CGROUP_ROOT / "memory" / CGROUP_PARENT / container_id / "memory.oom_control"
             ),
@@ -340,6 +347,8 @@ def test_argv_shapes(tmp_path: Path) -> None:
     assert runtime.exec_argv("c1", Path("/f"), Path("/p"), Path("/s"))[3:] == [
         "exec", "--detach", "--pid-file", "/p", "--process", "/f", "--tty", "--console-socket", "/s", "c1",
     ]  # fmt: skip
+    started = runtime.create_argv("c1", Path("/b"), Path("/p"), None, start=True)
+    assert started[3:6] == ["run", "--detach", "--bundle"]
     with pytest.raises(OciRuntimeError) as info:
         runtime.create_argv("--help", Path("/b"), Path("/p"), None)
     assert info.value.kind == "invalid"
@@ -372,6 +381,30 @@ async def test_created_until_started_then_output_and_exit_code(lab: Lab) -> None
     with pytest.raises(OciRuntimeError) as info:
         await lab.runtime.start(container.id)
     assert info.value.kind == "invalid"
+
+
+async def test_run_detach_keeps_the_output_written_while_the_runtime_ran(lab: Lab) -> None:
+    # 3 MB at once: more than the monitor reads while runc still runs (EARLY_OUTPUT_MAX), so the
+    # container blocks on its pipe until the monitor supervises it; nothing may be lost.
+    script = "echo first; echo err >&2; head -c 3000000 /dev/zero | tr '\\0' x; echo; echo last; exit 4"
+    container = lab.create(["sh", "-c", script], start=True)
+    assert set(container.sync) == {"pid", "start_ticks"}, container.sync
+    record = await container.async_wait_exit()
+    assert (record.exit_code, record.signal) == (4, None)
+    stdout = container.lines("stdout")
+    assert stdout[0] == "first" and stdout[-1] == "last"
+    assert "".join(stdout[1:-1]) == "x" * 3_000_000
+    assert container.lines("stderr") == ["err"]
+    state = await lab.runtime.state(container.id)
+    assert state is not None and state["status"] == "stopped"
+
+
+async def test_run_detach_failure_is_the_runtimes_message(lab: Lab) -> None:
+    container = lab.create(["/no/such/binary"], start=True)
+    assert "error" in container.sync, container.sync
+    assert "/no/such/binary" in container.sync["error"]
+    record = container.wait_exit()
+    assert record.exit_code == 127 and container.lines("stdout") == container.lines("stderr") == []
 
 
 async def test_sigterm_is_recorded_as_the_signal(lab: Lab) -> None:

@@ -69,6 +69,41 @@ async def test_run_logs_exit_code_and_environment(loaded: AuraeClient) -> None:
     await delete(loaded, "hello")
 
 
+async def test_create_with_start_runs_it_in_one_call(loaded: AuraeClient, daemon: DaemonProcess) -> None:
+    async def create_started(name: str, **config: object) -> pb.ContainerStatus:
+        request = pb.ContainerServiceCreateRequest(
+            config=pb.ContainerConfig(name=name, image=BUSYBOX, **config),  # type: ignore[arg-type]
+            start=True,
+        )
+        return (await loaded.call(CONTAINERS, "Create", request)).status
+
+    started = await create_started("oneshot", command=["sh", "-c", "echo ready; exec sleep 30"])
+    assert started.state == pb.ContainerState.RUNNING
+    assert started.pid > 0 and started.started_at is not None
+    await wait_for_line(loaded, "oneshot", "ready")
+    with pytest.raises(ClientError) as error:
+        await start(loaded, "oneshot")
+    assert error.value.code == "FAILED_PRECONDITION"
+    stopped = await loaded.call(
+        CONTAINERS, "Stop", pb.ContainerServiceStopRequest(container_id="oneshot", timeout_ms=5000)
+    )
+    assert stopped.status.state == pb.ContainerState.EXITED
+    await delete(loaded, "oneshot")
+
+    terminal = await create_started("oneshot-tty", command=["sh", "-c", "tty; echo done"], tty=True)
+    assert terminal.state in (pb.ContainerState.RUNNING, pb.ContainerState.EXITED)
+    await wait_for_line(loaded, "oneshot-tty", "done")
+    assert (await logs(loaded, "oneshot-tty"))[0].startswith("/dev/pts/")
+    await delete(loaded, "oneshot-tty")
+
+    with pytest.raises(ClientError) as error:
+        await create_started("oneshot-bad", command=["/no/such/program"])
+    assert error.value.code == "FAILED_PRECONDITION"
+    assert "cannot run container oneshot-bad" in error.value.message
+    assert "/no/such/program" in error.value.message
+    assert list((daemon.root / "state" / "containers").iterdir()) == []
+
+
 async def test_image_config_user_cwd_entrypoint_and_whiteouts(loaded: AuraeClient) -> None:
     # Entrypoint /opt/app/bin/run prints uid, cwd and /etc/app.conf, then runs its arguments.
     checks = " && ".join(f"test ! -e /{p}" for p in MULTILAYER_ABSENT)
