@@ -11,7 +11,7 @@ guests through its VmService, as users do. QEMU runs under TCG on this machine (
 
 * ``guest``: Allocate role="guest" + Start, which returns once the guest's auraed (PID 1) answers
   health SERVING over mTLS. Timed from sending Start to its reply (our wall time; Start also
-  reports console_ready_ms, which auraed counts from the VMM running per QMP until SERVING);
+  reports console_ready_ms, which auraed counts from launching the VMM until SERVING);
 * ``bare`` (the peer): the same kernel and VMM (auraed's own QEMU command line: same machine,
   accelerator, memory, flags) with the bare initramfs, whose /init prints AURAE-BARE-BOOT-OK and
   powers off; no network, no disks. Start with wait_for_console="AURAE-BARE-BOOT-OK".

@@ -693,7 +693,8 @@ class Cgroupfs:
         kill_file = self.cgroup_dirs(path)[0] / "cgroup.kill"
         if self.is_v2 and kill_file.exists():
             _write(kill_file, "1")  # atomic, even against concurrent forks
-        else:
+        elif self._subtree_pids(path):
+            # Empty stays empty (only auraed moves processes in), so only then freeze and kill.
             with self._frozen(path):
                 self._signal_subtree(path)
         self._wait_empty(path, timeout)

@@ -66,6 +66,9 @@ EXIT_GRACE_SECONDS = 2.0
 RUNTIME_OUTPUT_MAX = 16 * 1024
 """How much of a runtime command's own output is kept for its error message."""
 
+ADOPTION_WAIT = 2.0
+"""Seconds a process a runtime started may take to be reparented to us (see await_adoption)."""
+
 EARLY_OUTPUT_MAX = 1024 * 1024
 """With runtime_starts: how much of a pipe is read while the runtime runs (the rest waits)."""
 
@@ -458,6 +461,18 @@ def _proc_stat_fields(pid: int) -> list[bytes] | None:
         return None
 
 
+def _descends_from(pid: int, ancestor: int, depth: int = 8) -> bool:
+    """Whether ``ancestor`` is among the first ``depth`` parents of ``pid`` (or ``pid`` itself)."""
+    for _ in range(depth):
+        if pid == ancestor:
+            return True
+        fields = _proc_stat_fields(pid)
+        if fields is None or int(fields[1]) <= 1:
+            return False
+        pid = int(fields[1])
+    return False
+
+
 def _runs(pid: int, ticks: int | None) -> bool:
     """Whether pid is still the same, not yet dead, process."""
     fields = _proc_stat_fields(pid)
@@ -754,7 +769,7 @@ class _Monitor:
         self.status = None
         self.reaped = False
         self.finished_at = None
-        fields = _proc_stat_fields(pid)
+        fields = self.await_adoption(pid)
         self.ticks = int(fields[19]) if fields is not None and len(fields) > 19 else None
         # Adopted: its parent (the runtime) exited and we are the subreaper. Otherwise (another
         # runtime design) only its end can be observed, not its status.
@@ -764,6 +779,26 @@ class _Monitor:
         if master >= 0:
             self.pipes.append(master)
         return master
+
+    @staticmethod
+    def await_adoption(pid: int) -> list[bytes] | None:
+        """The process's /proc stat fields, once we are its parent or ADOPTION_WAIT has passed.
+
+        ``crun run --detach`` starts the process from an intermediate crun process that may still
+        be exiting when the command we ran has ended; when it ends, the kernel gives the process
+        to us, the subreaper. A parent that is not our descendant will not hand it over: no wait.
+        Nothing is reaped here: the process may already have ended, and its status must be left
+        for supervise().
+        """
+        me = os.getpid()
+        deadline = time.monotonic() + ADOPTION_WAIT
+        while True:
+            fields = _proc_stat_fields(pid)
+            if fields is None or int(fields[1]) == me or not _descends_from(int(fields[1]), me):
+                return fields
+            if time.monotonic() > deadline:
+                return fields
+            time.sleep(0.001)
 
     def await_runtime(self, fds: list[int]) -> tuple[int, bytes, int]:
         """Wait for the runtime command (self.pid), keeping its output and accepting the console.

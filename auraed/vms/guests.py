@@ -200,7 +200,9 @@ class Guests:
             return None
         endpoint = await self.lookup(name)
         try:
-            return await self.trust.wait_serving(endpoint, self._ready_timeout)
+            await self.trust.wait_serving(endpoint, self._ready_timeout)
+            # Counted from launching the VMM, as console_ready_ms promises (started_at is then).
+            return time.time() - record.started_at if record.started_at else None
         except AuraeError as exc:
             tail = self.vms.console_tail(name)
             await self.vms.stop(name, 0.0)

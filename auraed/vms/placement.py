@@ -5,6 +5,8 @@ call to the host (``aer --vm NAME container ...``). The host then forwards the c
 to the guest's ContainerService over mTLS with the host's guest-client certificate — after making
 sure, for Create, that the guest has the image: the host's store holds it (pulled once per host),
 the guest is asked which blobs it lacks, and only those are streamed. Guests never reach a registry.
+Once an image is placed in a guest, later Creates with it go straight through (two round trips to
+the guest fewer); a guest that lost it since answers NOT_FOUND, and then it is placed again.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ class GuestRouter(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def __init__(self, guests: GuestLookup, images: Images) -> None:
         self._guests = guests
         self._images = images
+        # (VM name, guest address, reference, image id) this router has placed in that guest.
+        self._placed: set[tuple[str, str, str, str]] = set()
 
     async def intercept_service(
         self,
@@ -108,9 +112,11 @@ class GuestRouter(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
         async def unary_unary(request: bytes, context: Context) -> bytes:
             guest = await router._guest(vm, context)
-            if method.endswith("/Create"):
-                await router._ensure_image(guest, request, context)
             call = guest.channel.unary_unary(method)
+            if method.endswith("/Create"):
+                return await router._create(guest, call, request, context)
+            if method.endswith("/RemoveImage"):
+                router._forget_placed(guest)
             return await _relay(call(request, metadata=_forwarded(context)), context)  # type: ignore[no-any-return]
 
         async def unary_stream(request: bytes, context: Context) -> AsyncIterator[bytes]:
@@ -153,11 +159,36 @@ class GuestRouter(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             await context.abort(code, detail)
             raise
 
-    async def _ensure_image(self, guest: GuestEndpoint, request: bytes, context: Context) -> None:
+    async def _create(
+        self, guest: GuestEndpoint, call: grpc.aio.UnaryUnaryMultiCallable, request: bytes, context: Context
+    ) -> bytes:
+        """Relay a Create; place its image in the guest first unless it was placed before."""
+        name, image = await self._host_image(request, context)
+        key = (guest.name, guest.address, name, image.id)
+        if key in self._placed:
+            try:
+                return await call(request, metadata=_forwarded(context))  # type: ignore[no-any-return]
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    await context.abort(exc.code(), exc.details() or "")
+                # The guest may have lost the image (removed there, or rebooted): place it again.
+                self._placed.discard(key)
+        await self._place(guest, name, image, context)
+        self._placed.add(key)
+        return await _relay(call(request, metadata=_forwarded(context)), context)  # type: ignore[no-any-return]
+
+    async def _host_image(self, request: bytes, context: Context) -> tuple[str, ImageRecord]:
         try:
             config = pb.ContainerServiceCreateRequest.parse(request).config
             name = config.image if config is not None else ""
-            image = self._images.find(name)
+            return name, self._images.find(name)
+        except AuraeError as exc:
+            code, detail = status_for(exc)
+            await context.abort(code, detail)
+            raise
+
+    async def _place(self, guest: GuestEndpoint, name: str, image: ImageRecord, context: Context) -> None:
+        try:
             sent = await send_image(guest.channel, image, self._images.content, name)
             log.info("image %s placed in guest %s (%d blobs sent)", name, guest.name, sent)
         except AuraeError as exc:
@@ -165,6 +196,9 @@ class GuestRouter(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             await context.abort(code, detail)
         except grpc.aio.AioRpcError as exc:
             await context.abort(exc.code(), f"guest {guest.name}: {exc.details()}")
+
+    def _forget_placed(self, guest: GuestEndpoint) -> None:
+        self._placed = {key for key in self._placed if key[:2] != (guest.name, guest.address)}
 
 
 def _forwarded(context: Context) -> list[tuple[str, Any]]:

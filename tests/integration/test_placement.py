@@ -122,6 +122,35 @@ async def test_create_in_guest_sends_missing_blobs_then_runs(
     await call(client, "Delete", pb.ContainerServiceDeleteRequest(container_id="placed", force=True))
 
 
+async def test_an_image_is_placed_once_and_again_when_the_guest_lost_it(
+    host: tuple[AuraeClient, Images], daemon: DaemonProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    client, _ = host
+    caplog.set_level("INFO", logger="auraed.vms.placement")
+
+    def placements() -> int:
+        return sum("placed in guest g1" in r.getMessage() for r in caplog.records)
+
+    async def create_and_delete(name: str) -> None:
+        config = pb.ContainerConfig(name=name, image=IMAGE, command=["true"])
+        await call(client, "Create", pb.ContainerServiceCreateRequest(config=config))
+        await call(client, "Delete", pb.ContainerServiceDeleteRequest(container_id=name, force=True))
+
+    await create_and_delete("first")
+    assert placements() == 1
+    await create_and_delete("second")  # straight through: no MissingBlobs/ImportImage round trips
+    assert placements() == 1
+    # Removed in the guest behind the host's back: the Create finds it missing and places it again.
+    async with daemon.client() as guest:
+        await guest.call(SERVICE_NAME, "RemoveImage", pb.ContainerServiceRemoveImageRequest(image=IMAGE))
+    await create_and_delete("third")
+    assert placements() == 2
+    # Removed through the host: the host forgets it placed it.
+    await call(client, "RemoveImage", pb.ContainerServiceRemoveImageRequest(image=IMAGE))
+    await create_and_delete("fourth")
+    assert placements() == 3
+
+
 async def test_exec_is_relayed_both_ways(host: tuple[AuraeClient, Images]) -> None:
     client, _ = host
     config = pb.ContainerConfig(name="box", image=IMAGE, command=["sleep", "300"])

@@ -382,7 +382,8 @@ class VmServiceStartResponse(betterproto2.Message):
 
     console_ready_ms: "int" = betterproto2.field(3, betterproto2.TYPE_UINT64)
     """
-    Milliseconds from launching the VMM until wait_for_console appeared; 0 when not waited for.
+    Milliseconds from launching the VMM until wait_for_console appeared or, for a guest (role
+    "guest"), until its auraed answered health SERVING; 0 when not waited for.
     """
 
 
