@@ -4,7 +4,8 @@ runc 1.1 accepts ``--console-socket`` only with ``--detach``, and a detached pro
 by the runtime, so (like containerd's shim) every exec is ``<runtime> exec --detach --pid-file P
 --process F [--tty --console-socket S] ID`` run under our monitor as a child subreaper in
 pass-through mode (no log): the monitor adopts the process, reports its pid on the sync pipe and
-writes its exit status to ``exit.json``.
+writes its exit status to ``exit.json``. The monitor is forked by the Supervisor's launcher, like
+every other monitor, with stdio we made.
 
 - Without a terminal the monitor's stdin/stdout/stderr are pipes to us; the runtime and then the
   process inherit them; the monitor itself lets go of them right after forking.
@@ -31,8 +32,9 @@ from typing import Any, BinaryIO
 
 from auraed.containers.runtime import OciRuntime, OciRuntimeError, check_container_id
 from auraed.system import processes
-from auraed.system.monitor import MonitorSpec, monitor_command, read_exit_record
+from auraed.system.monitor import MonitorSpec, read_exit_record
 from auraed.system.pty import CONSOLE_RECEIVE_TIMEOUT, receive_pty_master, set_window_size
+from auraed.system.supervisor import Supervisor, parse_report
 
 START_TIMEOUT = 30.0
 """Seconds until the monitor reports the exec'd process (guests run under slow emulation)."""
@@ -47,6 +49,38 @@ _EOT = b"\x04"  # VEOF: what "end of input" is on a terminal in canonical mode
 _Item = tuple[str, bytes] | str  # (stream, data), or the name of a stream that ended
 
 
+class _Monitor:
+    """An exec's monitor (forked by the launcher: not our child) and our ends of its stdio."""
+
+    def __init__(self, pid: int, ticks: int | None) -> None:
+        self.pid, self.ticks = pid, ticks
+        self.stdin = -1  # our non-blocking write end of its stdin pipe
+        self.stdout: asyncio.StreamReader | None = None
+        self.stderr: asyncio.StreamReader | None = None
+        self.transports: list[asyncio.BaseTransport] = []
+
+    @property
+    def alive(self) -> bool:
+        return processes.is_alive(self.pid, self.ticks)
+
+    def kill(self) -> None:
+        """SIGKILL; a runtime command it runs dies with it (PDEATHSIG)."""
+        processes.send_signal(self.pid, signals.SIGKILL, self.ticks)
+
+    async def wait(self) -> None:
+        await processes.wait_for_exit(self.pid, self.ticks)
+
+    def close_stdin(self) -> None:
+        if self.stdin >= 0:
+            os.close(self.stdin)
+            self.stdin = -1
+
+    def close(self) -> None:
+        self.close_stdin()
+        for transport in self.transports:
+            transport.close()
+
+
 class ExecSession:
     """A process started by ``OciRuntime.exec_process``; use as ``async with`` or call close()."""
 
@@ -57,7 +91,7 @@ class ExecSession:
         self.work_dir = work_dir
         self.pid = 0
         self.ticks: int | None = None
-        self._monitor: asyncio.subprocess.Process | None = None
+        self._monitor: _Monitor | None = None
         self._master = -1
         self._pidfd = -1
         self._queue: asyncio.Queue[_Item] = asyncio.Queue(_QUEUE_SIZE)
@@ -85,6 +119,7 @@ class ExecSession:
         stdin: bool = True,
         size: tuple[int, int] | None = None,
         timeout: float = START_TIMEOUT,
+        supervisor: Supervisor,
     ) -> ExecSession:
         """Start ``process`` in the container. With a terminal, ``size`` (rows, cols) becomes the
         process's ``consoleSize``: the runtime sizes the terminal before the process runs (a
@@ -98,13 +133,15 @@ class ExecSession:
         work_dir = Path(tempfile.mkdtemp(prefix="exec-", dir=scratch))
         session = cls(runtime, container_id, tty, work_dir)
         try:
-            await session._start(process, stdin, timeout)
+            await session._start(process, stdin, timeout, supervisor)
         except BaseException:
             await session.close()
             raise
         return session
 
-    async def _start(self, process: dict[str, Any], stdin: bool, timeout: float) -> None:
+    async def _start(
+        self, process: dict[str, Any], stdin: bool, timeout: float, supervisor: Supervisor
+    ) -> None:
         work = self.work_dir
         process_file, pid_file, console_path = work / "process.json", work / "exec.pid", work / "console.sock"
         process_file.write_text(json.dumps({**process, "terminal": self.tty}))
@@ -126,23 +163,8 @@ class ExecSession:
                 subreaper=True,
                 pid_file=str(pid_file),
             )
-            spec_path = work / "monitor.json"
-            spec_path.write_text(spec.to_json())
-            pipe = asyncio.subprocess.PIPE
-            sync_r, sync_w = os.pipe()
-            sync_file = os.fdopen(sync_r, "rb", buffering=0)
+            sync_file = await self._spawn_monitor(supervisor, spec, stdin)
             try:
-                try:
-                    self._monitor = await asyncio.create_subprocess_exec(
-                        *monitor_command(str(spec_path), sync_w),
-                        pass_fds=[sync_w],
-                        stdin=pipe if stdin and not self.tty else asyncio.subprocess.DEVNULL,
-                        stdout=asyncio.subprocess.DEVNULL if self.tty else pipe,
-                        stderr=pipe,
-                        start_new_session=True,
-                    )
-                finally:
-                    os.close(sync_w)
                 line = await asyncio.wait_for(_read_to_eof(sync_file), timeout)
             except TimeoutError:
                 raise OciRuntimeError(
@@ -150,7 +172,7 @@ class ExecSession:
                 ) from None
             finally:
                 sync_file.close()
-            report = _parse_report(line)
+            report = parse_report(line)
             if "error" in report:
                 raise await self._start_error(str(report["error"]))
             self.pid = int(report["pid"])
@@ -168,6 +190,36 @@ class ExecSession:
                 with contextlib.suppress(OSError):
                     console_path.unlink()
         self._start_pumps()
+
+    async def _spawn_monitor(self, supervisor: Supervisor, spec: MonitorSpec, stdin: bool) -> BinaryIO:
+        """Fork the monitor with pipes to us as its stdio (/dev/null where none is wanted); the
+        sync pipe's read end."""
+        loop = asyncio.get_running_loop()
+        monitor = _Monitor(0, None)
+        with contextlib.ExitStack() as theirs:  # the monitor's ends: closed here once it has them
+            null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+            theirs.callback(os.close, null)
+            stdio = [null, null, null]
+            if stdin and not self.tty:
+                stdio[0], monitor.stdin = os.pipe()
+                theirs.callback(os.close, stdio[0])
+                os.set_blocking(monitor.stdin, False)
+            for index, name in ((1, "stdout"), (2, "stderr")):
+                if index == 1 and self.tty:
+                    continue  # the terminal carries the output; stderr still brings runc's errors
+                read_end, stdio[index] = os.pipe()
+                theirs.callback(os.close, stdio[index])
+                reader = asyncio.StreamReader(limit=_READ_SIZE)
+                transport, _ = await loop.connect_read_pipe(
+                    lambda reader=reader: asyncio.StreamReaderProtocol(reader),  # type: ignore[misc]
+                    os.fdopen(read_end, "rb", buffering=0),
+                )
+                monitor.transports.append(transport)
+                setattr(monitor, name, reader)
+            self._monitor = monitor  # from here close() releases our ends
+            pid, ticks, sync_r = await supervisor.spawn(spec, self.work_dir, (stdio[0], stdio[1], stdio[2]))
+        monitor.pid, monitor.ticks = pid, ticks
+        return os.fdopen(sync_r, "rb", buffering=0)
 
     async def _start_error(self, monitor_error: str) -> OciRuntimeError:
         """The monitor could not start the process: the runtime's stderr says why."""
@@ -269,39 +321,34 @@ class ExecSession:
         if not data:
             return
         if self.tty:
-            await self._write_master(data)
+            await self._write_fd(self._master, data)
             return
-        writer = self._monitor.stdin if self._monitor is not None else None
-        if writer is None or writer.is_closing():
-            return
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            writer.write(data)
-            await writer.drain()
+        if self._monitor is not None and self._monitor.stdin >= 0:
+            with contextlib.suppress(BrokenPipeError):
+                await self._write_fd(self._monitor.stdin, data)
 
     async def close_stdin(self) -> None:
         """End of input: the pipe is closed; on a terminal an EOT (^D) is typed instead."""
         if self.tty:
-            await self._write_master(_EOT)
+            await self._write_fd(self._master, _EOT)
             return
-        writer = self._monitor.stdin if self._monitor is not None else None
-        if writer is not None and not writer.is_closing():
-            writer.close()
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                await writer.wait_closed()
+        if self._monitor is not None:
+            self._monitor.close_stdin()
 
-    async def _write_master(self, data: bytes) -> None:
+    async def _write_fd(self, fd: int, data: bytes) -> None:
+        """Write all of data to a non-blocking fd (the terminal master or the stdin pipe)."""
         loop = asyncio.get_running_loop()
         view = memoryview(data)
-        while view and self._master >= 0:
+        while view and fd >= 0:
             try:
-                written = os.write(self._master, view)
+                written = os.write(fd, view)
             except BlockingIOError:
                 ready: asyncio.Future[None] = loop.create_future()
-                loop.add_writer(self._master, _resolve, ready)
+                loop.add_writer(fd, _resolve, ready)
                 try:
                     await ready
                 finally:
-                    loop.remove_writer(self._master)
+                    loop.remove_writer(fd)
                 continue
             except OSError as exc:
                 if exc.errno == errno.EIO:  # the terminal is gone
@@ -346,24 +393,22 @@ class ExecSession:
         monitor = self._monitor
         try:
             if monitor is not None:
-                if monitor.returncode is None and self.pid <= 0:  # it never reported the process
-                    with contextlib.suppress(ProcessLookupError):
-                        monitor.kill()  # its runtime child dies with it (PDEATHSIG)
-                if monitor.returncode is None:
+                if monitor.alive and self.pid <= 0:  # it never reported the process
+                    monitor.kill()
+                if monitor.alive:
                     await self.kill()
                     try:
                         await asyncio.wait_for(asyncio.shield(monitor.wait()), CLOSE_TIMEOUT)
                     except TimeoutError:
-                        with contextlib.suppress(ProcessLookupError):
-                            monitor.kill()  # its runtime child, if any, dies with it (PDEATHSIG)
+                        monitor.kill()
                         await asyncio.shield(monitor.wait())
-                if monitor.stdin is not None and not monitor.stdin.is_closing():
-                    monitor.stdin.close()
         finally:
             for task in self._pumps:
                 task.cancel()
             if self._pumps:
                 await asyncio.gather(*self._pumps, return_exceptions=True)
+            if monitor is not None:
+                monitor.close()
             if self._master >= 0:
                 self._stop_reading_master()
                 os.close(self._master)

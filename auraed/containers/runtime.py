@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from auraed.containers.exec import ExecSession
+    from auraed.system.supervisor import Supervisor
 
 DEFAULT_TIMEOUT = 10.0
 """Seconds for one runtime command (state, start, kill, ps)."""
@@ -218,17 +219,20 @@ class OciRuntime:
         *,
         stdin: bool = True,
         size: tuple[int, int] | None = None,
+        supervisor: Supervisor,
     ) -> ExecSession:
         """Run ``process`` (an OCI process spec: args, env, cwd, user, ...) in a running container.
 
         ``terminal`` is set from ``tty``; ``size`` (rows, cols) is the terminal's first size (the
         process's ``consoleSize``, applied before it runs). Without ``stdin`` its stdin is
-        /dev/null. Raises OciRuntimeError when the runtime cannot start it ("invalid" for a
-        stopped container, "not_found" for an unknown one).
+        /dev/null. ``supervisor`` forks its monitor. Raises OciRuntimeError when the runtime cannot
+        start it ("invalid" for a stopped container, "not_found" for an unknown one).
         """
         from auraed.containers.exec import ExecSession
 
-        return await ExecSession.start(self, container_id, process, tty, stdin=stdin, size=size)
+        return await ExecSession.start(
+            self, container_id, process, tty, stdin=stdin, size=size, supervisor=supervisor
+        )
 
     # -- plumbing ----------------------------------------------------------------------------
 

@@ -83,20 +83,14 @@ class Supervisor:
                 launcher.wait()
 
     async def launch(self, spec: MonitorSpec, run_dir: Path, timeout: float = START_TIMEOUT) -> Supervised:
-        spec_path = run_dir / "monitor.json"
-        spec_path.write_text(spec.to_json())
-        read_end, write_end = os.pipe()
+        """Start a monitor whose own output goes to run_dir/monitor.log; wait for its report."""
+        with contextlib.ExitStack() as fds:
+            null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            fds.callback(os.close, null)
+            log = os.open(run_dir / "monitor.log", _APPEND, 0o644)
+            fds.callback(os.close, log)
+            monitor_pid, monitor_ticks, read_end = await self.spawn(spec, run_dir, (null, log, log))
         try:
-            try:
-                with contextlib.ExitStack() as fds:
-                    null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-                    fds.callback(os.close, null)
-                    log = os.open(run_dir / "monitor.log", _APPEND, 0o644)
-                    fds.callback(os.close, log)
-                    monitor_pid = await self._fork_monitor(spec_path, [null, log, log, write_end])
-            finally:
-                os.close(write_end)
-            monitor_ticks = processes.start_ticks(monitor_pid)
             try:
                 line = await asyncio.wait_for(asyncio.to_thread(_read_all, read_end), timeout)
             except TimeoutError:
@@ -104,11 +98,32 @@ class Supervisor:
                 raise MonitorStartError("the monitor did not report in time", timed_out=True) from None
         finally:
             os.close(read_end)
-        report = _parse_sync_line(line)
+        report = parse_report(line)
         if "error" in report:
             await processes.wait_for_exit(monitor_pid, monitor_ticks)
             raise MonitorStartError(str(report["error"]))
         return Supervised(monitor_pid, monitor_ticks, int(report["pid"]), report.get("start_ticks"))
+
+    async def spawn(
+        self, spec: MonitorSpec, run_dir: Path, stdio: tuple[int, int, int]
+    ) -> tuple[int, int | None, int]:
+        """Write ``spec`` to run_dir/monitor.json and fork its monitor with ``stdio`` as its stdin,
+        stdout and stderr (the caller keeps and closes its descriptors).
+
+        Returns the monitor's pid, its start ticks and the read end of its sync pipe: the caller
+        reads the report there until EOF (``parse_report``) and closes it.
+        """
+        spec_path = run_dir / "monitor.json"
+        spec_path.write_text(spec.to_json())
+        read_end, write_end = os.pipe2(os.O_CLOEXEC)
+        try:
+            monitor_pid = await self._fork_monitor(spec_path, [*stdio, write_end])
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)
+        return monitor_pid, processes.start_ticks(monitor_pid), read_end
 
     async def wait(self, supervised: Supervised, exit_path: Path) -> ExitRecord | None:
         """Wait until the monitor has ended; its exit record, or None when it left none."""
@@ -186,7 +201,8 @@ def _read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-def _parse_sync_line(line: bytes) -> dict[str, Any]:
+def parse_report(line: bytes) -> dict[str, Any]:
+    """A monitor's sync report: {"pid": N, "start_ticks": T} or {"error": ..., "errno": N}."""
     if not line.strip():
         return {"error": "the monitor exited without reporting (see monitor.log in the run directory)"}
     try:

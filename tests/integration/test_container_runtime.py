@@ -33,6 +33,7 @@ from auraed.system.monitor import (
     parse_cri_log_line,
     read_exit_record,
 )
+from auraed.system.supervisor import Supervisor
 from tests.integration.test_monitor import kill_if_same, read_sync, start_ticks, wait_for
 from tests.support.busybox import make_busybox_rootfs
 
@@ -185,6 +186,7 @@ class Lab:
         self.base = base
         self.rootfs = rootfs
         self.runtime = OciRuntime(binary=str(RUNC), root=base / "state", scratch_dir=base / "x")
+        self.supervisor = Supervisor(base / "run")
         self.count = 0
         self.ids: list[str] = []
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -263,6 +265,7 @@ class Lab:
         return Container(self, container_id, directory, proc.pid, sync)
 
     def cleanup(self) -> None:
+        self.supervisor.close()
         for container_id in self.ids:
             subprocess.run(
                 [str(RUNC), "--root", str(self.runtime.root), "delete", "--force", container_id],
@@ -479,7 +482,7 @@ async def test_unknown_container(lab: Lab) -> None:
         assert info.value.kind == "not_found", info.value
     await runtime.delete("nope")
     with pytest.raises(OciRuntimeError) as info:
-        await runtime.exec_process("nope", exec_process(["true"]), tty=False)
+        await runtime.exec_process("nope", exec_process(["true"]), tty=False, supervisor=lab.supervisor)
     assert info.value.kind == "not_found"
     assert not list((lab.base / "x").iterdir())  # the exec session removed its files
 
@@ -606,7 +609,9 @@ async def collect(session: ExecSession) -> dict[str, bytes]:
 
 async def test_exec_with_stdin(running: Container) -> None:
     runtime = running.lab.runtime
-    async with await runtime.exec_process(running.id, exec_process(["cat"]), tty=False) as session:
+    async with await runtime.exec_process(
+        running.id, exec_process(["cat"]), tty=False, supervisor=running.lab.supervisor
+    ) as session:
         assert session.pid > 0 and session.pid != running.pid
         output = session.output()
         await session.write_stdin(b"ping\n")
@@ -625,7 +630,9 @@ async def test_exec_with_stdin(running: Container) -> None:
 async def test_exec_exit_code_and_stderr(running: Container) -> None:
     runtime = running.lab.runtime
     process = exec_process(["sh", "-c", "echo out; echo err >&2; exit 3"])
-    async with await runtime.exec_process(running.id, process, tty=False, stdin=False) as session:
+    async with await runtime.exec_process(
+        running.id, process, tty=False, stdin=False, supervisor=running.lab.supervisor
+    ) as session:
         out = await asyncio.wait_for(collect(session), 10)
         assert out == {"stdout": b"out\n", "stderr": b"err\n"}
         assert await session.wait() == 3
@@ -633,11 +640,15 @@ async def test_exec_exit_code_and_stderr(running: Container) -> None:
 
 async def test_exec_kill(running: Container) -> None:
     runtime = running.lab.runtime
-    async with await runtime.exec_process(running.id, exec_process(["sleep", "100"]), tty=False) as session:
+    async with await runtime.exec_process(
+        running.id, exec_process(["sleep", "100"]), tty=False, supervisor=running.lab.supervisor
+    ) as session:
         await session.kill()
         assert await asyncio.wait_for(session.wait(), 10) == 128 + signal.SIGKILL
     # Closing a session whose process still runs kills it.
-    session = await runtime.exec_process(running.id, exec_process(["sleep", "100"]), tty=False)
+    session = await runtime.exec_process(
+        running.id, exec_process(["sleep", "100"]), tty=False, supervisor=running.lab.supervisor
+    )
     pid, ticks = session.pid, session.ticks
     await session.close()
     assert start_ticks(pid) != ticks or start_ticks(pid) is None
@@ -646,7 +657,9 @@ async def test_exec_kill(running: Container) -> None:
 async def test_exec_with_a_terminal(running: Container) -> None:
     runtime = running.lab.runtime
     process = exec_process(["sh", "-c", "tty; stty size; read line; echo got $line; stty size"])
-    async with await runtime.exec_process(running.id, process, tty=True, size=(24, 80)) as session:
+    async with await runtime.exec_process(
+        running.id, process, tty=True, size=(24, 80), supervisor=running.lab.supervisor
+    ) as session:
         text = b""
         output = session.output()
 
@@ -670,7 +683,9 @@ async def test_exec_with_a_terminal(running: Container) -> None:
 
 async def test_exec_tty_close_stdin_sends_eof(running: Container) -> None:
     runtime = running.lab.runtime
-    async with await runtime.exec_process(running.id, exec_process(["cat"]), tty=True) as session:
+    async with await runtime.exec_process(
+        running.id, exec_process(["cat"]), tty=True, supervisor=running.lab.supervisor
+    ) as session:
         await session.write_stdin(b"abc\n")
         await session.close_stdin()
         out = await asyncio.wait_for(collect(session), 10)
@@ -684,7 +699,9 @@ async def test_exec_into_a_stopped_container_fails(lab: Lab) -> None:
     await container.async_wait_exit()
     for tty in (False, True):
         with pytest.raises(OciRuntimeError) as info:
-            await lab.runtime.exec_process(container.id, exec_process(["true"]), tty=tty)
+            await lab.runtime.exec_process(
+                container.id, exec_process(["true"]), tty=tty, supervisor=lab.supervisor
+            )
         assert info.value.kind == "invalid", info.value
         assert "stopped" in str(info.value)
     assert not list((lab.base / "x").iterdir())
