@@ -1059,8 +1059,8 @@ def module_command(module: str, args: list[str], python: str | None = None) -> l
 def monitor_command(spec_path: str, sync_fd: int, python: str | None = None) -> list[str]:
     """One monitor as its own interpreter; pass ``sync_fd`` in ``pass_fds``.
 
-    Supervisor forks monitors from a launcher instead (``auraed.system.monitor_launcher``);
-    this is for pass-through exec sessions, whose stdio are auraed's asyncio pipes.
+    auraed forks its monitors from the launcher (``auraed.system.monitor_launcher``) instead;
+    this is for starting one by hand (tests, the benchmarks' references).
     """
     return module_command("auraed.system.monitor", [spec_path, str(sync_fd)], python)
 
