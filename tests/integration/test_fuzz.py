@@ -161,11 +161,23 @@ def _assert_nothing_left(daemon: DaemonProcess) -> None:
         base = hierarchy / daemon.cgroup_base
         if base.is_dir():
             assert [p.name for p in base.iterdir() if p.is_dir()] == [], f"cgroups left in {base}"
-    executables = str(daemon.root / "run" / "executables").encode()
+    assert _monitors_left(daemon) == [], "monitors are left"
+
+
+def _monitors_left(daemon: DaemonProcess) -> list[int]:
+    """Monitors are forked by the daemon's monitor launcher and carry its command line (which
+    names the daemon's runtime dir); the launcher itself is the daemon's child, a monitor is not."""
+    assert daemon.process is not None
+    runtime_dir = str(daemon.root / "run").encode()
+    left = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit() and int(proc.name) != os.getpid():
             try:
                 cmdline = (proc / "cmdline").read_bytes()
+                stat = (proc / "stat").read_text()
             except OSError:
                 continue
-            assert executables not in cmdline, f"a monitor is left: {cmdline!r}"
+            ours = runtime_dir in cmdline and b"auraed.system.monitor" in cmdline
+            if ours and int(stat[stat.rindex(")") + 2 :].split()[1]) != daemon.process.pid:
+                left.append(int(proc.name))
+    return left
