@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from auraed.api.aurae.cells import v0 as cells_pb
+from auraed.api.aurae.vms import v0 as vms_pb
 from auraed.server.rpc import message_class, service_descriptor
 from tests.conftest import DaemonProcess
 
@@ -23,6 +25,7 @@ SERVICES = [
     "aurae.containers.v0.ContainerService",
     "aurae.observe.v0.ObserveService",
     "aurae.discovery.v0.DiscoveryService",
+    "aurae.vms.v0.VmService",
 ]
 METHODS = [(service, method) for service in SERVICES for method in service_descriptor(service).methods]
 CLIENT_MISTAKE_OK = {
@@ -38,6 +41,8 @@ CLIENT_MISTAKE_OK = {
 NAMES = st.sampled_from(["fz", "fz/a", "fz/a/b", "fz2", "aurae", "", "-x", "A", "a" * 64, "x/../y", "a//b"])
 # Executables are real processes: only harmless programs, or ones that do not exist.
 PROGRAMS = st.sampled_from(["true", "/bin/true", "false", "echo", "/nonexistent/program", ""])
+# VM files: missing, relative, or present but not what they claim to be (Allocate checks they exist).
+FILES = st.sampled_from(["", "/nonexistent/vmlinuz", "relative/vmlinuz", "/bin/true", "/etc/hostname"])
 SHELL = st.sampled_from(["", "true", "echo fuzz", "exit 3", "echo err >&2"])
 INT_RANGES = {
     FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1),
@@ -52,6 +57,12 @@ INT_RANGES = {
 def _scalar(field: FieldDescriptor) -> st.SearchStrategy[Any]:
     if field.name in ("name", "cell_name", "executable_name", "workload"):
         return NAMES | st.text(max_size=80)
+    if field.name in ("kernel", "initramfs", "root_disk", "path"):
+        return FILES | st.text(max_size=80)
+    if field.name == "role":
+        return st.sampled_from(["", "guest", "host", "nested", "bogus"])
+    if field.name == "backend":
+        return st.sampled_from(["", "qemu", "cloud-hypervisor", "firecracker"])
     if field.name == "shell_command":
         return SHELL
     if field.name == "args":
@@ -147,6 +158,13 @@ def test_generated_requests_never_hurt_the_daemon(
 
 
 def _free_everything(channel: grpc.Channel) -> None:
+    vms = vms_pb.VmServiceListResponse.parse(
+        channel.unary_unary("/aurae.vms.v0.VmService/List")(bytes(vms_pb.VmServiceListRequest()))
+    )
+    for status in vms.vms:
+        assert status.vm is not None
+        free_vm = vms_pb.VmServiceFreeRequest(name=status.vm.name, timeout_ms=1000)
+        channel.unary_unary("/aurae.vms.v0.VmService/Free")(bytes(free_vm), timeout=60)
     listing = cells_pb.CellServiceListResponse.parse(
         channel.unary_unary("/aurae.cells.v0.CellService/List")(bytes(cells_pb.CellServiceListRequest()))
     )
@@ -162,6 +180,8 @@ def _assert_nothing_left(daemon: DaemonProcess) -> None:
         if base.is_dir():
             assert [p.name for p in base.iterdir() if p.is_dir()] == [], f"cgroups left in {base}"
     assert _monitors_left(daemon) == [], "monitors are left"
+    links = subprocess.run(["ip", "-o", "-d", "link", "show"], capture_output=True, text=True, check=True)
+    assert f"alias auraed-vm {daemon.root}" not in links.stdout, "a VM's tap is left"
 
 
 def _monitors_left(daemon: DaemonProcess) -> list[int]:
