@@ -194,32 +194,38 @@ class ExecSession:
     async def _spawn_monitor(self, supervisor: Supervisor, spec: MonitorSpec, stdin: bool) -> BinaryIO:
         """Fork the monitor with pipes to us as its stdio (/dev/null where none is wanted); the
         sync pipe's read end."""
-        loop = asyncio.get_running_loop()
-        monitor = _Monitor(0, None)
+        monitor = self._monitor = _Monitor(0, None)  # close() releases our ends from here on
         with contextlib.ExitStack() as theirs:  # the monitor's ends: closed here once it has them
             null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
             theirs.callback(os.close, null)
-            stdio = [null, null, null]
+            stdin_fd = stdout_fd = null
             if stdin and not self.tty:
-                stdio[0], monitor.stdin = os.pipe()
-                theirs.callback(os.close, stdio[0])
+                stdin_fd, monitor.stdin = os.pipe()
+                theirs.callback(os.close, stdin_fd)
                 os.set_blocking(monitor.stdin, False)
-            for index, name in ((1, "stdout"), (2, "stderr")):
-                if index == 1 and self.tty:
-                    continue  # the terminal carries the output; stderr still brings runc's errors
-                read_end, stdio[index] = os.pipe()
-                theirs.callback(os.close, stdio[index])
-                reader = asyncio.StreamReader(limit=_READ_SIZE)
-                transport, _ = await loop.connect_read_pipe(
-                    lambda reader=reader: asyncio.StreamReaderProtocol(reader),  # type: ignore[misc]
-                    os.fdopen(read_end, "rb", buffering=0),
-                )
-                monitor.transports.append(transport)
-                setattr(monitor, name, reader)
-            self._monitor = monitor  # from here close() releases our ends
-            pid, ticks, sync_r = await supervisor.spawn(spec, self.work_dir, (stdio[0], stdio[1], stdio[2]))
+            if not self.tty:  # with a terminal, it carries the output
+                monitor.stdout, stdout_fd = await self._pipe_reader(monitor)
+                theirs.callback(os.close, stdout_fd)
+            monitor.stderr, stderr_fd = await self._pipe_reader(monitor)  # also the runtime's errors
+            theirs.callback(os.close, stderr_fd)
+            pid, ticks, sync_r = await supervisor.spawn(spec, self.work_dir, (stdin_fd, stdout_fd, stderr_fd))
         monitor.pid, monitor.ticks = pid, ticks
         return os.fdopen(sync_r, "rb", buffering=0)
+
+    @staticmethod
+    async def _pipe_reader(monitor: _Monitor) -> tuple[asyncio.StreamReader, int]:
+        """A pipe whose read end we read through asyncio; its write end, for the monitor."""
+        read_end, write_end = os.pipe()
+        reader = asyncio.StreamReader(limit=_READ_SIZE)
+        try:
+            transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+                lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_end, "rb", buffering=0)
+            )
+        except BaseException:
+            os.close(write_end)
+            raise
+        monitor.transports.append(transport)
+        return reader, write_end
 
     async def _start_error(self, monitor_error: str) -> OciRuntimeError:
         """The monitor could not start the process: the runtime's stderr says why."""
