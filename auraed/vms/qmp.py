@@ -161,11 +161,13 @@ class QmpClient:
             future.set_result(message.get("return"))
 
     async def _drop(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        # Taken before awaiting: a second caller must not wait on the same close future, which
+        # a cancellation of the first caller cancels (it would raise CancelledError there).
+        writer, self._reader, self._writer = self._writer, None, None
+        if writer is not None:
+            writer.close()
             with contextlib.suppress(OSError, ConnectionError):
-                await self._writer.wait_closed()
-        self._reader = self._writer = None
+                await writer.wait_closed()
 
     async def close(self) -> None:
         task, self._task = self._task, None

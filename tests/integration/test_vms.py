@@ -117,7 +117,8 @@ class VmEnv:
 
     async def cleanup(self) -> None:
         for made in self.made:
-            with contextlib.suppress(Exception):
+            # Whatever close() raises, even a CancelledError, the tear-down below must still run.
+            with contextlib.suppress(Exception, asyncio.CancelledError):
                 await made.close()
         common.kill_processes_referencing(self.root)
         taps = self.taps()

@@ -154,6 +154,22 @@ async def test_commands_errors_and_events(tmp_path: Path) -> None:
         await client.close()
 
 
+async def test_close_while_another_close_is_cancelled(tmp_path: Path) -> None:
+    # As when a VM's watcher is cancelled in the middle of closing its QMP client and the daemon
+    # then closes the same client: the second close must not inherit the first one's cancellation.
+    path = tmp_path / "qmp.sock"
+    async with FakeQmp(path):
+        client = QmpClient(path)
+        await client.connect()
+        first = asyncio.create_task(client.close())
+        await asyncio.sleep(0)  # the first close now waits for the connection to be closed
+        first.cancel()
+        await client.close()
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        assert not client.connected
+
+
 async def test_connect_failures(tmp_path: Path) -> None:
     with pytest.raises(QmpError, match="cannot connect"):
         await QmpClient(tmp_path / "absent.sock").connect(timeout=1)
