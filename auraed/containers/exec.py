@@ -28,13 +28,13 @@ import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any, BinaryIO
+from typing import Any
 
 from auraed.containers.runtime import OciRuntime, OciRuntimeError, check_container_id
 from auraed.system import processes
 from auraed.system.monitor import MonitorSpec, read_exit_record
 from auraed.system.pty import CONSOLE_RECEIVE_TIMEOUT, receive_pty_master, set_window_size
-from auraed.system.supervisor import Supervisor, parse_report
+from auraed.system.supervisor import Supervisor, read_report
 
 START_TIMEOUT = 30.0
 """Seconds until the monitor reports the exec'd process (guests run under slow emulation)."""
@@ -163,16 +163,14 @@ class ExecSession:
                 subreaper=True,
                 pid_file=str(pid_file),
             )
-            sync_file = await self._spawn_monitor(supervisor, spec, stdin)
+            sync_r = await self._spawn_monitor(supervisor, spec, stdin)
             try:
-                line = await asyncio.wait_for(_read_to_eof(sync_file), timeout)
+                with os.fdopen(sync_r, "rb", buffering=0) as pipe:
+                    report = await asyncio.wait_for(read_report(pipe), timeout)
             except TimeoutError:
                 raise OciRuntimeError(
                     "failed", f"exec in {self.container_id}: the monitor did not report in {timeout:g}s"
                 ) from None
-            finally:
-                sync_file.close()
-            report = parse_report(line)
             if "error" in report:
                 raise await self._start_error(str(report["error"]))
             self.pid = int(report["pid"])
@@ -191,7 +189,7 @@ class ExecSession:
                     console_path.unlink()
         self._start_pumps()
 
-    async def _spawn_monitor(self, supervisor: Supervisor, spec: MonitorSpec, stdin: bool) -> BinaryIO:
+    async def _spawn_monitor(self, supervisor: Supervisor, spec: MonitorSpec, stdin: bool) -> int:
         """Fork the monitor with pipes to us as its stdio (/dev/null where none is wanted); the
         sync pipe's read end."""
         monitor = self._monitor = _Monitor(0, None)  # close() releases our ends from here on
@@ -210,7 +208,7 @@ class ExecSession:
             theirs.callback(os.close, stderr_fd)
             pid, ticks, sync_r = await supervisor.spawn(spec, self.work_dir, (stdin_fd, stdout_fd, stderr_fd))
         monitor.pid, monitor.ticks = pid, ticks
-        return os.fdopen(sync_r, "rb", buffering=0)
+        return sync_r
 
     @staticmethod
     async def _pipe_reader(monitor: _Monitor) -> tuple[asyncio.StreamReader, int]:
@@ -436,24 +434,3 @@ class ExecSession:
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
-
-
-async def _read_to_eof(pipe: BinaryIO) -> bytes:
-    """Everything written to a pipe until its last writer closes it (the monitor's sync line)."""
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
-    try:
-        return await reader.read()
-    finally:
-        transport.close()
-
-
-def _parse_report(line: bytes) -> dict[str, Any]:
-    if not line.strip():
-        return {"error": "the monitor exited without reporting"}
-    try:
-        report = json.loads(line.decode().strip().splitlines()[0])
-    except (ValueError, UnicodeDecodeError):
-        return {"error": f"the monitor reported garbage: {line[:200]!r}"}
-    return dict(report) if isinstance(report, dict) else {"error": f"the monitor reported {report!r}"}

@@ -18,7 +18,7 @@ import signal
 import socket
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from auraed.system import processes
 from auraed.system.monitor import ExitRecord, MonitorSpec, read_exit_record
@@ -91,14 +91,11 @@ class Supervisor:
             fds.callback(os.close, log)
             monitor_pid, monitor_ticks, read_end = await self.spawn(spec, run_dir, (null, log, log))
         try:
-            try:
-                line = await asyncio.wait_for(asyncio.to_thread(_read_all, read_end), timeout)
-            except TimeoutError:
-                processes.send_signal(monitor_pid, signal.SIGKILL, monitor_ticks)
-                raise MonitorStartError("the monitor did not report in time", timed_out=True) from None
-        finally:
-            os.close(read_end)
-        report = parse_report(line)
+            with os.fdopen(read_end, "rb", buffering=0) as pipe:
+                report = await asyncio.wait_for(read_report(pipe), timeout)
+        except TimeoutError:
+            processes.send_signal(monitor_pid, signal.SIGKILL, monitor_ticks)
+            raise MonitorStartError("the monitor did not report in time", timed_out=True) from None
         if "error" in report:
             await processes.wait_for_exit(monitor_pid, monitor_ticks)
             raise MonitorStartError(str(report["error"]))
@@ -110,8 +107,8 @@ class Supervisor:
         """Write ``spec`` to run_dir/monitor.json and fork its monitor with ``stdio`` as its stdin,
         stdout and stderr (the caller keeps and closes its descriptors).
 
-        Returns the monitor's pid, its start ticks and the read end of its sync pipe: the caller
-        reads the report there until EOF (``parse_report``) and closes it.
+        Returns the monitor's pid, its start ticks and the read end of its sync pipe, for
+        ``read_report``.
         """
         spec_path = run_dir / "monitor.json"
         spec_path.write_text(spec.to_json())
@@ -194,11 +191,20 @@ class Supervisor:
             self._launcher = None
 
 
-def _read_all(fd: int) -> bytes:
-    chunks = []
-    while chunk := os.read(fd, 4096):
-        chunks.append(chunk)
-    return b"".join(chunks)
+async def read_report(pipe: BinaryIO) -> dict[str, Any]:
+    """A monitor's report: its sync pipe read until EOF through the event loop.
+
+    The caller opens the pipe (``os.fdopen(read_end, "rb", buffering=0)``) in a ``with``, so it
+    is closed even when this is cancelled before it ran.
+    """
+    reader = asyncio.StreamReader()
+    transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), pipe
+    )
+    try:
+        return parse_report(await reader.read())
+    finally:
+        transport.close()
 
 
 def parse_report(line: bytes) -> dict[str, Any]:
