@@ -44,25 +44,20 @@ from common import (
     Daemon,
     exit_on_sigterm,
     machine_info,
-    make_pki,
     print_json,
     print_lines,
     print_table,
     ratio,
-    remove_cgroup_base,
     summarize,
-    temp_dir,
     verdict,
 )
 from container_start import (
     CONTAINERS,
     IMAGE,
     RUNC,
-    build_image,
+    runc_bench,
     runc_delete,
-    runc_leftovers,
     source_state,
-    unmount_below,
 )
 
 from auraed.api.aurae.containers import v0 as pb
@@ -400,25 +395,8 @@ def main() -> None:
         parser.exit(2, "concurrent_containers: needs root (runc, mounts, cgroups)\n")
 
     exit_on_sigterm()
-    bare_base = f"aurae-bench-bare-{os.getpid()}"
-    with temp_dir("auraed-bench-concurrent-") as root:
-        daemon = Daemon(root / "daemon", make_pki(root))
-        try:
-            image = build_image(root / "image")
-            daemon.start()
-            rounds = asyncio.run(run(args, root, daemon, image, bare_base))
-        except Exception:
-            with contextlib.suppress(Exception):
-                sys.stderr.write(daemon.log()[-4000:])
-            raise
-        finally:
-            try:
-                daemon.cleanup()
-            finally:
-                runc_leftovers(daemon.root / "run" / "runtime")
-                runc_leftovers(root / "bare" / "runc")
-                unmount_below(root)
-                remove_cgroup_base(bare_base)
+    with runc_bench("auraed-bench-concurrent-") as (root, daemon, image, bare_base):
+        rounds = asyncio.run(run(args, root, daemon, image, bare_base))
     print_json(report(args, rounds))
 
 

@@ -47,7 +47,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -610,13 +610,25 @@ def main() -> None:
         parser.exit(2, "container_start: needs root (runc, mounts, cgroups)\n")
 
     exit_on_sigterm()
+    with runc_bench("auraed-bench-start-") as (root, daemon, image, bare_base):
+        raw, refs = asyncio.run(run(args, root, daemon, image, bare_base))
+    print_json(report(args, raw, refs))
+
+
+@contextlib.contextmanager
+def runc_bench(prefix: str) -> Iterator[tuple[Path, Daemon, BuiltImage, str]]:
+    """A temp dir, a started daemon, the busybox image and a cgroup base name for bare runc.
+
+    On the way out, also after a failure (whose daemon log tail goes to stderr): the daemon
+    stops, and whatever runc state, mounts and cgroups either side left are removed.
+    """
     bare_base = f"aurae-bench-bare-{os.getpid()}"
-    with temp_dir("auraed-bench-start-") as root:
+    with temp_dir(prefix) as root:
         daemon = Daemon(root / "daemon", make_pki(root))
         try:
             image = build_image(root / "image")
             daemon.start()
-            raw, refs = asyncio.run(run(args, root, daemon, image, bare_base))
+            yield root, daemon, image, bare_base
         except Exception:
             with contextlib.suppress(Exception):
                 sys.stderr.write(daemon.log()[-4000:])
@@ -629,7 +641,6 @@ def main() -> None:
                 runc_leftovers(root / "bare" / "runc")
                 unmount_below(root)
                 remove_cgroup_base(bare_base)
-    print_json(report(args, raw, refs))
 
 
 if __name__ == "__main__":
