@@ -204,6 +204,12 @@ def _read_pids(procs_file: Path) -> list[int]:
     return [int(line) for line in _read(procs_file).split()]
 
 
+def _child_dirs(directory: Path) -> list[str]:
+    """Names of the child cgroups; scandir's d_type spares a stat per interface file."""
+    with os.scandir(directory) as entries:
+        return [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+
+
 def _split_path(path: str) -> list[str]:
     """Validate a cgroup path relative to the base; "" is the base itself."""
     if path == "":
@@ -445,8 +451,7 @@ class Cgroupfs:
             if path == "":
                 return []  # the base is created on demand, so it may legitimately be absent
             raise CgroupError("not_found", f"cgroup {self.cgroup_path(path)} does not exist", dirs[0])
-        names = {entry.name for d in dirs if d.is_dir() for entry in d.iterdir() if entry.is_dir()}
-        return sorted(names)
+        return sorted({name for d in dirs if d.is_dir() for name in _child_dirs(d)})
 
     def pids(self, path: str) -> list[int]:
         """Processes directly in the cgroup (union over v1 hierarchies; normally identical)."""
@@ -693,8 +698,9 @@ class Cgroupfs:
         kill_file = self.cgroup_dirs(path)[0] / "cgroup.kill"
         if self.is_v2 and kill_file.exists():
             _write(kill_file, "1")  # atomic, even against concurrent forks
-        elif self._subtree_pids(path):
-            # Empty stays empty (only auraed moves processes in), so only then freeze and kill.
+        elif not self._subtree_pids(path):
+            return  # empty stays empty: only auraed moves processes in
+        else:
             with self._frozen(path):
                 self._signal_subtree(path)
         self._wait_empty(path, timeout)
@@ -781,7 +787,7 @@ class Cgroupfs:
         self.remove(path)
 
     def _check_removable(self, directory: Path) -> None:
-        children = sorted(e.name for e in directory.iterdir() if e.is_dir())
+        children = sorted(_child_dirs(directory))
         if children:
             raise CgroupError("busy", f"cgroup {directory} still has child cgroups {children}", directory)
         procs = _read_pids(directory / "cgroup.procs")
