@@ -6,31 +6,33 @@ Each iteration runs six series, in an order that rotates from one iteration to t
 after ``--gap-ms`` (100) of idle time, so load changes on the machine and the kernel's cgroup
 quirks (see cell_lifecycle.py) hit them alike:
 
-* ``auraed_poll``   - Create, Start, then Logs (no follow) every millisecond until the line is
-                      there: the moment a client can first read it;
+* ``auraed_poll``   - Create (rootfs and bundle), Start (``runc run --detach`` under the monitor),
+                      then Logs (no follow) every millisecond until the line is there: the
+                      moment a client can first read it;
 * ``auraed_follow`` - Create, open a following Logs stream, Start, and wait for the line on it;
-* ``auraed_oneshot``- one Create with ``start`` set (``runc run --detach`` under the monitor, what
-                      ``aer container run`` sends), then Logs polled as in ``auraed_poll``;
+* ``auraed_oneshot``- one Create with ``start`` set (what ``aer container run`` sends: one RPC
+                      fewer), then Logs polled as in ``auraed_poll``;
 * ``bare_run``      - the peer: mount an overlay over auraed's own layer snapshot (what auraed's
                       Create mounts), then ``runc run`` of a bundle holding the exact config.json
                       auraed wrote for its first warm-up container (root path and cgroupsPath
                       changed), from the mount until "ready" arrives on runc's stdout pipe;
-* ``bare_split``    - the same with ``runc create`` + ``runc start`` as two commands, as auraed
-                      must (Create and Start are two calls): what runc itself costs auraed's design;
+* ``bare_split``    - the same with ``runc create`` + ``runc start`` as two commands: what splitting
+                      at the runtime would cost (auraed's Create ran ``runc create`` until
+                      2026-11-30; it now leaves the runtime to Start, as containerd does);
 * ``bare_monitor``  - auraed minus the daemon: the mount, auraed's own monitor (through its
-                      Supervisor, in this process) running ``runc create``, ``runc start``, until
-                      the line is in the monitor's CRI log file (looked at every millisecond).
+                      Supervisor, in this process) running ``runc run --detach``, until the line
+                      is in the monitor's CRI log file (looked at every millisecond).
 
 Both sides run the same runc (1.1), the same rootfs (overlayfs over the same snapshot) and the
 same OCI config (namespaces incl. a new network namespace, seccomp, masked paths, cgroup); the
 difference is auraed's own work: two RPCs (mTLS), validation, SQLite records, a Python monitor
-per container that runs ``runc create`` and copies the output into a CRI log file, ``runc start``
-run by the daemon, and reading the log back through Logs.
+per container that runs ``runc run --detach`` and copies the output into a CRI log file, and
+reading the log back through Logs.
 
 Where auraed's time goes: the client times each call; the daemon's side is read off the files it
 writes (bundle/config.json after the mount and spec, monitor.json just before the monitor is
-spawned, container.pid when ``runc create`` is done) and the CRI timestamp the monitor gives the
-line. References measured alone afterwards: an RPC floor (health check) and Python start-up.
+spawned, container.pid when ``runc run --detach`` is about done) and the CRI timestamp the
+monitor gives the line. References measured alone afterwards: an RPC floor (health check) and Python start-up.
 
 Target (issue): auraed at most 1.3x bare ``runc run`` (p50, first line available).
 """
@@ -70,7 +72,6 @@ from common import (
 from auraed.api.aurae.containers import v0 as pb
 from auraed.client import AuraeClient
 from auraed.containers.rootfs import mount_rootfs, unmount_rootfs
-from auraed.containers.runtime import OciRuntime
 from auraed.observe.logfile import POLL_LONGEST as LOGS_FOLLOW_POLL_INTERVAL
 from auraed.observe.logfile import read_lines
 from auraed.system import namespaces
@@ -159,7 +160,7 @@ class Auraed:
         clock, wall = time.perf_counter, time.time
         t0, w0 = clock(), wall()
         status = await self._create(name, start=oneshot)
-        t1, w1 = clock(), wall()
+        t1 = clock()
         follower = asyncio.ensure_future(self._follow_first_line(name)) if follow else None
         try:
             if not oneshot:
@@ -190,8 +191,8 @@ class Auraed:
             # The daemon's side, from the files it writes (wall clock):
             "create_until_bundle_written": files["bundle"] - w0,
             "bundle_until_monitor_spawn": files["monitor"] - files["bundle"],
-            "monitor_spawn_until_runc_create_done": files["pid"] - files["monitor"],
-            "runc_create_done_until_create_reply": w1 - files["pid"],
+            "monitor_spawn_until_runc_run_done": files["pid"] - files["monitor"],
+            "runc_run_done_until_reply": w2 - files["pid"],
             "start_reply_until_line_logged": logged - w2,
             "line_logged_until_client_has_it": w3 - logged,
         }
@@ -219,7 +220,7 @@ async def first_item(stream: AsyncIterator[Any]) -> Any:
 
 
 def file_times(directory: Path) -> dict[str, float]:
-    """Modification times (wall clock, seconds) of the files auraed's Create writes, in order."""
+    """Modification times (wall clock, seconds) of the files auraed writes for a container, in order."""
     return {
         "bundle": (directory / "bundle" / "config.json").stat().st_mtime_ns / 1e9,
         "monitor": (directory / "monitor.json").stat().st_mtime_ns / 1e9,
@@ -336,19 +337,20 @@ class Bare:
         }
 
     async def monitored(self, container_id: str, supervisor: Supervisor) -> dict[str, float]:
-        """As auraed does it, minus the daemon: mount, auraed's monitor running ``runc create`` (through
-        auraed's Supervisor, in this process), ``runc start``, until the line is in the CRI log."""
+        """As auraed does it, minus the daemon: mount, auraed's monitor running ``runc run --detach``
+        (through auraed's Supervisor, in this process), until the line is in the CRI log."""
         await asyncio.to_thread(self._prepare, container_id)
         run_dir = self.root / "monitor" / container_id
         run_dir.mkdir(parents=True)
         pid_file = run_dir / "container.pid"
         spec = MonitorSpec(
-            argv=[RUNC, "--root", str(self.state), "create", "--bundle", str(self.bundle),
+            argv=[RUNC, "--root", str(self.state), "run", "--detach", "--bundle", str(self.bundle),
                   "--pid-file", str(pid_file), container_id],
             log_path=str(run_dir / "container.log"),
             exit_path=str(run_dir / "exit.json"),
             subreaper=True,
             pid_file=str(pid_file),
+            runtime_starts=True,
         )  # fmt: skip
         clock = time.perf_counter
         t0 = clock()
@@ -357,24 +359,17 @@ class Bare:
         supervised = await supervisor.launch(spec, run_dir)
         self.running = container_id
         t2 = clock()
-        code, _, err = await OciRuntime(RUNC, self.state).run(
-            [RUNC, "--root", str(self.state), "start", container_id], LINE_TIMEOUT
-        )
-        if code != 0:
-            raise RuntimeError(f"runc start {container_id}: {err.decode(errors='replace')}")
-        t3 = clock()
         lines = await logged_lines(run_dir / "container.log")
-        t4 = clock()
+        t3 = clock()
         exit_record = await supervisor.wait(supervised, run_dir / "exit.json")
         if lines != [LINE] or exit_record is None or exit_record.exit_code != 0:
             raise RuntimeError(f"{container_id}: logged {lines!r}, exit {exit_record!r}")
         await asyncio.to_thread(self._cleanup, container_id)
         return {
-            "total": t4 - t0,
+            "total": t3 - t0,
             "mount": t1 - t0,
-            "monitor_with_runc_create": t2 - t1,
-            "runc_start": t3 - t2,
-            "line_logged_after_start": t4 - t3,
+            "monitor_with_runc_run": t2 - t1,
+            "line_logged_after_report": t3 - t2,
         }
 
     def _cleanup(self, container_id: str) -> None:

@@ -22,7 +22,7 @@ from auraed.containers import spec as oci
 from auraed.containers.errors import ContainerError
 from auraed.containers.exec import ExecSession
 from auraed.containers.model import ContainerRecord, State
-from auraed.containers.rootfs import mount_rootfs, unmount_rootfs
+from auraed.containers.rootfs import is_mounted, mount_rootfs, unmount_rootfs
 from auraed.containers.runtime import OciRuntime, OciRuntimeError
 from auraed.errors import ErrorKind
 from auraed.images.content import remove_tree
@@ -80,6 +80,7 @@ class Containers:
         self._records: dict[str, ContainerRecord] = {}
         self._exited: dict[str, asyncio.Event] = {}
         self._watchers: dict[str, asyncio.Task[None]] = {}
+        self._starting: set[str] = set()  # ids whose Start is under way
         self._lock = asyncio.Lock()
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         images.in_use = lambda image_id: any(r.image_id == image_id for r in self._records.values())
@@ -107,7 +108,12 @@ class Containers:
     async def create(
         self, request: oci.ContainerRequest, image_name: str, labels: dict[str, str], start: bool = False
     ) -> ContainerRecord:
-        """Create a container; with ``start`` also start it, through one runtime command."""
+        """Create a container: its rootfs and bundle, and with ``start`` its process.
+
+        As in containerd, the OCI runtime first runs at Start, as one ``run --detach``: a created
+        container has no runtime state, process or cgroup yet, and Create + Start costs one
+        runtime command, not two (``create`` + ``start``).
+        """
         async with self._lock:
             if any(r.name == request.name for r in self._records.values()):
                 raise ContainerError.already_exists(f"container {request.name}")
@@ -128,15 +134,17 @@ class Containers:
             self._save(record)  # before any kernel object exists: a crash from here on is cleaned at start
         try:
             await asyncio.to_thread(self._prepare, record, image, request)
-            await self._launch(record, start)
+            if start:
+                await self._launch(record)
         except BaseException:
             await self._teardown(record, keep_logs=False)
             raise
-        record.state = State.RUNNING if start else State.CREATED
+        self._exited[record.id] = asyncio.Event()
         if start:
-            record.started_at = time.time()
-        self._save(record)
-        self._watch(record)
+            self._started(record)
+        else:
+            record.state = State.CREATED
+            self._save(record)
         log.info(
             "%s container %s (%s) from %s",
             "started" if start else "created",
@@ -149,9 +157,7 @@ class Containers:
     def _prepare(self, record: ContainerRecord, image: ImageRecord, request: oci.ContainerRequest) -> None:
         """Mount the rootfs and write the bundle; runs in a worker thread."""
         record.path.mkdir(mode=0o700, parents=True)
-        mount_rootfs(
-            self._images.snapshot_dirs(image), record.path / "upper", record.path / "work", record.rootfs
-        )
+        self._mount(record, image)
         try:
             image_config = oci.image_runtime_config({"config": image.config})
             record.stop_signal = oci.stop_signal(image_config, request)
@@ -164,19 +170,26 @@ class Containers:
         record.bundle.mkdir(mode=0o700)
         (record.bundle / "config.json").write_text(json.dumps(spec, indent=1))
 
+    def _mount(self, record: ContainerRecord, image: ImageRecord | None = None) -> None:
+        """The overlay rootfs over the image's snapshots; the upper dir keeps what was written."""
+        image = image or self._images.find(record.image_id)
+        lowers = self._images.snapshot_dirs(image)
+        mount_rootfs(lowers, record.path / "upper", record.path / "work", record.rootfs)
+
     def _console_socket(self, record: ContainerRecord) -> Path:
         # Unix socket paths are limited to 107 bytes: keep them in the (short) runtime dir.
         self._sockets_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         return self._sockets_dir / f"{record.id}.sock"
 
-    async def _launch(self, record: ContainerRecord, start: bool) -> None:
+    async def _launch(self, record: ContainerRecord) -> None:
+        """Run the container (``run --detach``) under a new monitor."""
         monitor = MonitorSpec(
             argv=self._runtime.create_argv(
                 record.id,
                 record.bundle,
                 record.path / "container.pid",
                 self._console_socket(record) if record.tty else None,
-                start=start,
+                start=True,
             ),
             log_path=str(record.log_path),
             exit_path=str(record.exit_path),
@@ -184,34 +197,52 @@ class Containers:
             subreaper=True,
             pid_file=str(record.path / "container.pid"),
             console_socket=str(self._console_socket(record)) if record.tty else None,
-            runtime_starts=start,
+            runtime_starts=True,
         )
         try:
             supervised = await self._supervisor.launch(monitor, record.path)
         except MonitorStartError as exc:
             kind = ErrorKind.UNAVAILABLE if exc.timed_out else ErrorKind.FAILED_PRECONDITION
-            verb = "run" if start else "create"
-            raise ContainerError(kind, f"cannot {verb} container {record.name}: {exc}") from None
+            raise ContainerError(kind, f"cannot run container {record.name}: {exc}") from None
         record.monitor_pid, record.monitor_ticks = supervised.monitor_pid, supervised.monitor_ticks
         record.pid, record.ticks = supervised.pid, supervised.ticks
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self, record: ContainerRecord) -> ContainerRecord:
-        if record.state != State.CREATED:
-            raise ContainerError.precondition(f"container {record.name} is {record.state}, not created")
+        if record.state != State.CREATED or record.id in self._starting:
+            what = "being started" if record.id in self._starting else record.state
+            raise ContainerError.precondition(f"container {record.name} is {what}, not created")
+        self._starting.add(record.id)
         try:
-            await self._runtime.start(record.id)
-        except OciRuntimeError as exc:
-            raise runtime_error(exc, f"cannot start container {record.name}") from None
-        if record.state == State.CREATED:  # it may already have run to its end
-            record.state = State.RUNNING
-        record.started_at = time.time()
-        self._save(record)
+            if not is_mounted(record.rootfs):  # created before a reboot: the mount is gone
+                await asyncio.to_thread(self._mount, record)
+            await self._launch(record)
+        except BaseException as exc:  # a cancelled Start too: the runtime may have run already
+            await self._start_failed(record, str(exc) if isinstance(exc, ContainerError) else repr(exc))
+            raise
+        finally:
+            self._starting.discard(record.id)
+        self._started(record)
         return record
 
+    def _started(self, record: ContainerRecord) -> None:
+        record.state = State.RUNNING
+        record.started_at = time.time()
+        self._save(record)
+        self._watch(record)
+
+    async def _start_failed(self, record: ContainerRecord, message: str) -> None:
+        """Like containerd: a container that failed to start is EXITED, with the reason kept."""
+        with contextlib.suppress(OciRuntimeError):
+            await self._runtime.delete(record.id, force=True)
+        record.state, record.reason = State.EXITED, message
+        record.finished_at = time.time()
+        self._save(record)
+        self._exited[record.id].set()
+
     async def stop(self, record: ContainerRecord, timeout: float | None) -> ContainerRecord:
-        if not record.alive:
+        if record.state != State.RUNNING:  # a created container has no process yet
             return record
         grace = self._default_stop_timeout if timeout is None else timeout
         if grace > 0:
@@ -224,7 +255,7 @@ class Containers:
         return record
 
     async def kill(self, record: ContainerRecord, signal: int) -> None:
-        if not record.alive:
+        if record.state != State.RUNNING:
             raise ContainerError.precondition(f"container {record.name} is not running ({record.state})")
         await self._signal(record, signal)
 
@@ -250,7 +281,9 @@ class Containers:
         return record
 
     async def delete(self, record: ContainerRecord, force: bool, keep_logs: bool) -> None:
-        if record.alive:
+        if record.id in self._starting:
+            raise ContainerError.precondition(f"container {record.name} is being started")
+        if record.state == State.RUNNING:
             if not force:
                 raise ContainerError.precondition(
                     f"container {record.name} is {record.state}; stop it or force"
@@ -268,7 +301,9 @@ class Containers:
             watcher.cancel()
         await asyncio.to_thread(self._remove_files, record, keep_logs)
         self._records.pop(record.id, None)
-        self._exited.pop(record.id, None)
+        exited = self._exited.pop(record.id, None)
+        if exited is not None:
+            exited.set()  # a Wait on a container deleted before it ran ends too
         self._store.delete(KIND, record.id)
 
     def _remove_files(self, record: ContainerRecord, keep_logs: bool) -> None:
@@ -288,7 +323,7 @@ class Containers:
     # -- exits -----------------------------------------------------------------------------
 
     def _watch(self, record: ContainerRecord) -> None:
-        self._exited[record.id] = asyncio.Event()
+        self._exited.setdefault(record.id, asyncio.Event())  # Waits may have begun at Create
         task = asyncio.get_running_loop().create_task(self._await_exit(record), name=f"watch {record.id}")
         self._watchers[record.id] = task
 
@@ -363,6 +398,8 @@ class Containers:
             if record.state == State.CREATING:
                 log.warning("container %s was being created when auraed stopped; removing it", record.name)
                 await self._teardown(record, keep_logs=False)
+            elif record.state == State.CREATED:  # nothing runs until Start
+                self._exited[record.id] = asyncio.Event()
             elif record.alive and Supervisor.alive(record.supervised):
                 log.info("found container %s running as pid %d", record.name, record.pid)
                 self._watch(record)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -369,3 +370,94 @@ async def test_kill_9_while_containers_run(daemon_factory: DaemonFactory, busybo
         assert stopped.state == pb.ContainerState.EXITED
         for name in ("survivor", "doomed"):
             await delete(client, name)
+
+
+async def test_created_containers_run_nothing_until_start(loaded: AuraeClient) -> None:
+    async def code_of(coroutine: object) -> str:
+        with pytest.raises(ClientError) as error:
+            await coroutine  # type: ignore[misc]
+        return error.value.code
+
+    created = await create(loaded, "lazy", BUSYBOX, command=["sh", "-c", "echo hi; exit 5"])
+    assert (created.state, created.pid) == (pb.ContainerState.CREATED, 0)
+    kill = pb.ContainerServiceKillRequest(container_id="lazy", signal="KILL")
+    assert await code_of(loaded.call(CONTAINERS, "Kill", kill)) == "FAILED_PRECONDITION"
+    stats = pb.ContainerServiceStatsRequest(container_id="lazy")
+    assert await code_of(loaded.call(CONTAINERS, "Stats", stats)) == "FAILED_PRECONDITION"
+    assert await code_of(exec_in(loaded, "lazy", ["true"])) == "FAILED_PRECONDITION"
+    stop = pb.ContainerServiceStopRequest(container_id="lazy", timeout_ms=100)
+    assert (await loaded.call(CONTAINERS, "Stop", stop)).status.state == pb.ContainerState.CREATED
+
+    # A Wait begun before Start ends with the exit that follows it.
+    waiting = asyncio.ensure_future(
+        loaded.call(CONTAINERS, "Wait", pb.ContainerServiceWaitRequest(container_id="lazy"), timeout=60)
+    )
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    await start(loaded, "lazy")
+    final = (await waiting).status
+    assert (final.state, final.exit_code) == (pb.ContainerState.EXITED, 5)
+    assert await logs(loaded, "lazy") == ["hi"]
+    await delete(loaded, "lazy", force=False)
+
+    # Two Starts at once: one runs it, the other is refused.
+    await create(loaded, "twice", BUSYBOX, command=["sleep", "30"])
+    outcomes = await asyncio.gather(start(loaded, "twice"), start(loaded, "twice"), return_exceptions=True)
+    errors = [o for o in outcomes if isinstance(o, ClientError)]
+    assert len(errors) == 1 and errors[0].code == "FAILED_PRECONDITION", outcomes
+    await wait_running(loaded, "twice")
+    await delete(loaded, "twice")
+
+    # A Wait on a container deleted before it ran ends too; Delete needs no force.
+    await create(loaded, "never", BUSYBOX, command=["true"])
+    waiting = asyncio.ensure_future(
+        loaded.call(CONTAINERS, "Wait", pb.ContainerServiceWaitRequest(container_id="never"), timeout=60)
+    )
+    await asyncio.sleep(0.2)
+    await delete(loaded, "never", force=False)
+    assert (await waiting).status.state == pb.ContainerState.CREATED
+
+
+async def test_a_failed_start_leaves_the_container_exited_with_the_reason(
+    loaded: AuraeClient, daemon: DaemonProcess
+) -> None:
+    await create(loaded, "broken", BUSYBOX, command=["/no/such/program"])
+    with pytest.raises(ClientError) as error:
+        await start(loaded, "broken")
+    assert error.value.code == "FAILED_PRECONDITION"
+    assert "cannot run container broken" in error.value.message and "/no/such/program" in error.value.message
+    failed = await status(loaded, "broken")
+    assert failed.state == pb.ContainerState.EXITED and "/no/such/program" in failed.reason
+    with pytest.raises(ClientError) as error:
+        await start(loaded, "broken")
+    assert error.value.code == "FAILED_PRECONDITION"
+    await delete(loaded, "broken", force=False)
+    assert list((daemon.root / "state" / "containers").iterdir()) == []
+
+
+async def test_a_created_container_survives_kill_9_and_a_lost_mount(
+    daemon_factory: DaemonFactory, busybox_layout: BuiltImage
+) -> None:
+    daemon = daemon_factory()
+    async with daemon.client() as client:
+        await import_layout(client, busybox_layout.layout, BUSYBOX)
+        created = await create(client, "later", BUSYBOX, command=["sh", "-c", "echo up; ls /"])
+    daemon.kill9()
+    # As after a reboot: the rootfs mount is gone, the upper dir on disk stays.
+    rootfs = daemon.root / "state" / "containers" / created.id / "rootfs"
+    assert rootfs.is_mount()
+    subprocess.run(["umount", str(rootfs)], check=True)
+    daemon.start()
+    async with daemon.client() as client:
+        assert (await status(client, "later")).state == pb.ContainerState.CREATED
+        await start(client, "later")
+        final = (
+            await client.call(
+                CONTAINERS, "Wait", pb.ContainerServiceWaitRequest(container_id="later"), timeout=60
+            )
+        ).status
+        assert (final.state, final.exit_code) == (pb.ContainerState.EXITED, 0)
+        lines = await logs(client, "later")
+        assert lines[0] == "up" and "bin" in lines
+        await delete(client, "later", force=False)
+    assert not rootfs.exists()

@@ -227,8 +227,7 @@ class ContainerServiceCreateRequest(betterproto2.Message):
 
     start: "bool" = betterproto2.field(2, betterproto2.TYPE_BOOL)
     """
-    Start the container as well, with one runtime command (`runc run --detach`) instead of
-    `create` now and `start` in a later Start call: one RPC and one runtime process fewer. The
+    Start the container as well, in the same call: one RPC fewer than Create + Start. The
     reply's state is then RUNNING (or EXITED when it has ended already), never CREATED.
     """
 
