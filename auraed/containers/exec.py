@@ -64,8 +64,8 @@ class _Monitor:
         return processes.is_alive(self.pid, self.ticks)
 
     def kill(self) -> None:
-        """SIGKILL; a runtime command it runs dies with it (PDEATHSIG)."""
-        processes.send_signal(self.pid, signals.SIGKILL, self.ticks)
+        """SIGKILL, with the runtime command it may be running (its process group)."""
+        processes.kill_monitor(self.pid, self.ticks)
 
     async def wait(self) -> None:
         await processes.wait_for_exit(self.pid, self.ticks)

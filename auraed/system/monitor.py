@@ -17,10 +17,12 @@ Containers (OCI runtimes) use three more spec options:
 - ``subreaper``: the monitor becomes a child subreaper (prctl), so the processes a runtime forks
   and abandons are reparented to it; it then reaps every child, not only the supervised one.
 - ``pid_file``: argv is a runtime command that starts the real process and exits (``runc create
-  --pid-file P``, ``runc exec --detach --pid-file P``). The monitor waits for argv (its output
-  is kept apart, not logged: it is the runtime's), reports ``{"error": ...}`` with the runtime's
-  last stderr lines when it fails, else reads the pid from pid_file, reports it, and supervises
-  that process, which inherited argv's stdout/stderr pipes. Implies ``subreaper``.
+  --pid-file P``, ``runc exec --detach --pid-file P``). The monitor spawns it with posix_spawn
+  (no fork of itself; it stays in the monitor's process group, so killing that group ends both),
+  waits for it (its output is kept apart, not logged: it is the runtime's), reports
+  ``{"error": ...}`` with the runtime's last stderr lines when it fails, else reads the pid from
+  pid_file, reports it, and supervises that process, which inherited argv's stdout/stderr pipes.
+  Implies ``subreaper``; cwd, uid/gid, cgroups and namespaces are the runtime's business.
 - ``console_socket``: the monitor listens there before running argv (which carries
   ``--console-socket``), receives the terminal master the runtime sends, and logs its output as
   stdout.
@@ -356,13 +358,6 @@ def _child(  # noqa: PLR0915 - one straight line of setup steps
     try:
         step = "setsid"
         os.setsid()
-        if spec.get("pid_file") and ns is not None:
-            # A runtime command: if the monitor is killed while it runs, it must not live on.
-            step = "set parent death signal"
-            parent = os.getppid()
-            ns.set_parent_death_signal(_signal.SIGKILL)
-            if os.getppid() != parent:
-                os._exit(_START_FAILED_EXIT_CODE)
         for procs in spec.get("cgroup_procs_files") or ():
             step = f"join cgroup {procs}"
             fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
@@ -432,11 +427,7 @@ def _child(  # noqa: PLR0915 - one straight line of setup steps
         os.closerange(3, err_pipe)
         os.closerange(err_pipe + 1, max(os.sysconf("SC_OPEN_MAX"), err_pipe + 2))
         argv = [str(a) for a in spec["argv"]]
-        env: dict[str, str] = {}
-        for item in spec.get("env") or ():
-            key, sep, value = str(item).partition("=")
-            if sep:
-                env[key] = value
+        env = _environment(spec)
         step = f"exec {argv[0]}"
         os.execvpe(argv[0], argv, env)  # resolves argv[0] with env's PATH (os.defpath without one)
     except BaseException as exc:
@@ -445,6 +436,59 @@ def _child(  # noqa: PLR0915 - one straight line of setup steps
         finally:
             os._exit(_START_FAILED_EXIT_CODE)
     os._exit(_START_FAILED_EXIT_CODE)  # pragma: no cover - execvpe does not return
+
+
+def _environment(spec: dict[str, Any]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for item in spec.get("env") or ():
+        key, sep, value = str(item).partition("=")
+        if sep:
+            env[key] = value
+    return env
+
+
+def _find_program(name: str, env: dict[str, str]) -> str:
+    """argv[0] resolved as execvpe would, with env's PATH (os.defpath without one)."""
+    if "/" in name:
+        return name
+    for directory in env.get("PATH", os.defpath).split(":"):
+        candidate = os.path.join(directory or ".", name)
+        if os.access(candidate, os.X_OK) and not os.path.isdir(candidate):
+            return candidate
+    return name  # posix_spawn then fails with ENOENT, as exec would
+
+
+def _spawn_runtime(spec: dict[str, Any], out_w: int, err_w: int) -> int:
+    """Start a runtime command (pid_file mode) with posix_spawn, i.e. vfork: no copy of this
+    process to make and tear down again, ~1.5 ms less on a host than fork + exec (more under TCG).
+
+    It stays in our session and process group, so killing the group (auraed does when we never
+    report) ends it with us, and in our working directory (auraed's: the paths it gave may be
+    relative to it). Signals are reset to their defaults and unblocked; our descriptors are all
+    close-on-exec (Python's default) but the ones given as its stdio.
+    """
+    argv = [str(a) for a in spec["argv"]]
+    env = _environment(spec)
+    actions: list[tuple[Any, ...]] = []
+    if out_w >= 0:
+        null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+        actions = [
+            (os.POSIX_SPAWN_DUP2, null, 0),
+            (os.POSIX_SPAWN_DUP2, out_w, 1),
+            (os.POSIX_SPAWN_DUP2, err_w, 2),
+        ]
+    try:
+        return os.posix_spawn(
+            _find_program(argv[0], env),
+            argv,
+            env,
+            file_actions=actions,
+            setsigdef=_signal.valid_signals() - {_signal.SIGKILL, _signal.SIGSTOP},
+            setsigmask=(),
+        )
+    finally:
+        if out_w >= 0:
+            os.close(null)
 
 
 def _noop(signum: int, frame: object) -> None:
@@ -667,7 +711,6 @@ class _Monitor:
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
             self.pipes = [out_r, err_r]
-        report_r, report_w = os.pipe()
         if console:
             self.step = f"listen on console socket {console}"
             self.console_path = str(console)
@@ -676,32 +719,25 @@ class _Monitor:
             self.step = "unshare pid namespace"
             ns.unshare(ns.CLONE_NEWPID)  # only our children go there: the next fork is its PID 1
 
-        self.step = "fork"
         self.started_at = time.time()
-        pid = os.fork()
-        if pid == 0:
-            _child(spec, ns, out_w, err_w, report_w)
-        self.pid = pid
-        self.runtime_running = bool(pid_file)
-        for fd in (out_w, err_w, report_w):
-            if fd >= 0:
-                os.close(fd)
-        if not log_path:
-            self.drop_stdio()
-
-        self.step = "wait for exec"
-        chunks = []
-        while chunk := os.read(report_r, 4096):  # EOF: exec happened (CLOEXEC closed the pipe)
-            chunks.append(chunk)
-        os.close(report_r)
-        if chunks:
-            code_s, _, message = b"".join(chunks).decode(errors="replace").partition(" ")
+        try:
+            if pid_file:
+                failure = self.start_runtime(spec, out_w, err_w)
+            else:
+                failure = self.fork_child(spec, ns, out_w, err_w)
+        finally:
+            for fd in (out_w, err_w):
+                if fd >= 0:
+                    os.close(fd)
+        if failure is not None:
+            code, message = failure
             self.check_child(block=True)
-            self.runtime_running = False
             self.close_console()
-            self.sync({"error": message, "errno": int(code_s) if code_s.isdigit() else 0})
+            self.sync({"error": message, "errno": code})
             self.write_exit(error=message)
             return
+        if not log_path:
+            self.drop_stdio()
 
         streams = [_Stream(out_r, b"stdout"), _Stream(err_r, b"stderr")] if log_path else []
         if pid_file:
@@ -716,10 +752,42 @@ class _Monitor:
             if master >= 0:
                 streams.append(_Stream(master, b"stdout", crlf=True))
         else:
-            self.ticks = _proc_start_ticks(pid)
+            self.ticks = _proc_start_ticks(self.pid)
         self.sync({"pid": self.pid, "start_ticks": self.ticks})
         self.supervise(*streams)
         self.write_exit()
+
+    def start_runtime(self, spec: dict[str, Any], out_w: int, err_w: int) -> tuple[int, str] | None:
+        """Spawn the runtime command; (errno, message) when it could not be started."""
+        self.step = f"spawn {spec['argv'][0]}"
+        try:
+            self.pid = _spawn_runtime(spec, out_w, err_w)
+        except OSError as exc:
+            return _errno_of(exc), f"{self.step}: {_describe(exc)}"
+        self.runtime_running = True
+        return None
+
+    def fork_child(
+        self, spec: dict[str, Any], ns: ModuleType | None, out_w: int, err_w: int
+    ) -> tuple[int, str] | None:
+        """Fork the child that sets itself up and execs argv; (errno, message) when it failed."""
+        report_r, report_w = os.pipe()
+        self.step = "fork"
+        try:
+            self.pid = os.fork()
+            if self.pid == 0:
+                _child(spec, ns, out_w, err_w, report_w)
+        finally:
+            os.close(report_w)
+        self.step = "wait for exec"
+        chunks = []
+        with open(report_r, "rb", buffering=0) as report:
+            while chunk := report.read(4096):  # EOF: exec happened (CLOEXEC closed the pipe)
+                chunks.append(chunk)
+        if not chunks:
+            return None
+        code_s, _, message = b"".join(chunks).decode(errors="replace").partition(" ")
+        return int(code_s) if code_s.isdigit() else 0, message
 
     def drop_stdio(self) -> None:
         """Pass-through: the child has the caller's stdio; the monitor must not hold it open."""
@@ -1079,7 +1147,8 @@ class MonitorSpec:
 
     ``log_path`` "": pass-through, argv inherits the monitor's stdin/stdout/stderr. ``pid_file``:
     argv is an OCI runtime command (``create --pid-file``, ``exec --detach --pid-file``) and the
-    process to supervise is the pid it writes there (implies ``subreaper``). ``console_socket``:
+    process to supervise is the pid it writes there (implies ``subreaper``; ``cwd``, uid/gid,
+    cgroups and namespaces do not apply). ``console_socket``:
     the path given to the runtime as ``--console-socket``; the terminal's output is logged as stdout.
     ``runtime_starts``: the pid_file command also starts the process (``run --detach``).
     """

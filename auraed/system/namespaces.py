@@ -62,7 +62,6 @@ _prctl = _libc.prctl
 _prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 _prctl.restype = ctypes.c_int
 
-PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 PR_GET_CHILD_SUBREAPER = 37
 
@@ -124,12 +123,6 @@ def is_child_subreaper() -> bool:
     if _prctl(PR_GET_CHILD_SUBREAPER, ctypes.addressof(value), 0, 0, 0) != 0:
         _raise("prctl(PR_GET_CHILD_SUBREAPER)")
     return bool(value.value)
-
-
-def set_parent_death_signal(signum: int) -> None:
-    """prctl(PR_SET_PDEATHSIG): ``signum`` when the parent (thread) dies; kept across execve."""
-    if _prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
-        _raise("prctl(PR_SET_PDEATHSIG)")
 
 
 def bring_loopback_up() -> None:

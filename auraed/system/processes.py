@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal as signals
 from pathlib import Path
 
 
@@ -35,6 +36,18 @@ def send_signal(pid: int, signal: int, ticks: int | None) -> bool:
         return False
     try:
         os.kill(pid, signal)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def kill_monitor(pid: int, ticks: int | None) -> bool:
+    """SIGKILL a monitor and its process group (the runtime command it may be running); False
+    when the monitor is gone already (its group is then left alone: the pid may be reused)."""
+    if not is_alive(pid, ticks):
+        return False
+    try:
+        os.killpg(pid, signals.SIGKILL)  # a monitor leads its own session and process group
     except ProcessLookupError:
         return False
     return True

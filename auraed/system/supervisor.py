@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -94,7 +93,7 @@ class Supervisor:
             with os.fdopen(read_end, "rb", buffering=0) as pipe:
                 report = await asyncio.wait_for(read_report(pipe), timeout)
         except TimeoutError:
-            processes.send_signal(monitor_pid, signal.SIGKILL, monitor_ticks)
+            processes.kill_monitor(monitor_pid, monitor_ticks)
             raise MonitorStartError("the monitor did not report in time", timed_out=True) from None
         if "error" in report:
             await processes.wait_for_exit(monitor_pid, monitor_ticks)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -108,3 +109,55 @@ async def test_many_launches_at_once(supervisor: Supervisor, tmp_path: Path) -> 
         record = await supervisor.wait(handle, tmp_path / f"c{i}" / "exit.json")
         assert record is not None and record.exit_code == i
         assert logged(tmp_path / f"c{i}") == [str(i)]
+
+
+async def test_a_runtime_command_that_hangs_dies_with_its_monitor(
+    supervisor: Supervisor, tmp_path: Path
+) -> None:
+    # pid_file mode: argv stands for `runc create`; this one never writes the pid file nor ends.
+    run_dir = tmp_path / "hang"
+    run_dir.mkdir()
+    marker = f"300.{os.getpid()}{secrets.randbelow(10**6)}"  # sleep takes fractions: a unique argv
+    spec = MonitorSpec(
+        argv=["sh", "-c", f"sleep {marker} & sleep {marker}"],  # a grandchild in the group too
+        env=["PATH=/usr/bin:/bin"],
+        log_path=str(run_dir / "out.log"),
+        exit_path=str(run_dir / "exit.json"),
+        pid_file=str(run_dir / "pid"),
+    )
+    with pytest.raises(MonitorStartError) as error:
+        await supervisor.launch(spec, run_dir, timeout=1.0)
+    assert error.value.timed_out
+
+    def hanging() -> list[int]:
+        return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline_has(p, marker)]
+
+    for _ in range(100):  # the monitor and its process group were SIGKILLed: gone in a moment
+        if not hanging():
+            break
+        await asyncio.sleep(0.02)
+    assert hanging() == []
+
+
+async def test_a_runtime_command_that_cannot_start_is_reported(
+    supervisor: Supervisor, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "missing"
+    run_dir.mkdir()
+    spec = MonitorSpec(
+        argv=["no-such-runtime", "create"],
+        env=["PATH=/usr/bin:/bin"],
+        log_path=str(run_dir / "out.log"),
+        exit_path=str(run_dir / "exit.json"),
+        pid_file=str(run_dir / "pid"),
+    )
+    with pytest.raises(MonitorStartError) as error:
+        await supervisor.launch(spec, run_dir)
+    assert "no-such-runtime" in str(error.value) and "No such file" in str(error.value)
+
+
+def _cmdline_has(proc: Path, text: str) -> bool:
+    try:
+        return text.encode() in (proc / "cmdline").read_bytes()
+    except OSError:
+        return False
