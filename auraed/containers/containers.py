@@ -412,6 +412,7 @@ class Containers:
         for task in list(self._watchers.values()):
             task.cancel()
         await asyncio.gather(*self._watchers.values(), return_exceptions=True)
+        self._cgroups.prune(CGROUP_PARENT)  # unless containers still run
 
     def running(self) -> list[ContainerRecord]:
         return [r for r in self._records.values() if r.alive]

@@ -88,6 +88,7 @@ class Daemon:
         self.guests: Guests | None = None
         self.store: Store | None = None
         self._supervisor: Supervisor | None = None
+        self._cgroups: Cgroupfs | None = None
         self._server: grpc.aio.Server | None = None
         self._stopping = asyncio.Event()
         self._serving = False
@@ -140,7 +141,7 @@ class Daemon:
         self._state_lock = lock_state_dir(config.state_dir)
         prepare_unix_socket(config.socket)
         self.store = Store(config.state_dir / "auraed.db")
-        cgroups = Cgroupfs(root=config.cgroup_root, base=config.cgroup_base)
+        cgroups = self._cgroups = Cgroupfs(root=config.cgroup_root, base=config.cgroup_base)
         log.info("cgroup layout: %s", cgroups.layout.value)
         supervisor = Supervisor(config.runtime_dir)
         self._supervisor = supervisor
@@ -251,6 +252,8 @@ class Daemon:
                 log.exception("error while closing VMs")
         if self.images is not None:
             self.images.close()
+        if self._cgroups is not None:
+            self._cgroups.prune("")  # the base, made on demand, unless cells or containers remain
         if self._supervisor is not None:
             self._supervisor.close()
         if self._server is not None:

@@ -248,17 +248,20 @@ def _v1_mounts_from_mountinfo(root: Path, mountinfo: Path) -> dict[str, Path]:
     return mounts
 
 
+def _hierarchy_dirs(root: Path) -> list[Path]:
+    """Every v1 hierarchy directory under root, whatever its controllers, and links to them."""
+    try:
+        entries = sorted(root.iterdir())
+    except OSError:
+        return []
+    return [entry for entry in entries if (entry / "cgroup.procs").is_file()]
+
+
 def _v1_mounts_from_dirs(root: Path) -> dict[str, Path]:
     # Fallback when mountinfo has nothing under root (fake trees, odd chroots): a directory is a
     # hierarchy when it holds cgroup.procs; "cpu,cpuacct" names and cpu -> cpu,cpuacct links both work.
     mounts: dict[str, Path] = {}
-    try:
-        entries = sorted(root.iterdir())
-    except OSError:
-        return {}
-    for entry in entries:
-        if not (entry / "cgroup.procs").is_file():
-            continue
+    for entry in _hierarchy_dirs(root):
         for controller in entry.name.split(","):
             if controller in V1_CONTROLLERS:
                 mounts.setdefault(controller, entry.resolve())
@@ -777,6 +780,19 @@ class Cgroupfs:
                 continue
             except OSError as exc:
                 raise _os_error("remove cgroup", d, exc) from exc
+
+    def prune(self, path: str) -> None:
+        """rmdir ``path`` (below the base; "" is the base) where nothing uses it any more, in every
+        hierarchy mounted under root, also those we never write to: an OCI runtime makes a
+        container's parent cgroups in all of them (devices, net_cls, ...) and leaves them there.
+        A cgroup still in use (processes, children) stays: the kernel refuses the rmdir."""
+        parts = _split_path(path)
+        hierarchies = (
+            [self.root] if self.is_v2 else dict.fromkeys(d.resolve() for d in _hierarchy_dirs(self.root))
+        )
+        for hierarchy in hierarchies:
+            with contextlib.suppress(OSError):  # absent, or busy
+                self._ops.rmdir(hierarchy.joinpath(self.base, *parts))
 
     def remove_tree(self, path: str) -> None:
         """Remove the cgroup and all descendants, deepest first (processes must be gone)."""

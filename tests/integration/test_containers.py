@@ -461,3 +461,32 @@ async def test_a_created_container_survives_kill_9_and_a_lost_mount(
         assert lines[0] == "up" and "bin" in lines
         await delete(client, "later", force=False)
     assert not rootfs.exists()
+
+
+async def test_a_graceful_stop_leaves_no_cgroup_of_ours_in_any_hierarchy(
+    daemon_factory: DaemonFactory, busybox_layout: BuiltImage
+) -> None:
+    def ours(daemon: DaemonProcess) -> list[str]:
+        return sorted(
+            str(h / daemon.cgroup_base)
+            for h in Path("/sys/fs/cgroup").iterdir()
+            if (h / daemon.cgroup_base).is_dir()
+        )
+
+    daemon = daemon_factory()
+    async with daemon.client() as client:
+        await import_layout(client, busybox_layout.layout, BUSYBOX)
+        assert (await run(client, "done", BUSYBOX, command=["true"])).exit_code == 0
+        # runc made the container's parents in every hierarchy, devices too, and left them.
+        assert any("/devices/" in path for path in ours(daemon))
+        await delete(client, "done")
+        await create(client, "left", BUSYBOX, command=["sleep", "300"])
+        await start(client, "left")
+    assert daemon.stop() == 0
+    # A running container keeps what it uses: its parents stay, nothing is forced.
+    assert any("/memory/" in path for path in ours(daemon))
+    daemon.start()
+    async with daemon.client() as client:
+        await delete(client, "left")
+    assert daemon.stop() == 0
+    assert ours(daemon) == []
