@@ -34,19 +34,21 @@ in one python3 (RssAnon and, in a second run, tracemalloc's Python heap added by
 
 ``containers`` -- a busybox container running ``echo ready``, until its line is available:
 
-* ``auraed_host``: through the host (AuraeClient vm=NAME): Create + Start, then Logs every 5 ms
-  until the line is there (each call relayed to the guest);
+* ``auraed_host``: through the host (AuraeClient vm=NAME): Create (rootfs and bundle) + Start
+  (``crun run --detach`` under the monitor), then Logs every 5 ms until the line is there (each
+  call relayed to the guest);
 * ``auraed_direct``: the same straight to the guest's auraed (host certificate): what the relay
   and placement add is the difference;
-* ``auraed_host_oneshot``: through the host, one Create with ``start`` set (``crun run --detach``
-  under the monitor, what ``aer --vm NAME container run`` sends), then Logs as above;
+* ``auraed_host_oneshot``: through the host, one Create with ``start`` set (what
+  ``aer --vm NAME container run`` sends: one RPC fewer), then Logs as above;
 * ``bare_run`` (the peer): in the guest, ``crun run`` of a bundle holding the exact config.json
   auraed wrote for its first container (root path, hostname and cgroup leaf changed) over an
   overlay mount of auraed's own layer snapshot, timed inside the guest (python3's monotonic clock
   around the mount and ``crun run``, until "ready" is on crun's stdout pipe; busybox ``date`` has
   no %N). Run as a guest cell executable; the interpreter starts before the clock does;
-* ``bare_split``: the same with ``crun create`` + ``crun start``, two commands as auraed's Create
-  and Start must run: what the two-call design costs by itself.
+* ``bare_split``: the same with ``crun create`` + ``crun start``: what splitting at the runtime
+  would cost (auraed's Create ran ``crun create`` until 2026-11-30; it now leaves the runtime to
+  Start, as containerd does).
 
 The daemon's side in the guest is read off the files it writes there (bundle/config.json,
 monitor.json, container.pid: mtimes on the guest's clock) and the CRI timestamp of the line.
@@ -1065,8 +1067,8 @@ class InGuest:
             if {"bundle", "monitor", "pid"} <= set(t):
                 phases[name] = {
                     "bundle_until_monitor_spawn": t["monitor"] - t["bundle"],
-                    "monitor_spawn_until_crun_create_done": t["pid"] - t["monitor"],
-                    "crun_create_done_until_line_logged": self.logged[name] - t["pid"],
+                    "monitor_spawn_until_crun_done": t["pid"] - t["monitor"],
+                    "crun_done_until_line_logged": self.logged[name] - t["pid"],
                 }
         return phases
 
