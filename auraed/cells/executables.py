@@ -22,7 +22,7 @@ from auraed.cells.errors import CellError
 from auraed.cells.model import CellSpec, ExecutableSpec
 from auraed.errors import ErrorKind
 from auraed.observe.events import ObserveHub, SignalEvent
-from auraed.state.store import Store
+from auraed.state.store import Store, flat_doc
 from auraed.system import processes
 from auraed.system.monitor import ExitRecord, MonitorSpec, read_exit_record
 from auraed.system.supervisor import MonitorStartError, Supervised, Supervisor
@@ -71,7 +71,7 @@ class ExecutableRecord:
         return Path(self.run_dir) / "exit.json"
 
     def to_doc(self) -> dict[str, Any]:
-        doc = dataclasses.asdict(self)
+        doc = flat_doc(self)
         doc["spec"] = self.spec.to_doc()
         return doc
 

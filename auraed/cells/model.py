@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from auraed.api.aurae.cells import v0 as pb
 from auraed.cells.errors import CellError
 from auraed.names import validate_label, validate_path
+from auraed.state.store import flat_doc
 from auraed.system.cgroupfs import CgroupLimits, cpus_present, parse_cpu_list
 
 MAX_CPU_WEIGHT = 10000
@@ -41,7 +43,7 @@ class CellSpec:
     def to_doc(self) -> dict[str, Any]:
         return {
             "name": self.name,
-            "limits": dataclasses.asdict(self.limits),
+            "limits": flat_doc(self.limits),
             "isolate_process": self.isolate_process,
             "isolate_network": self.isolate_network,
         }
@@ -81,7 +83,7 @@ class ExecutableSpec:
         return f"{self.cell_name}/{self.name}"
 
     def to_doc(self) -> dict[str, Any]:
-        doc = dataclasses.asdict(self)
+        doc = flat_doc(self)
         doc["argv"], doc["env"] = list(self.argv), list(self.env)
         return doc
 
@@ -96,7 +98,7 @@ def _in_range(value: int | None, field: str, low: int, high: int) -> int | None:
     return value
 
 
-def _cpuset(value: str | None, field: str, available: set[int]) -> str | None:
+def _cpuset(value: str | None, field: str, present: Callable[[], set[int]]) -> str | None:
     if value is None:
         return None
     try:
@@ -105,7 +107,7 @@ def _cpuset(value: str | None, field: str, available: set[int]) -> str | None:
         raise CellError.invalid(field, f"{value[:80]!r} is not a list like '0-1,3': {exc}") from exc
     if not wanted:
         raise CellError.invalid(field, "must name at least one")
-    absent = sorted(wanted - available)
+    absent = sorted(wanted - present())  # read from sysfs only when asked: CPUs come and go
     if absent:
         raise CellError.invalid(field, f"{', '.join(map(str, absent[:8]))} not present on this machine")
     return value
@@ -144,8 +146,8 @@ def parse_cell(message: pb.Cell | None) -> CellSpec:
         cpu_weight=_in_range(cpu.weight, "cell.cpu.weight", 1, MAX_CPU_WEIGHT),
         cpu_max_us=_in_range(cpu.max, "cell.cpu.max", MIN_CPU_QUOTA_US, MAX_CPU_QUOTA_US),
         cpu_period_us=_in_range(cpu.period, "cell.cpu.period", MIN_CPU_PERIOD_US, MAX_CPU_PERIOD_US),
-        cpuset_cpus=_cpuset(cpuset.cpus, "cell.cpuset.cpus", cpus_present()),
-        cpuset_mems=_cpuset(cpuset.mems, "cell.cpuset.mems", memory_nodes_present()),
+        cpuset_cpus=_cpuset(cpuset.cpus, "cell.cpuset.cpus", cpus_present),
+        cpuset_mems=_cpuset(cpuset.mems, "cell.cpuset.mems", memory_nodes_present),
         memory_min=memory["min"],
         memory_low=memory["low"],
         memory_high=memory["high"],

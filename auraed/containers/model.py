@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from auraed.state.store import flat_doc
 from auraed.system.supervisor import Supervised
 
 
@@ -70,7 +71,7 @@ class ContainerRecord:
         return self.state in (State.CREATED, State.RUNNING)
 
     def to_doc(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return flat_doc(self)
 
     @classmethod
     def from_doc(cls, doc: dict[str, Any]) -> ContainerRecord:
