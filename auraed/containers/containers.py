@@ -28,7 +28,7 @@ from auraed.errors import ErrorKind
 from auraed.images.content import remove_tree
 from auraed.images.images import Images
 from auraed.images.model import ImageRecord
-from auraed.observe.logfile import LogLine, stream_lines
+from auraed.observe.logfile import LogLine, LogWatch, stream_lines
 from auraed.state.store import Store
 from auraed.system.cgroupfs import CgroupError, Cgroupfs
 from auraed.system.monitor import ExitRecord, MonitorSpec, read_exit_record
@@ -68,7 +68,9 @@ class Containers:
         root: Path,
         sockets_dir: Path,
         default_stop_timeout: float,
+        log_watch: LogWatch | None = None,
     ) -> None:
+        self._log_watch = log_watch  # wakes Logs followers (None: they poll)
         self._sockets_dir = sockets_dir
         self._store = store
         self._images = images
@@ -364,7 +366,15 @@ class Containers:
         follow: bool,
         since: float | None,
     ) -> AsyncIterator[LogLine]:
-        return stream_lines(record.log_path, streams, tail, follow, lambda: not record.alive, since=since)
+        return stream_lines(
+            record.log_path,
+            streams,
+            tail,
+            follow,
+            lambda: not record.alive,
+            since=since,
+            watch=self._log_watch,
+        )
 
     def stats(self, record: ContainerRecord) -> dict[str, int]:
         path = self.cgroup(record)

@@ -11,6 +11,7 @@ from auraed.containers.containers import Containers
 from auraed.containers.runtime import OciRuntime
 from auraed.images.content import ContentStore
 from auraed.images.images import Images
+from auraed.observe.logfile import LogWatch
 from auraed.state.store import Store
 from auraed.system.cgroupfs import Cgroupfs, CgroupLayout
 from auraed.system.supervisor import Supervisor
@@ -48,7 +49,7 @@ def registry_factory(config: DaemonConfig) -> object:
 
 
 def build(
-    config: DaemonConfig, store: Store, cgroups: Cgroupfs, supervisor: Supervisor
+    config: DaemonConfig, store: Store, cgroups: Cgroupfs, supervisor: Supervisor, log_watch: LogWatch
 ) -> tuple[Images, Containers]:
     images = Images(
         store,
@@ -70,5 +71,6 @@ def build(
         root=config.state_dir / "containers",
         sockets_dir=config.runtime_dir / "consoles",
         default_stop_timeout=config.stop_grace_period,
+        log_watch=log_watch,
     )
     return images, containers

@@ -11,7 +11,7 @@ from auraed.cells.executables import State
 from auraed.errors import AuraeError, ErrorKind
 from auraed.names import validate_label, validate_path
 from auraed.observe.events import ObserveHub, SignalEvent
-from auraed.observe.logfile import stream_lines
+from auraed.observe.logfile import LogWatch, stream_lines
 from auraed.server.rpc import Context
 
 SERVICE_NAME = "aurae.observe.v0.ObserveService"
@@ -51,9 +51,10 @@ def _signal_message(event: SignalEvent) -> pb.ObserveServiceGetPosixSignalsStrea
 
 
 class ObserveServicer:
-    def __init__(self, hub: ObserveHub, cells: Cells | None) -> None:
+    def __init__(self, hub: ObserveHub, cells: Cells | None, log_watch: LogWatch) -> None:
         self._hub = hub
         self._cells = cells
+        self._log_watch = log_watch
 
     async def get_aurae_daemon_log_stream(
         self, request: pb.ObserveServiceGetAuraeDaemonLogStreamRequest, context: Context
@@ -85,7 +86,8 @@ class ObserveServicer:
         def finished() -> bool:
             return record.state not in (State.RUNNING, State.STARTING)
 
-        async for line in stream_lines(record.log_path, streams, tail, request.follow, finished):
+        lines = stream_lines(record.log_path, streams, tail, request.follow, finished, watch=self._log_watch)
+        async for line in lines:
             yield pb.ObserveServiceGetSubProcessStreamResponse(
                 item=pb.LogItem(
                     item=workload,

@@ -24,6 +24,7 @@ from auraed.discovery.servicer import SERVICE_NAME as DISCOVERY
 from auraed.discovery.servicer import DiscoveryServicer
 from auraed.init.roles import Role, detect_role
 from auraed.observe.events import DaemonLogHandler, ObserveHub
+from auraed.observe.logfile import LogWatch
 from auraed.observe.servicer import SERVICE_NAME as OBSERVE
 from auraed.observe.servicer import ObserveServicer
 from auraed.server.authz import AuthorizationInterceptor
@@ -89,6 +90,7 @@ class Daemon:
         self.store: Store | None = None
         self._supervisor: Supervisor | None = None
         self._cgroups: Cgroupfs | None = None
+        self._log_watch = LogWatch()
         self._server: grpc.aio.Server | None = None
         self._stopping = asyncio.Event()
         self._serving = False
@@ -157,7 +159,9 @@ class Daemon:
         if self.role is not Role.NESTED:
             from auraed.containers import setup
 
-            self.images, self.containers = setup.build(config, self.store, cgroups, supervisor)
+            self.images, self.containers = setup.build(
+                config, self.store, cgroups, supervisor, self._log_watch
+            )
             await self.containers.recover()
         capabilities = await asyncio.to_thread(probe, cgroups)
         interceptors: list[grpc.aio.ServerInterceptor] = [AuthorizationInterceptor(config.authorization)]
@@ -180,7 +184,7 @@ class Daemon:
             [
                 *handlers,
                 generic_handler(CELLS, CellServicer(self.cells)),
-                generic_handler(OBSERVE, ObserveServicer(self.hub, self.cells)),
+                generic_handler(OBSERVE, ObserveServicer(self.hub, self.cells, self._log_watch)),
                 generic_handler(
                     DISCOVERY, DiscoveryServicer(self.role, services, capabilities, lambda: self._serving)
                 ),
@@ -252,6 +256,7 @@ class Daemon:
                 log.exception("error while closing VMs")
         if self.images is not None:
             self.images.close()
+        await self._log_watch.close()
         if self._cgroups is not None:
             self._cgroups.prune("")  # the base, made on demand, unless cells or containers remain
         if self._supervisor is not None:
