@@ -14,7 +14,7 @@ import logging
 import secrets
 import signal as signals
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +82,7 @@ class Containers:
         self._records: dict[str, ContainerRecord] = {}
         self._exited: dict[str, asyncio.Event] = {}
         self._watchers: dict[str, asyncio.Task[None]] = {}
-        self._starting: set[str] = set()  # ids whose Start is under way
+        self._changing: dict[str, str] = {}  # id -> the change under way: "created", "started", ...
         self._lock = asyncio.Lock()
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         images.in_use = lambda image_id: any(r.image_id == image_id for r in self._records.values())
@@ -133,6 +133,7 @@ class Containers:
                 process={},
                 created_at=time.time(),
             )
+            self._changing[record.id] = "created"  # claimed before the record can be seen
             self._save(record)  # before any kernel object exists: a crash from here on is cleaned at start
         try:
             await asyncio.to_thread(self._prepare, record, image, request)
@@ -141,6 +142,8 @@ class Containers:
         except BaseException:
             await self._teardown(record, keep_logs=False)
             raise
+        finally:
+            del self._changing[record.id]
         self._exited[record.id] = asyncio.Event()
         if start:
             self._started(record)
@@ -211,21 +214,32 @@ class Containers:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    async def start(self, record: ContainerRecord) -> ContainerRecord:
-        if record.state != State.CREATED or record.id in self._starting:
-            what = "being started" if record.id in self._starting else record.state
-            raise ContainerError.precondition(f"container {record.name} is {what}, not created")
-        self._starting.add(record.id)
+    @contextlib.contextmanager
+    def _changing_now(self, record: ContainerRecord, change: str) -> Iterator[None]:
+        """One lifecycle change at a time per container: Create, Start and Delete each refuse a
+        container another of them is changing (a Delete under a Start would pull the bundle
+        from under the runtime)."""
+        under_way = self._changing.get(record.id)
+        if under_way is not None:
+            raise ContainerError.precondition(f"container {record.name} is being {under_way}")
+        self._changing[record.id] = change
         try:
-            if not is_mounted(record.rootfs):  # created before a reboot: the mount is gone
-                await asyncio.to_thread(self._mount, record)
-            await self._launch(record)
-        except BaseException as exc:  # a cancelled Start too: the runtime may have run already
-            await self._start_failed(record, str(exc) if isinstance(exc, ContainerError) else repr(exc))
-            raise
+            yield
         finally:
-            self._starting.discard(record.id)
-        self._started(record)
+            del self._changing[record.id]
+
+    async def start(self, record: ContainerRecord) -> ContainerRecord:
+        with self._changing_now(record, "started"):
+            if record.state != State.CREATED:
+                raise ContainerError.precondition(f"container {record.name} is {record.state}, not created")
+            try:
+                if not is_mounted(record.rootfs):  # created before a reboot: the mount is gone
+                    await asyncio.to_thread(self._mount, record)
+                await self._launch(record)
+            except BaseException as exc:  # a cancelled Start too: the runtime may have run already
+                await self._start_failed(record, str(exc) if isinstance(exc, ContainerError) else repr(exc))
+                raise
+            self._started(record)
         return record
 
     def _started(self, record: ContainerRecord) -> None:
@@ -241,7 +255,7 @@ class Containers:
         record.state, record.reason = State.EXITED, message
         record.finished_at = time.time()
         self._save(record)
-        self._exited[record.id].set()
+        self._exited[record.id].set()  # still there: Delete, which drops it, waits its turn
 
     async def stop(self, record: ContainerRecord, timeout: float | None) -> ContainerRecord:
         if record.state != State.RUNNING:  # a created container has no process yet
@@ -283,15 +297,14 @@ class Containers:
         return record
 
     async def delete(self, record: ContainerRecord, force: bool, keep_logs: bool) -> None:
-        if record.id in self._starting:
-            raise ContainerError.precondition(f"container {record.name} is being started")
-        if record.state == State.RUNNING:
-            if not force:
-                raise ContainerError.precondition(
-                    f"container {record.name} is {record.state}; stop it or force"
-                )
-            await self.stop(record, timeout=0)
-        await self._teardown(record, keep_logs)
+        with self._changing_now(record, "deleted"):
+            if record.state == State.RUNNING:
+                if not force:
+                    raise ContainerError.precondition(
+                        f"container {record.name} is {record.state}; stop it or force"
+                    )
+                await self.stop(record, timeout=0)
+            await self._teardown(record, keep_logs)
         log.info("deleted container %s (%s)", record.name, record.id)
 
     async def _teardown(self, record: ContainerRecord, keep_logs: bool) -> None:

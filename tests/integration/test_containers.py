@@ -490,3 +490,32 @@ async def test_a_graceful_stop_leaves_no_cgroup_of_ours_in_any_hierarchy(
         await delete(client, "left")
     assert daemon.stop() == 0
     assert ours(daemon) == []
+
+
+async def test_racing_create_start_and_delete_never_fail_inside_nor_leave_anything(
+    loaded: AuraeClient, daemon: DaemonProcess
+) -> None:
+    # A Delete under a Create or a Start once pulled the bundle from under runc (INTERNAL, and
+    # runc failing); each change now refuses a container another one is changing.
+    async def outcome(call: object) -> str:
+        try:
+            await call  # type: ignore[misc]
+        except ClientError as error:
+            return error.code
+        return "OK"
+
+    seen: set[str] = set()
+    for round_ in range(8):
+        name = f"race{round_}"
+        results = await asyncio.gather(
+            outcome(create(loaded, name, BUSYBOX, command=["true"])),
+            outcome(delete(loaded, name, force=False)),
+            outcome(start(loaded, name)),
+            outcome(delete(loaded, name, force=True)),
+        )
+        seen.update(results)
+        assert set(results) <= {"OK", "NOT_FOUND", "FAILED_PRECONDITION"}, results
+        await outcome(delete(loaded, name))
+    assert "FAILED_PRECONDITION" in seen  # some calls did meet a change under way
+    assert list((daemon.root / "state" / "containers").iterdir()) == []
+    assert "Traceback" not in daemon.log()
