@@ -384,7 +384,7 @@ class Containers:
             streams,
             tail,
             follow,
-            lambda: not record.alive,
+            lambda: not record.alive or record.id not in self._records,  # ended, or deleted
             since=since,
             watch=self._log_watch,
         )

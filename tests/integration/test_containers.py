@@ -408,14 +408,17 @@ async def test_created_containers_run_nothing_until_start(loaded: AuraeClient) -
     await wait_running(loaded, "twice")
     await delete(loaded, "twice")
 
-    # A Wait on a container deleted before it ran ends too; Delete needs no force.
+    # A Wait or a following Logs on a container deleted before it ran ends too; Delete needs
+    # no force.
     await create(loaded, "never", BUSYBOX, command=["true"])
     waiting = asyncio.ensure_future(
         loaded.call(CONTAINERS, "Wait", pb.ContainerServiceWaitRequest(container_id="never"), timeout=60)
     )
+    following = asyncio.ensure_future(logs(loaded, "never", follow=True))
     await asyncio.sleep(0.2)
     await delete(loaded, "never", force=False)
     assert (await waiting).status.state == pb.ContainerState.CREATED
+    assert await asyncio.wait_for(following, 5) == []
 
 
 async def test_a_failed_start_leaves_the_container_exited_with_the_reason(
