@@ -202,8 +202,8 @@ def _session(args: argparse.Namespace, body: Callable[[AuraeClient], Awaitable[T
 @contextlib.contextmanager
 def _ends_soon_after_interrupt() -> Iterator[None]:
     """Ctrl-C cancels the command through asyncio's own handler, chained here; should the tear-down
-    after it hang (a grpc channel that never finishes closing: seen once in CI, not reproduced in
-    200 tries), the process still ends with EXIT_INTERRUPTED, EXIT_INTERRUPT_GRACE seconds later."""
+    after it hang (seen once in CI, cause unknown, not reproduced in 240 tries), the process still
+    ends with EXIT_INTERRUPTED, EXIT_INTERRUPT_GRACE seconds later."""
     previous = signal.getsignal(signal.SIGINT)
     if not callable(previous) or threading.current_thread() is not threading.main_thread():
         yield  # ignored, not Python's, or not ours to change (only the main thread may)
