@@ -168,9 +168,9 @@ class GuestRouter(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if key in self._placed:
             try:
                 return await call(request, metadata=_forwarded(context))  # type: ignore[no-any-return]
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.NOT_FOUND:
-                    await context.abort(exc.code(), exc.details() or "")
+            except Exception as exc:
+                if not (isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.NOT_FOUND):
+                    await _abort_relayed(context, exc)
                 # The guest may have lost the image (removed there, or rebooted): place it again.
                 self._placed.discard(key)
         await self._place(guest, name, image, context)
@@ -212,7 +212,12 @@ def _forwarded(context: Context) -> list[tuple[str, Any]]:
 async def _relay(call: Any, context: Context) -> Any:
     try:
         return await call
-    except grpc.aio.AioRpcError as exc:
-        await context.abort(exc.code(), exc.details() or "")
     except Exception as exc:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, f"guest unreachable: {exc}")
+        await _abort_relayed(context, exc)
+
+
+async def _abort_relayed(context: Context, exc: Exception) -> None:
+    """End the host's call as the guest's ended: its status, or UNAVAILABLE when it never answered."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        await context.abort(exc.code(), exc.details() or "")
+    await context.abort(grpc.StatusCode.UNAVAILABLE, f"guest unreachable: {exc}")
