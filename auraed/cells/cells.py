@@ -172,7 +172,7 @@ class Cells:
                 )
             placement = Placement(
                 cell=record.spec,
-                cgroup_procs_files=[str(p) for p in self._cgroups.procs_files(spec.cell_name)],
+                cgroup_join_files=[str(p) for p in self._cgroups.join_files(spec.cell_name)],
                 oom_counter_file=str(self._cgroups.oom_counter_file(spec.cell_name)),
                 netns_path=record.netns_path,
             )

@@ -85,7 +85,7 @@ class Placement:
     """Where an executable of a cell runs: the cgroup files to join and namespaces to use."""
 
     cell: CellSpec
-    cgroup_procs_files: list[str]
+    cgroup_join_files: list[str]
     oom_counter_file: str | None
     netns_path: str | None
 
@@ -145,7 +145,7 @@ class Executables:
             cwd=spec.cwd,
             uid=spec.uid,
             gid=spec.gid,
-            cgroup_procs_files=placement.cgroup_procs_files,
+            cgroup_join_files=placement.cgroup_join_files,
             oom_counter_file=placement.oom_counter_file,
             log_path=str(record.log_path),
             exit_path=str(record.exit_path),

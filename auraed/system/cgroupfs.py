@@ -437,6 +437,17 @@ class Cgroupfs:
     def procs_files(self, path: str) -> list[Path]:
         return [d / "cgroup.procs" for d in self.cgroup_dirs(path)]
 
+    def join_files(self, path: str) -> list[Path]:
+        """The files a new process writes "0" to, between fork and exec, to join the cgroup.
+
+        v1: ``tasks``, not ``cgroup.procs``. A thread moving itself lets the kernel skip the
+        global cgroup_threadgroup_rwsem, whose write side first waits for an RCU grace period
+        (5-8 ms here after an idle spell); a freshly forked child has one thread, so the whole
+        process moves. v2 domain cgroups take whole processes only: ``cgroup.procs``.
+        """
+        name = "cgroup.procs" if self.is_v2 else "tasks"
+        return [d / name for d in self.cgroup_dirs(path)]
+
     # -- queries
 
     def controllers(self) -> list[str]:

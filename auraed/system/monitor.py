@@ -358,11 +358,13 @@ def _child(  # noqa: PLR0915 - one straight line of setup steps
     try:
         step = "setsid"
         os.setsid()
-        for procs in spec.get("cgroup_procs_files") or ():
-            step = f"join cgroup {procs}"
-            fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
+        for join_file in spec.get("cgroup_join_files") or ():
+            step = f"join cgroup {join_file}"
+            fd = os.open(join_file, os.O_WRONLY | os.O_CLOEXEC)
             try:
-                os.write(fd, b"0")  # 0 = the writer; our own pid may be 1 in a new pid namespace
+                # 0 = the writer: our own pid may be 1 in a new pid namespace, and in a v1
+                # "tasks" file it is what lets the kernel skip a grace period (cgroupfs.join_files).
+                os.write(fd, b"0")
             finally:
                 os.close(fd)
         if ns is not None:
@@ -1155,7 +1157,7 @@ class MonitorSpec:
 
     __slots__ = (
         "argv",
-        "cgroup_procs_files",
+        "cgroup_join_files",
         "console_socket",
         "cwd",
         "env",
@@ -1185,7 +1187,7 @@ class MonitorSpec:
         cwd: str = "/",
         uid: int | None = None,
         gid: int | None = None,
-        cgroup_procs_files: list[str] | None = None,
+        cgroup_join_files: list[str] | None = None,
         oom_counter_file: str | None = None,
         new_pid_ns: bool = False,
         new_mount_ns: bool = False,
@@ -1203,7 +1205,7 @@ class MonitorSpec:
         self.cwd = cwd
         self.uid = uid
         self.gid = gid
-        self.cgroup_procs_files = list(cgroup_procs_files) if cgroup_procs_files else []
+        self.cgroup_join_files = list(cgroup_join_files) if cgroup_join_files else []
         self.oom_counter_file = oom_counter_file
         self.log_path = log_path
         self.exit_path = exit_path

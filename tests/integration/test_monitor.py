@@ -241,7 +241,7 @@ def test_spec_round_trip() -> None:
         exit_path="/run/x/exit.json",
         env=["A=1"],
         uid=1000,
-        cgroup_procs_files=["/sys/fs/cgroup/pids/x/cgroup.procs"],
+        cgroup_join_files=["/sys/fs/cgroup/pids/x/cgroup.procs"],
         new_pid_ns=True,
         hostname="h",
     )
@@ -495,9 +495,10 @@ def test_bad_netns_path_is_a_start_error(monitors: Monitors, tmp_path: Path) -> 
 
 
 def test_child_joins_cgroup_before_exec(monitors: Monitors, pids_cgroup: Path) -> None:
+    # Through "tasks", as cells join v1 hierarchies: the child's one thread is the whole process.
     spec = monitors.spec(
         ["sh", "-c", "cat /proc/self/cgroup; exec sleep 100"],
-        cgroup_procs_files=[str(pids_cgroup / "cgroup.procs")],
+        cgroup_join_files=[str(pids_cgroup / "tasks")],
     )
     run = monitors.start(spec)
     name = f"/{pids_cgroup.name}"
@@ -516,7 +517,7 @@ def test_oom_kill_is_recorded(monitors: Monitors, memory_cgroup: Path) -> None:
     assert "oom_kill " in oom_control.read_text(), "kernel without the oom_kill counter"
     spec = monitors.spec(
         [sys.executable, "-S", "-c", "a = b'x' * (200 << 20); print('survived')"],
-        cgroup_procs_files=[str(memory_cgroup / "cgroup.procs")],
+        cgroup_join_files=[str(memory_cgroup / "cgroup.procs")],
         oom_counter_file=str(oom_control),
     )
     run = monitors.start(spec)
@@ -528,7 +529,7 @@ def test_oom_kill_is_recorded(monitors: Monitors, memory_cgroup: Path) -> None:
     run2 = monitors.start(
         monitors.spec(
             ["sleep", "100"],
-            cgroup_procs_files=[str(memory_cgroup / "cgroup.procs")],
+            cgroup_join_files=[str(memory_cgroup / "cgroup.procs")],
             oom_counter_file=str(oom_control),
         )
     )

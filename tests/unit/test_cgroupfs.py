@@ -273,6 +273,7 @@ def test_v2_create_writes_limits(v2: tuple[Cgroupfs, FakeCgroupOps, Path]) -> No
     assert fs.exists("web")
     assert fs.cgroup_path("web") == "/aurae/web"
     assert fs.procs_files("web") == [web / "cgroup.procs"]
+    assert fs.join_files("web") == [web / "cgroup.procs"]  # v2 moves whole processes only
 
 
 def test_v2_nested_enables_parent_and_untouched_defaults(v2: tuple[Cgroupfs, FakeCgroupOps, Path]) -> None:
@@ -447,6 +448,8 @@ def test_v1_create_each_hierarchy_once(v1: tuple[Cgroupfs, FakeCgroupOps, Path])
         assert read(d / "cpuset.cpus") == "0-3"
         assert read(d / "cpuset.mems") == "0"
     assert len(fs.procs_files("web")) == 5
+    # v1: a new process joins through "tasks", moving its one thread (no RCU grace period).
+    assert fs.join_files("web") == [f.with_name("tasks") for f in fs.procs_files("web")]
 
 
 def test_v1_explicit_cpuset_and_remove(v1: tuple[Cgroupfs, FakeCgroupOps, Path]) -> None:
