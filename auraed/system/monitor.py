@@ -27,9 +27,11 @@ Containers (OCI runtimes) use three more spec options:
   ``--console-socket``), receives the terminal master the runtime sends, and logs its output as
   stdout.
 - ``runtime_starts``: argv also starts the process (``runc run --detach``), so what the shared
-  pipes carry while argv runs may already be the process's output: kept (up to
-  EARLY_OUTPUT_MAX per pipe, then the pipe is left unread until argv ends) and logged once argv
-  succeeded, used as the error message when it failed. (runc and crun print nothing on success.)
+  pipes carry while argv runs may already be the process's output. runc and crun never write to
+  stdout, so stdout is logged as it comes: a follower sees the first line without waiting for
+  the runtime to exit. stderr also carries the runtime's errors: it is kept (up to
+  EARLY_OUTPUT_MAX, then the pipe is left unread until argv ends), logged once argv succeeded and
+  used as the error message when it failed.
 
 With an empty ``log_path`` the monitor copies nothing: argv inherits the monitor's own stdin,
 stdout and stderr, which the monitor then drops (pass-through, used for exec sessions).
@@ -72,7 +74,7 @@ ADOPTION_WAIT = 2.0
 """Seconds a process a runtime started may take to be reparented to us (see await_adoption)."""
 
 EARLY_OUTPUT_MAX = 1024 * 1024
-"""With runtime_starts: how much of a pipe is read while the runtime runs (the rest waits)."""
+"""With runtime_starts: how much of stderr is read while the runtime runs (the rest waits)."""
 
 _READ_SIZE = 64 * 1024
 _EIO = 5  # errno.EIO: a terminal master once the last slave descriptor is closed
@@ -550,7 +552,8 @@ class _Monitor:
         self.foreign = False  # the supervised pid is not our child: no exit status, only its end
         self.runtime_running = False  # self.pid is a runtime command (pid_file mode) still running
         self.runtime_starts = False  # that command also starts the process (run --detach)
-        self.early: dict[int, bytes] = {}  # with runtime_starts: pipe -> what it carried meanwhile
+        self.early: dict[int, bytes] = {}  # with runtime_starts: stderr -> what it carried meanwhile
+        self.live: dict[int, _Stream] = {}  # with runtime_starts: stdout, logged while the runtime runs
         self.started_at = time.time()
         self.finished_at: float | None = None
         self.oom_file: str | None = None
@@ -744,6 +747,8 @@ class _Monitor:
         streams = [_Stream(out_r, b"stdout"), _Stream(err_r, b"stderr")] if log_path else []
         if pid_file:
             name = os.path.basename(str(spec["argv"][0]))
+            if self.runtime_starts and self.log is not None:
+                self.live = {out_r: streams[0]}
             master = self.start_through_runtime(name, str(pid_file), out_r, err_r)
             if master < -1:
                 return
@@ -907,13 +912,10 @@ class _Monitor:
                         poller.unregister(listen_fd)
                         master = self.accept_console()
                     elif fd in readable:
-                        data = self.read_some(fd)
-                        if data:
-                            output = (output + data)[-RUNTIME_OUTPUT_MAX:]
-                            if self.keep_early(fd, data):
-                                continue
-                        poller.unregister(fd)  # EOF, or enough kept: the rest waits in the pipe
-                        readable.discard(fd)
+                        output, more = self.take_runtime_output(fd, self.read_some(fd), output)
+                        if not more:
+                            poller.unregister(fd)  # EOF, or enough kept: the rest waits in the pipe
+                            readable.discard(fd)
             self.ended(status)
             output = self.drain_runtime_output(readable, status, output)
             if self.listener is not None and master < 0:
@@ -933,9 +935,20 @@ class _Monitor:
             return output
         for fd in fds:
             while data := self.read_some(fd):
-                output = (output + data)[-RUNTIME_OUTPUT_MAX:]
-                self.keep_early(fd, data)
+                output, _ = self.take_runtime_output(fd, data, output)
         return output
+
+    def take_runtime_output(self, fd: int, data: bytes, output: bytes) -> tuple[bytes, bool]:
+        """What a pipe carried while the runtime ran: stdout with runtime_starts is logged at
+        once; the rest is the runtime's output so far (for its error message) and kept.
+        Returns that output and whether to go on reading the pipe."""
+        if not data:
+            return output, False
+        stream = self.live.get(fd)
+        if stream is not None and self.log is not None:
+            self.log.feed(stream, data)
+            return output, True
+        return (output + data)[-RUNTIME_OUTPUT_MAX:], self.keep_early(fd, data)
 
     def keep_early(self, fd: int, data: bytes) -> bool:
         """With runtime_starts, keep data read while the runtime runs; False once the pipe's

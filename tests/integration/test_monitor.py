@@ -310,6 +310,39 @@ def test_stdout_and_stderr_land_in_cri_log(monitors: Monitors) -> None:
         assert before - 1 <= ts <= time.time() + 1
 
 
+# A stand-in for `runc run --detach`: it starts the process, writes the pid file, and only exits
+# once the monitor has logged the process's stdout (or gives up after ~10 s, failing the run).
+# It notes whether stderr, written first, was in the log by then.
+FAKE_RUNTIME_RUN = """
+pid_file=$1 log=$2 seen=$3
+sh -c 'echo early-err >&2; echo early-out; exec sleep 100' &
+echo $! > "$pid_file"
+tries=0
+until grep -q early-out "$log" 2>/dev/null; do
+    tries=$((tries + 1)); [ $tries -gt 500 ] && exit 3
+    sleep 0.02
+done
+grep -c early-err "$log" > "$seen"
+exit 0
+"""
+
+
+def test_runtime_starts_logs_stdout_before_the_runtime_exits(monitors: Monitors, tmp_path: Path) -> None:
+    """With runtime_starts a follower sees stdout at once; stderr, which also carries the
+    runtime's own errors, waits until the runtime has succeeded."""
+    spec = monitors.spec(["sh"], subreaper=True, runtime_starts=True)
+    pid_file, seen = tmp_path / "container.pid", tmp_path / "seen"
+    spec.pid_file = str(pid_file)
+    spec.argv = ["sh", "-c", FAKE_RUNTIME_RUN, "runtime", str(pid_file), spec.log_path, str(seen)]
+    run = monitors.start(spec)
+    assert "pid" in run.sync, run.sync
+    wait_for(lambda: run.lines("stderr") == ["early-err"], what="stderr logged after the runtime")
+    assert run.lines("stdout") == ["early-out"]
+    assert seen.read_text().strip() == "0"  # stderr was still held while the runtime ran
+    os.kill(run.pid, signal.SIGKILL)
+    assert run.wait_exit().signal == signal.SIGKILL
+
+
 def test_long_line_is_split_into_partial_records(monitors: Monitors) -> None:
     script = "import sys; sys.stdout.write('a' * 40960 + '\\n' + 'b' * 3 + '\\n'); sys.stdout.flush()"
     run = monitors.start(monitors.spec([sys.executable, "-S", "-c", script]))
