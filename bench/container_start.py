@@ -9,7 +9,9 @@ quirks (see cell_lifecycle.py) hit them alike:
 * ``auraed_poll``   - Create (rootfs and bundle), Start (``runc run --detach`` under the monitor),
                       then Logs (no follow) every millisecond until the line is there: the
                       moment a client can first read it;
-* ``auraed_follow`` - Create, open a following Logs stream, Start, and wait for the line on it;
+* ``auraed_follow`` - Create, open a following Logs stream, Start, until the line arrives on the
+                      stream (timed when it arrives, which may be before Start's reply:
+                      ``first_line_after_start`` is then negative);
 * ``auraed_oneshot``- one Create with ``start`` set (what ``aer container run`` sends: one RPC
                       fewer), then Logs polled as in ``auraed_poll``;
 * ``bare_run``      - the peer: mount an overlay over auraed's own layer snapshot (what auraed's
@@ -148,11 +150,13 @@ class Auraed:
                 raise RuntimeError(f"{name}: no output in {LINE_TIMEOUT:.0f} s")
             await asyncio.sleep(POLL_INTERVAL)
 
-    async def _follow_first_line(self, name: str) -> Any:
+    async def _follow_first_line(self, name: str) -> tuple[Any, float, float]:
+        """The first line and when it arrived (perf_counter, wall clock): it may come before
+        Start's reply, and the iteration only looks at it after that."""
         request = pb.ContainerServiceLogsRequest(container_id=name, follow=True)
         item = await first_item(self.client.stream(CONTAINERS, "Logs", request, timeout=LINE_TIMEOUT))
         if item is not None:
-            return item
+            return item, time.perf_counter(), time.time()
         raise RuntimeError(f"{name}: the log stream ended without a line")
 
     async def iteration(self, name: str, follow: bool, oneshot: bool = False) -> dict[str, float]:
@@ -166,8 +170,11 @@ class Auraed:
             if not oneshot:
                 await self._start(name)
             t2, w2 = clock(), wall()
-            item = await (follower if follower is not None else self._poll_first_line(name))
-            t3, w3 = clock(), wall()
+            if follower is not None:
+                item, t3, w3 = await follower
+            else:
+                item = await self._poll_first_line(name)
+                t3, w3 = clock(), wall()
         finally:
             if follower is not None and not follower.done():
                 follower.cancel()
