@@ -545,6 +545,37 @@ def test_child_joins_cgroup_before_exec(monitors: Monitors, pids_cgroup: Path) -
     assert (record.signal, record.oom_killed) == (signal.SIGKILL, False)
 
 
+def test_spawned_child_starts_in_the_cell_and_the_monitor_stays_out(
+    monitors: Monitors, pids_cgroup: Path, netns_file: Path, tmp_path: Path
+) -> None:
+    """v1 cgroups and a network namespace only: posix_spawn from a thread that joined both (and
+    changed directory), so the child starts there while the monitor keeps its own."""
+    create_network_namespace(netns_file)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    spec = monitors.spec(
+        ["sh", "-c", "pwd; readlink /proc/self/ns/net; ps -o sid= -p $$; grep :pids: /proc/self/cgroup; "
+         "exec sleep 100"],
+        cgroup_join_files=[str(pids_cgroup / "tasks")],
+        netns_path=str(netns_file),
+        cwd=str(workdir),
+    )  # fmt: skip
+    run = monitors.start(spec)
+    wait_for(lambda: len(run.lines("stdout")) == 4, what="the child's report")
+    cwd, netns, sid, cgroup = run.lines("stdout")
+    assert cwd == str(workdir)
+    assert netns == f"net:[{os.stat(netns_file).st_ino}]"
+    assert int(sid) == run.pid  # its own session
+    assert cgroup.endswith(f":pids:/{pids_cgroup.name}")
+    monitor = f"/proc/{run.monitor_pid}"
+    assert os.readlink(f"{monitor}/cwd") == os.getcwd()
+    assert os.readlink(f"{monitor}/ns/net") == os.readlink("/proc/self/ns/net")
+    assert f"pids:/{pids_cgroup.name}" not in Path(f"{monitor}/cgroup").read_text()
+    assert sorted(os.listdir(f"{monitor}/task")) == [str(run.monitor_pid)]  # the thread is gone
+    os.kill(run.pid, signal.SIGKILL)
+    assert run.wait_exit().signal == signal.SIGKILL
+
+
 def test_oom_kill_is_recorded(monitors: Monitors, memory_cgroup: Path) -> None:
     oom_control = memory_cgroup / "memory.oom_control"
     assert "oom_kill " in oom_control.read_text(), "kernel without the oom_kill counter"
