@@ -10,8 +10,7 @@ The monitor makes itself a session leader, starts the executable inside the cell
 namespaces; _Monitor.spawn_child and fork_child say which way when), reports ``{"pid": N,
 "start_ticks": T}`` (or ``{"error": ..., "errno": N}``) as one JSON line on SYNC_FD, copies the
 child's stdout/stderr into a Kubernetes CRI format log file, and finally writes ``exit.json``
-atomically. SIGUSR1 makes it reopen the log file (log
-rotation, CRI ReopenContainerLog).
+atomically. SIGUSR1 makes it reopen the log file (log rotation, CRI ReopenContainerLog).
 
 Containers (OCI runtimes) use three more spec options:
 
@@ -390,7 +389,7 @@ def _write_zero(path: str) -> None:
 
 def _spawnable(spec: dict[str, Any]) -> bool:
     """Whether the executable can start by posix_spawn from a thread that joined the cell
-    (Monitor.spawn_child): no new namespace, hostname or ids to set up in the child, and v1
+    (_Monitor.spawn_child): no new namespace, hostname or ids to set up in the child, and v1
     cgroups only (joining a v2 cgroup moves the whole monitor)."""
     if spec.get("uid") is not None or spec.get("gid") is not None or spec.get("hostname"):
         return False
