@@ -554,8 +554,8 @@ def test_spawned_child_starts_in_the_cell_and_the_monitor_stays_out(
     workdir = tmp_path / "work"
     workdir.mkdir()
     spec = monitors.spec(
-        ["sh", "-c", "pwd; readlink /proc/self/ns/net; ps -o sid= -p $$; grep :pids: /proc/self/cgroup; "
-         "exec sleep 100"],
+        ["sh", "-c", "pwd; readlink /proc/self/ns/net; cut -d' ' -f6 /proc/$$/stat; "
+         "grep :pids: /proc/self/cgroup; exec sleep 100"],
         cgroup_join_files=[str(pids_cgroup / "tasks")],
         netns_path=str(netns_file),
         cwd=str(workdir),
