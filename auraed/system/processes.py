@@ -30,27 +30,22 @@ def is_alive(pid: int, ticks: int | None) -> bool:
     return ticks is not None and start_ticks(pid) == ticks
 
 
-def send_signal(pid: int, signal: int, ticks: int | None) -> bool:
-    """Signal the process if it is still the one identified by ``ticks``; False when gone."""
+def send_signal(pid: int, signal: int, ticks: int | None, group: bool = False) -> bool:
+    """Signal the process (with ``group``, the process group it leads) if it is still the one
+    identified by ``ticks``; False when gone (a group is then left alone: the pid may be reused)."""
     if not is_alive(pid, ticks):
         return False
     try:
-        os.kill(pid, signal)
+        (os.killpg if group else os.kill)(pid, signal)
     except ProcessLookupError:
         return False
     return True
 
 
 def kill_monitor(pid: int, ticks: int | None) -> bool:
-    """SIGKILL a monitor and its process group (the runtime command it may be running); False
-    when the monitor is gone already (its group is then left alone: the pid may be reused)."""
-    if not is_alive(pid, ticks):
-        return False
-    try:
-        os.killpg(pid, signals.SIGKILL)  # a monitor leads its own session and process group
-    except ProcessLookupError:
-        return False
-    return True
+    """SIGKILL a monitor and its process group (the runtime command it may be running): a
+    monitor leads its own session and process group."""
+    return send_signal(pid, signals.SIGKILL, ticks, group=True)
 
 
 def reap(pid: int) -> int | None:
