@@ -205,24 +205,30 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[written:]
 
 
-def _namespaces() -> ModuleType:
-    """auraed.system.namespaces, also when this file runs as a script under ``python -I -S``."""
+def _system_module(name: str) -> ModuleType:
+    """auraed.system.<name>, imported on first use, also when this file runs as a script under
+    ``python -I -S`` (the source root is then added to sys.path)."""
+    full_name = f"auraed.system.{name}"
     try:
-        from auraed.system import namespaces
+        __import__(full_name)
     except ImportError:
         _add_source_root()
-        from auraed.system import namespaces
-    return namespaces
+        __import__(full_name)
+    return sys.modules[full_name]
+
+
+def _namespaces() -> ModuleType:
+    """auraed.system.namespaces (ctypes): only for namespaces or a subreaper."""
+    return _system_module("namespaces")
+
+
+def _threads() -> ModuleType:
+    return _system_module("threads")
 
 
 def _pty() -> ModuleType:
-    """auraed.system.pty (console socket helpers), also under ``python -I -S``."""
-    try:
-        from auraed.system import pty
-    except ImportError:
-        _add_source_root()
-        from auraed.system import pty
-    return pty
+    """auraed.system.pty (console socket helpers): only with a console socket."""
+    return _system_module("pty")
 
 
 def _add_source_root() -> None:
@@ -396,30 +402,6 @@ def _spawnable(spec: dict[str, Any]) -> bool:
     if any(spec.get(key) for key in ("new_pid_ns", "new_mount_ns", "new_uts_ns", "new_ipc_ns")):
         return False
     return all(os.path.basename(str(f)) == "tasks" for f in spec.get("cgroup_join_files") or ())
-
-
-def _in_new_thread(work: Callable[[], int]) -> int:
-    """``work()`` run in a new thread, waited for: per-thread state it changes dies with it."""
-    import _thread  # builtin, unlike threading
-
-    done = _thread.allocate_lock()
-    done.acquire()
-    outcome: list[Any] = []
-
-    def run() -> None:
-        try:
-            outcome.append(work())
-        except BaseException as exc:
-            outcome.append(exc)
-        finally:
-            done.release()
-
-    _thread.start_new_thread(run, ())
-    done.acquire()
-    if isinstance(outcome[0], BaseException):
-        raise outcome[0]
-    result: int = outcome[0]
-    return result
 
 
 def _child(  # noqa: PLR0915 - one straight line of setup steps
@@ -861,7 +843,7 @@ class _Monitor:
 
         self.step = "spawn"
         try:
-            self.pid = _in_new_thread(in_cell)
+            self.pid = _threads().in_new_thread(in_cell)
         except Exception as exc:
             return _errno_of(exc), f"{step}: {_describe(exc)}"
         return None

@@ -13,6 +13,8 @@ from __future__ import annotations
 import ctypes
 import os
 
+from auraed.system.threads import in_new_thread
+
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
@@ -154,26 +156,20 @@ def create_network_namespace(path: str | os.PathLike[str]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
     os.close(fd)
-    errors: list[BaseException] = []
 
     def worker() -> None:
-        try:
-            unshare(CLONE_NEWNET)
-            bring_loopback_up()
-            tid = threading.get_native_id()
-            mount(f"/proc/self/task/{tid}/ns/net", target, None, MS_BIND)
-        except BaseException as exc:
-            errors.append(exc)
+        unshare(CLONE_NEWNET)
+        bring_loopback_up()
+        mount(f"/proc/self/task/{threading.get_native_id()}/ns/net", target, None, MS_BIND)
 
-    thread = threading.Thread(target=worker, name="aurae-netns-create", daemon=True)
-    thread.start()
-    thread.join()
-    if errors:
+    try:
+        in_new_thread(worker)
+    except BaseException:
         try:
             os.unlink(target)
         except OSError:
             pass
-        raise errors[0]
+        raise
 
 
 def remove_network_namespace(path: str | os.PathLike[str]) -> None:
