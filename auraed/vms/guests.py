@@ -78,13 +78,13 @@ class GuestTrust:
     def config_disk(self, output: Path, identity: GuestIdentity) -> Path:
         return build_config_disk(output, identity, self.ca(), HOST_IDENTITY)
 
-    def endpoint(self, name: str, identity: GuestIdentity) -> GuestEndpoint:
+    def endpoint(self, name: str, identity: GuestIdentity, booted_at: float) -> GuestEndpoint:
         channel = self._channels.get(name)
         if channel is None:
             options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", identity.server_name)]
             channel = grpc.aio.secure_channel(identity.endpoint, self.credentials(), options=options)
             self._channels[name] = channel
-        return GuestEndpoint(name, identity.endpoint, identity.server_name, channel)
+        return GuestEndpoint(name, identity.endpoint, identity.server_name, channel, booted_at)
 
     async def forget(self, name: str) -> None:
         channel = self._channels.pop(name, None)
@@ -215,7 +215,7 @@ class Guests:
         record = self.vms.get(name)
         if not self.is_guest(record.spec):
             raise AuraeError(ErrorKind.FAILED_PRECONDITION, f"VM {name} does not run a guest auraed")
-        return self.trust.endpoint(name, self.identity(record))
+        return self.trust.endpoint(name, self.identity(record), record.started_at)
 
     async def forget(self, name: str) -> None:
         await self.trust.forget(name)

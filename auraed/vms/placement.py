@@ -6,7 +6,8 @@ to the guest's ContainerService over mTLS with the host's guest-client certifica
 sure, for Create, that the guest has the image: the host's store holds it (pulled once per host),
 the guest is asked which blobs it lacks, and only those are streamed. Guests never reach a registry.
 Once an image is placed in a guest, later Creates with it go straight through (two round trips to
-the guest fewer); a guest that lost it since answers NOT_FOUND, and then it is placed again.
+the guest fewer) until the VM boots again; a guest that lost it otherwise answers NOT_FOUND, and
+then it is placed again.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class GuestEndpoint:
     address: str  # ip:port
     server_name: str  # a name in the guest's certificate
     channel: grpc.aio.Channel
+    booted_at: float  # when its VMM was launched: a new boot is a guest with an empty store
 
 
 GuestLookup = Callable[[str], Awaitable[GuestEndpoint]]
@@ -91,8 +93,8 @@ class GuestRouter(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def __init__(self, guests: GuestLookup, images: Images) -> None:
         self._guests = guests
         self._images = images
-        # (VM name, guest address, reference, image id) this router has placed in that guest.
-        self._placed: set[tuple[str, str, str, str]] = set()
+        # (VM name, boot, reference, image id) this router has placed in that boot of the guest.
+        self._placed: set[tuple[str, float, str, str]] = set()
 
     async def intercept_service(
         self,
@@ -116,7 +118,7 @@ class GuestRouter(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             if method.endswith("/Create"):
                 return await router._create(guest, call, request, context)
             if method.endswith("/RemoveImage"):
-                router._forget_placed(guest)
+                router._forget_placed(guest.name)
             return await _relay(call(request, metadata=_forwarded(context)), context)  # type: ignore[no-any-return]
 
         async def unary_stream(request: bytes, context: Context) -> AsyncIterator[bytes]:
@@ -155,6 +157,7 @@ class GuestRouter(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         try:
             return await self._guests(vm)
         except AuraeError as exc:
+            self._forget_placed(vm)  # freed, stopped or never there
             code, detail = status_for(exc)
             await context.abort(code, detail)
             raise
@@ -164,7 +167,7 @@ class GuestRouter(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     ) -> bytes:
         """Relay a Create; place its image in the guest first unless it was placed before."""
         name, image = await self._host_image(request, context)
-        key = (guest.name, guest.address, name, image.id)
+        key = (guest.name, guest.booted_at, name, image.id)
         if key in self._placed:
             try:
                 return await call(request, metadata=_forwarded(context))  # type: ignore[no-any-return]
@@ -174,6 +177,7 @@ class GuestRouter(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 # The guest may have lost the image (removed there, or rebooted): place it again.
                 self._placed.discard(key)
         await self._place(guest, name, image, context)
+        self._forget_placed(guest.name, keep_boot=guest.booted_at)  # earlier boots' entries
         self._placed.add(key)
         return await _relay(call(request, metadata=_forwarded(context)), context)  # type: ignore[no-any-return]
 
@@ -197,8 +201,9 @@ class GuestRouter(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         except grpc.aio.AioRpcError as exc:
             await context.abort(exc.code(), f"guest {guest.name}: {exc.details()}")
 
-    def _forget_placed(self, guest: GuestEndpoint) -> None:
-        self._placed = {key for key in self._placed if key[:2] != (guest.name, guest.address)}
+    def _forget_placed(self, vm: str, keep_boot: float | None = None) -> None:
+        """Forget what was placed in ``vm``, except in its boot ``keep_boot``."""
+        self._placed = {key for key in self._placed if key[0] != vm or key[1] == keep_boot}
 
 
 def _forwarded(context: Context) -> list[tuple[str, Any]]:

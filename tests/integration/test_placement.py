@@ -37,9 +37,20 @@ def layout(tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
     return build_busybox_layout(tmp_path_factory.mktemp("placement-layout"))
 
 
+class Boots:
+    """The fake guest's boot time: a test "reboots" it by moving it."""
+
+    booted_at = 1.0
+
+
+@pytest.fixture
+def boots() -> Boots:
+    return Boots()
+
+
 @pytest.fixture
 async def host(
-    tmp_path: Path, layout: BuiltImage, daemon: DaemonProcess
+    tmp_path: Path, layout: BuiltImage, daemon: DaemonProcess, boots: Boots
 ) -> AsyncIterator[tuple[AuraeClient, Images]]:
     store = Store(tmp_path / "host.db")
     images = Images(store, ContentStore(tmp_path / "images"), registry_factory=lambda: None)  # type: ignore[arg-type,return-value]
@@ -49,7 +60,9 @@ async def host(
     async def lookup(name: str) -> GuestEndpoint:
         if name != "g1":
             raise AuraeError.not_found(f"vm {name}")
-        return GuestEndpoint(name, str(daemon.socket), "server.unsafe.aurae.io", guest.channel)
+        return GuestEndpoint(
+            name, str(daemon.socket), "server.unsafe.aurae.io", guest.channel, boots.booted_at
+        )
 
     server = grpc.aio.server(interceptors=[GuestRouter(lookup, images)])
     # Every call to the host names a VM, so the local servicer is never reached.
@@ -123,7 +136,7 @@ async def test_create_in_guest_sends_missing_blobs_then_runs(
 
 
 async def test_an_image_is_placed_once_and_again_when_the_guest_lost_it(
-    host: tuple[AuraeClient, Images], daemon: DaemonProcess, caplog: pytest.LogCaptureFixture
+    host: tuple[AuraeClient, Images], daemon: DaemonProcess, boots: Boots, caplog: pytest.LogCaptureFixture
 ) -> None:
     client, _ = host
     caplog.set_level("INFO", logger="auraed.vms.placement")
@@ -149,6 +162,13 @@ async def test_an_image_is_placed_once_and_again_when_the_guest_lost_it(
     await call(client, "RemoveImage", pb.ContainerServiceRemoveImageRequest(image=IMAGE))
     await create_and_delete("fourth")
     assert placements() == 3
+    # A new boot of the VM starts with an empty store: placed again before the first Create,
+    # here even though this "guest" kept the image.
+    boots.booted_at += 1
+    await create_and_delete("fifth")
+    assert placements() == 4
+    await create_and_delete("sixth")
+    assert placements() == 4
 
 
 async def test_exec_is_relayed_both_ways(host: tuple[AuraeClient, Images]) -> None:
