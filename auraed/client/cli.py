@@ -65,6 +65,7 @@ T = TypeVar("T")
 M = TypeVar("M", bound=betterproto2.Message)
 
 console = Console(markup=False, highlight=False)  # styles come from Text objects
+status_console = Console(stderr=True, markup=False, highlight=False)  # spinners of long calls
 
 
 class CliError(Exception):
@@ -234,10 +235,26 @@ def _call(
     service: str,
     method: str,
     request: betterproto2.Message,
+    *,
     slack_ms: int | None = None,
+    waiting: str = "",
 ) -> Any:
+    """One unary call; ``waiting`` is shown while it runs (see :func:`_waiting`)."""
     timeout = _timeout(args, slack_ms=slack_ms)
-    return _session(args, lambda client: client.call(service, method, request, timeout))
+    with _waiting(args, waiting):
+        return _session(args, lambda client: client.call(service, method, request, timeout))
+
+
+@contextlib.contextmanager
+def _waiting(args: argparse.Namespace, text: str) -> Iterator[None]:
+    """``text`` with a spinner on stderr while a call that may take long runs (a guest boots for
+    seconds under emulation, a stop waits out its grace period), so a person at a terminal sees
+    what it waits for. Gone once the call ends; never with --json, or when stderr is not a terminal."""
+    if not text or args.json or not status_console.is_terminal:
+        yield
+        return
+    with status_console.status(text):
+        yield
 
 
 def _stream(
@@ -417,7 +434,7 @@ def cmd_cell_allocate(args: argparse.Namespace) -> int:
 
 def cmd_cell_free(args: argparse.Namespace) -> int:
     request = cells_pb.CellServiceFreeRequest(cell_name=args.name, grace_period_ms=args.grace)
-    reply = _call(args, CELLS, "Free", request, slack_ms=args.grace)
+    reply = _call(args, CELLS, "Free", request, slack_ms=args.grace, waiting=f"freeing cell {args.name}")
     _report(args, reply, f"freed cell {args.name}")
     return 0
 
@@ -443,7 +460,8 @@ def cmd_cell_stop(args: argparse.Namespace) -> int:
     request = cells_pb.CellServiceStopRequest(
         cell_name=args.cell, executable_name=args.executable, grace_period_ms=args.grace
     )
-    reply = _call(args, CELLS, "Stop", request, slack_ms=args.grace)
+    waiting = f"stopping {args.cell}/{args.executable}"
+    reply = _call(args, CELLS, "Stop", request, slack_ms=args.grace, waiting=waiting)
     status = reply.status or cells_pb.ExecutableStatus()
     _report(args, reply, f"stopped {args.cell}/{args.executable}: {_outcome(status)[0]}")
     return 0
@@ -768,10 +786,12 @@ def _container_call(
     method: str,
     request: betterproto2.Message,
     verb: str,
+    *,
     slack_ms: int | None = None,
+    waiting: str = "",
 ) -> int:
     """A call whose reply carries the container's status (Create, Start, Stop)."""
-    reply = _call(args, CONTAINERS, method, request, slack_ms=slack_ms)
+    reply = _call(args, CONTAINERS, method, request, slack_ms=slack_ms, waiting=waiting)
     _report(args, reply, _status_line(verb, reply.status or containers_pb.ContainerStatus()))
     return 0
 
@@ -789,7 +809,8 @@ def cmd_container_start(args: argparse.Namespace) -> int:
 def cmd_container_stop(args: argparse.Namespace) -> int:
     request = containers_pb.ContainerServiceStopRequest(container_id=args.name, timeout_ms=args.grace)
     grace = DEFAULT_STOP_GRACE_MS if args.grace is None else args.grace
-    return _container_call(args, "Stop", request, "stopped", slack_ms=grace)
+    waiting = f"stopping container {args.name} (SIGKILL after {grace / 1000:g} s)"
+    return _container_call(args, "Stop", request, "stopped", slack_ms=grace, waiting=waiting)
 
 
 def cmd_container_kill(args: argparse.Namespace) -> int:
@@ -898,8 +919,11 @@ def cmd_container_run(args: argparse.Namespace) -> int:
     create = containers_pb.ContainerServiceCreateRequest(config=_container_config(args), start=True)
     timeout = _timeout(args)
 
+    where = f" in VM {args.vm}" if getattr(args, "vm", None) else ""
+
     async def body(client: AuraeClient) -> containers_pb.ContainerStatus:
-        await client.call(CONTAINERS, "Create", create, timeout)
+        with _waiting(args, f"starting container {args.name}{where}"):
+            await client.call(CONTAINERS, "Create", create, timeout)
         try:
             follow = containers_pb.ContainerServiceLogsRequest(container_id=args.name, follow=True)
             await _print_logs(args, client, follow)
@@ -1413,7 +1437,10 @@ def _absolute(path: str | None) -> str:
 
 def cmd_vm_start(args: argparse.Namespace) -> int:
     request = vms_pb.VmServiceStartRequest(name=args.name, wait_for_console=args.wait_for_console or "")
-    reply = _call(args, VMS, "Start", request, slack_ms=VM_START_SLACK_MS)
+    waiting = f"starting VM {args.name}" + (
+        f" until {args.wait_for_console!r} is on its console" if args.wait_for_console else ""
+    )
+    reply = _call(args, VMS, "Start", request, slack_ms=VM_START_SLACK_MS, waiting=waiting)
     ready = f", ready in {reply.console_ready_ms / 1000:.1f} s" if reply.console_ready_ms else ""
     _report(args, reply, f"started {_vm_line(reply.status)}{ready}")
     return 0
@@ -1421,9 +1448,8 @@ def cmd_vm_start(args: argparse.Namespace) -> int:
 
 def cmd_vm_stop(args: argparse.Namespace) -> int:
     grace = None if args.grace is None else round(args.grace * 1000)
-    reply = _call(
-        args, VMS, "Stop", vms_pb.VmServiceStopRequest(name=args.name, timeout_ms=grace), slack_ms=grace
-    )
+    request = vms_pb.VmServiceStopRequest(name=args.name, timeout_ms=grace)
+    reply = _call(args, VMS, "Stop", request, slack_ms=grace, waiting=f"stopping VM {args.name}")
     _report(args, reply, f"stopped {_vm_line(reply.status)}")
     return 0
 

@@ -362,6 +362,29 @@ def test_kill_and_wait(loaded: Path, box: str) -> None:
     )
 
 
+def test_a_long_call_shows_what_it_waits_for_on_a_terminal(loaded: Path, box: str) -> None:
+    command = [*AER, "--config", str(loaded), "container", "stop", "--timeout", "1.5"]
+    # sleep as PID 1 ignores SIGTERM: each stop waits out its grace period.
+    stopped = Terminal().run([*command, box])
+    assert stopped.returncode == 0, stopped.text
+    assert f"stopping container {box} (SIGKILL after 1.5 s)" in stopped.text
+    assert f"stopped {box}" in stopped.text
+    # Not for scripts: with --json, or when stderr is not a terminal.
+    quiet, piped = unique("quiet"), unique("piped")
+    for name in (quiet, piped):
+        ok("container", "create", name, BUSYBOX, "--", "sleep", "300", config=loaded)
+        ok("container", "start", name, config=loaded)
+    try:
+        as_json = Terminal().run([*command, quiet, "--json"])
+        assert as_json.returncode == 0 and "stopping" not in as_json.text, as_json.text
+        assert json.loads(as_json.text)["status"]["signal"] == 9
+        result = aer("container", "stop", piped, "--timeout", "1.5", config=loaded)
+        assert (result.returncode, result.stderr) == (0, "")
+    finally:
+        for name in (quiet, piped):
+            aer("container", "rm", "--force", name, config=loaded)
+
+
 def test_container_errors_are_one_line(loaded: Path, box: str) -> None:
     assert_one_line_error(
         aer("container", "create", unique("x"), "localhost/nope:1", config=loaded), "NOT_FOUND"
