@@ -2,13 +2,18 @@
 
 Each subsystem raises its own subclass of :class:`AuraeError` (``CellError``, ``ConfigError``, ...)
 carrying an :class:`ErrorKind`; ``auraed.server.rpc`` maps kinds to gRPC status codes, in that one
-place. Anything that is not an ``AuraeError`` is a bug of ours and is answered with INTERNAL.
+place. Anything else is a bug of ours and is answered with INTERNAL, except the machine running
+out of something (:data:`RESOURCE_ERRNOS`, a full state store), which is RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
 
 import enum
+import errno
 from typing import Self
+
+RESOURCE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+"""OSError numbers that say the daemon's machine ran out of disk, quota, descriptors or memory."""
 
 
 class ErrorKind(enum.Enum):

@@ -151,10 +151,11 @@ class ContentStore:
         try:
             os.rename(work_dir, target)
         except OSError:
-            # Another pull unpacked the same layer first: keep theirs.
+            # Another pull unpacked the same layer first: keep theirs. Or ours cannot be placed:
+            # nothing half-made stays behind either way.
+            remove_tree(work_dir)
             if not target.is_dir():
                 raise
-            remove_tree(work_dir)
         return target
 
     def snapshot_ids(self) -> Iterator[str]:

@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 KIND = "image"
 LAYER_CONCURRENCY = 3
 CHUNK = 1 << 20
+# A layer the image makes impossible to unpack is the image's fault; these are the machine's.
+UNPACK_ERROR_KINDS = {"exhausted": ErrorKind.RESOURCE_EXHAUSTED, "os": ErrorKind.INTERNAL}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +110,22 @@ class _TeeReader:
     def drain(self) -> None:
         while self.read(CHUNK):
             pass
+
+
+class _Abandoned(Exception):
+    """Raised in a layer's download once another layer of the same pull has failed."""
+
+
+def _until_abandoned(abandon: threading.Event, chunks: Iterator[bytes]) -> Iterator[bytes]:
+    try:
+        for chunk in chunks:
+            if abandon.is_set():
+                raise _Abandoned
+            yield chunk
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()  # let the download go now, not when its generator is collected
 
 
 class Images:
@@ -237,7 +255,7 @@ class Images:
             )
         except UnpackError as exc:
             remove_tree(work)
-            kind = ErrorKind.FAILED_PRECONDITION if exc.kind != "os" else ErrorKind.INTERNAL
+            kind = UNPACK_ERROR_KINDS.get(exc.kind, ErrorKind.FAILED_PRECONDITION)
             raise ImageError(kind, f"layer {blob.digest}: {exc}") from exc
         except BaseException:
             remove_tree(work)
@@ -269,6 +287,7 @@ class Images:
             if progress:
                 progress.advance(blob.digest, len(chunk))
 
+        work: Path | None = None
         try:
             reader = _TeeReader(chunks, sink)
             # The unpacker only calls read(): the tee is a stream in every way it uses.
@@ -277,6 +296,8 @@ class Images:
             writer.commit()
         except BaseException:
             writer.abort()
+            if work is not None:  # unpacked, but the blob was refused or could not be stored
+                remove_tree(work)
             raise
         self.content.commit_snapshot(work, diff_id)
         if progress:
@@ -295,14 +316,30 @@ class Images:
                 f"the manifest has {len(manifest.layers)} layers but the config {len(config.diff_ids)}",
             )
         limit = asyncio.Semaphore(LAYER_CONCURRENCY)
+        # Once a layer fails (or the pull is cancelled) the others stop at their next chunk and
+        # clean up, and those still waiting never start: the error is reported once nothing of
+        # this pull runs or lies half-made any more.
+        abandon = threading.Event()
+        failures: list[BaseException] = []
 
         async def one(blob: BlobRef, diff_id: str) -> None:
             async with limit:
-                await asyncio.to_thread(
-                    self._ensure_layer, blob, diff_id, fetch(blob) if fetch else None, progress
-                )
+                if abandon.is_set():
+                    return
+                download = fetch(blob) if fetch else None
+                chunks = (lambda: _until_abandoned(abandon, download())) if download else None
+                try:
+                    await asyncio.to_thread(self._ensure_layer, blob, diff_id, chunks, progress)
+                except BaseException as exc:
+                    if not abandon.is_set():
+                        failures.append(exc)
+                    abandon.set()
+                    raise
 
-        await asyncio.gather(*(one(b, d) for b, d in zip(manifest.layers, config.diff_ids, strict=True)))
+        layers = zip(manifest.layers, config.diff_ids, strict=True)
+        await asyncio.gather(*(one(b, d) for b, d in layers), return_exceptions=True)
+        if failures:
+            raise failures[0]
 
     # -- pull ------------------------------------------------------------------------------
 

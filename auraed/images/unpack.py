@@ -64,12 +64,14 @@ from typing import TYPE_CHECKING, BinaryIO, Literal, Protocol, TypeVar, cast
 
 import zstandard
 
+from auraed.errors import RESOURCE_ERRNOS
+
 if TYPE_CHECKING:
     from _typeshed import WriteableBuffer
 
 log = logging.getLogger(__name__)
 
-ErrorKind = Literal["invalid", "unsupported", "os"]
+ErrorKind = Literal["invalid", "unsupported", "exhausted", "os"]
 Compression = Literal["gzip", "zstd"] | None
 
 _OCI = "application/vnd.oci.image.layer"
@@ -120,7 +122,8 @@ T = TypeVar("T")
 
 
 class UnpackError(Exception):
-    """The layer cannot be unpacked; ``kind`` is "invalid", "unsupported" or "os"."""
+    """The layer cannot be unpacked; ``kind`` is "invalid", "unsupported", "exhausted" (out of disk,
+    say) or "os"."""
 
     def __init__(self, kind: ErrorKind, message: str) -> None:
         super().__init__(message)
@@ -198,8 +201,8 @@ class _Hashing(io.RawIOBase):
         view = memoryview(buffer).cast("B")
         try:
             data = self._inner.read(len(view))
-        except OSError as exc:
-            raise UnpackError("os", f"layer: reading the stream failed: {exc}") from exc
+        except OSError as exc:  # the source's: downloading, or storing the blob while it streams
+            raise UnpackError(_machine_kind(exc), f"layer: reading the stream failed: {exc}") from exc
         self.sha256.update(data)
         view[: len(data)] = data
         return len(data)
@@ -434,8 +437,13 @@ def _os_errors(label: str, action: str) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        kind: ErrorKind = "invalid" if exc.errno in _INVALID_ERRNOS else "os"
+        kind = "invalid" if exc.errno in _INVALID_ERRNOS else _machine_kind(exc)
         raise UnpackError(kind, f"{label}: cannot {action}: {exc.strerror or exc}") from exc
+
+
+def _machine_kind(exc: OSError) -> ErrorKind:
+    """An OSError that is not the layer's fault: the machine ran out of something, or failed."""
+    return "exhausted" if exc.errno in RESOURCE_ERRNOS else "os"
 
 
 def _clean(name: bytes, label: str) -> tuple[bytes, ...]:

@@ -24,7 +24,7 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
 from auraed.api.google_proto_descriptor_pool import default_google_proto_descriptor_pool
 from auraed.api.message_pool import default_message_pool
-from auraed.errors import AuraeError, ErrorKind
+from auraed.errors import RESOURCE_ERRNOS, AuraeError, ErrorKind
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,11 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The one mapping from exceptions to what the client is told."""
     if isinstance(exc, AuraeError):
         return STATUS_FOR_KIND[exc.kind], exc.message
+    if isinstance(exc, OSError) and exc.errno in RESOURCE_ERRNOS:
+        where = f": {exc.filename}" if exc.filename else ""
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"on the daemon's machine: {exc.strerror}{where}"
+    if getattr(exc, "sqlite_errorname", None) == "SQLITE_FULL":  # sqlite3.Error, not imported here
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, "on the daemon's machine: the state store's disk is full"
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the auraed log"
 
 
@@ -124,6 +129,8 @@ async def _abort(context: Context, exc: BaseException, method: str) -> None:
     code, detail = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.error("%s failed", method, exc_info=exc)
+    elif code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        log.warning("%s: %s: %s", method, code.name, detail)  # the operator has to act
     else:
         log.info("%s: %s: %s", method, code.name, detail)
     await context.abort(code, detail)
