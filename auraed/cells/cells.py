@@ -190,12 +190,12 @@ class Cells:
     # -- persistence -----------------------------------------------------------------------
 
     def _save(self, record: CellRecord) -> None:
+        self._store.put(KIND, record.spec.name, record.to_doc())  # first: it may fail (disk full)
         self._cells[record.spec.name] = record
-        self._store.put(KIND, record.spec.name, record.to_doc())
 
     def _delete(self, record: CellRecord) -> None:
-        self._cells.pop(record.spec.name, None)
         self._store.delete(KIND, record.spec.name)
+        self._cells.pop(record.spec.name, None)
 
     def recover(self) -> None:
         """Reload cells from the store, checked against the kernel; clean what is half-made or gone."""

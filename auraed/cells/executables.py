@@ -230,8 +230,8 @@ class Executables:
             Path(record.run_dir).parent.rmdir()
 
     def _save(self, record: ExecutableRecord) -> None:
+        self._store.put(KIND, record.key, record.to_doc())  # first: it may fail (disk full)
         self._records[record.key] = record
-        self._store.put(KIND, record.key, record.to_doc())
 
     # -- restart ---------------------------------------------------------------------------
 

@@ -134,7 +134,13 @@ class Containers:
                 created_at=time.time(),
             )
             self._changing[record.id] = "created"  # claimed before the record can be seen
-            self._save(record)  # before any kernel object exists: a crash from here on is cleaned at start
+            try:
+                self._save(
+                    record
+                )  # before any kernel object exists: a crash from here on is cleaned at start
+            except BaseException:
+                del self._changing[record.id]
+                raise
         try:
             await asyncio.to_thread(self._prepare, record, image, request)
             if start:
@@ -315,11 +321,11 @@ class Containers:
         if watcher is not None:
             watcher.cancel()
         await asyncio.to_thread(self._remove_files, record, keep_logs)
+        self._store.delete(KIND, record.id)  # first: should it fail, a Delete can be retried
         self._records.pop(record.id, None)
         exited = self._exited.pop(record.id, None)
         if exited is not None:
             exited.set()  # a Wait on a container deleted before it ran ends too
-        self._store.delete(KIND, record.id)
 
     def _remove_files(self, record: ContainerRecord, keep_logs: bool) -> None:
         unmount_rootfs(record.rootfs)
@@ -412,8 +418,8 @@ class Containers:
     # -- persistence and restart -----------------------------------------------------------
 
     def _save(self, record: ContainerRecord) -> None:
+        self._store.put(KIND, record.id, record.to_doc())  # first: it may fail (disk full)
         self._records[record.id] = record
-        self._store.put(KIND, record.id, record.to_doc())
 
     async def recover(self) -> None:
         for record in self._store.load(KIND, ContainerRecord.from_doc):

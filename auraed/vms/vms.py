@@ -462,12 +462,12 @@ class Vms:
     # -- persistence and recovery ------------------------------------------------------------
 
     def _save(self, record: VmRecord) -> None:
+        self._store.put(KIND, record.name, record.to_doc())  # first: it may fail (disk full)
         self._records[record.name] = record
-        self._store.put(KIND, record.name, record.to_doc())
 
     def _delete(self, record: VmRecord) -> None:
-        self._records.pop(record.name, None)
         self._store.delete(KIND, record.name)
+        self._records.pop(record.name, None)
 
     async def recover(self) -> None:
         """Reload VMs from the store, reattach running VMMs, clean what is half-made or gone."""
