@@ -25,7 +25,7 @@ from auraed.observe.events import ObserveHub, SignalEvent
 from auraed.state.store import Store, flat_doc
 from auraed.system import processes
 from auraed.system.monitor import ExitRecord, MonitorSpec, read_exit_record
-from auraed.system.supervisor import MonitorStartError, Supervised, Supervisor
+from auraed.system.supervisor import ORPHANED, MonitorStartError, Supervised, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,10 @@ class Executables:
         )
 
     async def _await_exit(self, record: ExecutableRecord) -> None:
-        self._finish(record, await self._supervisor.wait(record.supervised, record.exit_path))
+        def orphaned() -> None:
+            log.warning("%s: its monitor ended while it runs; %s", record.key, ORPHANED)
+
+        self._finish(record, await self._supervisor.wait(record.supervised, record.exit_path, orphaned))
 
     def _finish(self, record: ExecutableRecord, exit_record: ExitRecord | None) -> None:
         """Record how the executable ended, from the monitor's exit record."""

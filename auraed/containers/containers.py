@@ -32,7 +32,7 @@ from auraed.observe.logfile import LogLine, LogWatch, stream_lines
 from auraed.state.store import Store
 from auraed.system.cgroupfs import CgroupError, Cgroupfs
 from auraed.system.monitor import ExitRecord, MonitorSpec, read_exit_record
-from auraed.system.supervisor import MonitorStartError, Supervisor
+from auraed.system.supervisor import ORPHANED, MonitorStartError, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -349,7 +349,13 @@ class Containers:
         self._watchers[record.id] = task
 
     async def _await_exit(self, record: ContainerRecord) -> None:
-        self._finish(record, await self._supervisor.wait(record.supervised, record.exit_path))
+        def orphaned() -> None:
+            record.reason = ORPHANED
+            if record.id in self._records:
+                self._save(record)
+            log.warning("container %s: its monitor ended while it runs; %s", record.name, ORPHANED)
+
+        self._finish(record, await self._supervisor.wait(record.supervised, record.exit_path, orphaned))
 
     def _finish(self, record: ContainerRecord, exit_record: ExitRecord | None) -> None:
         if exit_record is None:

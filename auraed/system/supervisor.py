@@ -16,6 +16,7 @@ import json
 import os
 import socket
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -26,6 +27,9 @@ from auraed.system.monitor_launcher import DESCRIPTORS, REPLY_MAX, launcher_comm
 START_TIMEOUT = 30.0  # seconds; generous because guests run under slow emulation
 _APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
 LAUNCHER_STOP_TIMEOUT = 5.0  # seconds for the launcher to leave after its socket closed
+ORPHANED = (
+    "unsupervised: its monitor ended, so its output is no longer logged and its exit status will not be known"
+)
 
 
 class MonitorStartError(Exception):
@@ -121,14 +125,30 @@ class Supervisor:
             os.close(write_end)
         return monitor_pid, processes.start_ticks(monitor_pid), read_end
 
-    async def wait(self, supervised: Supervised, exit_path: Path) -> ExitRecord | None:
-        """Wait until the monitor has ended; its exit record, or None when it left none."""
+    async def wait(
+        self, supervised: Supervised, exit_path: Path, on_orphaned: Callable[[], None] = lambda: None
+    ) -> ExitRecord | None:
+        """Wait until the supervised process has ended; its monitor's exit record, or None when
+        the monitor left none.
+
+        A monitor that ends without one (killed, say) while the process lives on has left it
+        unsupervised: its output is no longer logged and its status will not be known, but it
+        still runs and can be signalled. ``on_orphaned`` is called then, and the wait goes on
+        until the process itself has ended.
+        """
         await processes.wait_for_exit(supervised.monitor_pid, supervised.monitor_ticks)
-        return read_exit_record(exit_path)
+        exit_record = read_exit_record(exit_path)
+        if exit_record is None and processes.is_alive(supervised.pid, supervised.ticks):
+            on_orphaned()
+            await processes.wait_for_exit(supervised.pid, supervised.ticks)
+        return exit_record
 
     @staticmethod
     def alive(supervised: Supervised) -> bool:
-        return processes.is_alive(supervised.monitor_pid, supervised.monitor_ticks)
+        """The monitor, or the process it supervised (left orphaned), still runs."""
+        return processes.is_alive(supervised.monitor_pid, supervised.monitor_ticks) or processes.is_alive(
+            supervised.pid, supervised.ticks
+        )
 
     async def _fork_monitor(self, spec_path: Path, fds: list[int]) -> int:
         """Ask the launcher for a monitor; its pid."""
