@@ -18,6 +18,7 @@ import pytest
 
 from auraed.client import AuraeClient, ClientConfig
 from auraed.pki import PkiPaths, ensure_dev_pki
+from tests.support.images import BuiltImage, build_busybox_layout, build_large_layout
 
 READY_TIMEOUT = 30.0
 REQUIRED_PROGRAMS = (
@@ -255,3 +256,15 @@ def guest_image() -> Path:
     for name in ("vmlinuz", "initramfs.img", "rootfs.img", "bare-initramfs.img", "manifest.json"):
         assert (out / name).is_file(), f"guest image {out} lacks {name}"
     return out
+
+
+@pytest.fixture(scope="session")
+def busybox_layout(tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
+    """busybox as an OCI image layout, built once per session; tests only read it."""
+    return build_busybox_layout(tmp_path_factory.mktemp("busybox-layout"))
+
+
+@pytest.fixture(scope="session")
+def large_layout(tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
+    """busybox and ~50 MB more in two layers, built once per session; tests only read it."""
+    return build_large_layout(tmp_path_factory.mktemp("large-layout"))

@@ -22,16 +22,11 @@ import pytest
 
 from tests.conftest import DaemonProcess
 from tests.integration.test_cli import AER, assert_one_line_error, environment, unique
-from tests.support.images import BuiltImage, build_busybox_layout, push_layout
+from tests.support.images import BuiltImage, push_layout
 from tests.support.registry import LocalRegistry
 
 BUSYBOX = "localhost/busybox:cli"
 ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")
-
-
-@pytest.fixture(scope="session")
-def busybox_layout(tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
-    return build_busybox_layout(tmp_path_factory.mktemp("cli-busybox"))
 
 
 @pytest.fixture

@@ -29,17 +29,11 @@ from tests.support.images import (
     MULTILAYER_ABSENT,
     MULTILAYER_PRESENT,
     BuiltImage,
-    build_busybox_layout,
     build_multilayer_layout,
 )
 
 BUSYBOX = "localhost/busybox:latest"
 APP = "localhost/app:latest"
-
-
-@pytest.fixture(scope="session")
-def busybox_layout(tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
-    return build_busybox_layout(tmp_path_factory.mktemp("busybox-layout"))
 
 
 @pytest.fixture(scope="session")

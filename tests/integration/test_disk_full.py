@@ -19,21 +19,11 @@ from auraed.api.aurae.containers import v0 as pb
 from auraed.client import AuraeClient, ClientError
 from tests.conftest import DaemonFactory, DaemonProcess
 from tests.integration.containers_helpers import CONTAINERS, create, delete, import_layout
-from tests.support.images import BuiltImage, build_busybox_layout, build_large_layout, push_layout
+from tests.support.images import BuiltImage, push_layout
 from tests.support.registry import LocalRegistry
 
 STATE_SIZE = "12m"  # room for the busybox image, not for the ~50 MB one
 CELLS = "aurae.cells.v0.CellService"
-
-
-@pytest.fixture(scope="module")
-def busybox(tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
-    return build_busybox_layout(tmp_path_factory.mktemp("full-busybox"))
-
-
-@pytest.fixture(scope="module")
-def large(tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
-    return build_large_layout(tmp_path_factory.mktemp("full-large"))
 
 
 @pytest.fixture
@@ -74,10 +64,10 @@ async def list_images(client: AuraeClient) -> list[pb.Image]:
 
 
 async def test_an_image_too_big_for_the_disk(
-    daemon: DaemonProcess, small_state: Path, large: BuiltImage
+    daemon: DaemonProcess, small_state: Path, large_layout: BuiltImage
 ) -> None:
     with LocalRegistry() as registry:
-        push_layout(large, f"{registry.host}/big:1")
+        push_layout(large_layout, f"{registry.host}/big:1")
         async with daemon.client() as client:
             pull = pb.ContainerServicePullImageRequest(reference=f"{registry.host}/big:1")
 
@@ -88,7 +78,7 @@ async def test_an_image_too_big_for_the_disk(
             assert "No space left on device" in await exhausted(pull_all())
             # Every layer has stopped and cleaned up by the time the error is reported.
             assert_only_whole_blobs(small_state)
-            await exhausted(import_layout(client, large.layout, "localhost/big:1"))
+            await exhausted(import_layout(client, large_layout.layout, "localhost/big:1"))
             assert await list_images(client) == []
             assert await client.health() == "SERVING"
     assert_only_whole_blobs(small_state)
@@ -96,10 +86,10 @@ async def test_an_image_too_big_for_the_disk(
 
 
 async def test_a_full_state_store_refuses_new_records_and_keeps_none(
-    daemon: DaemonProcess, small_state: Path, busybox: BuiltImage
+    daemon: DaemonProcess, small_state: Path, busybox_layout: BuiltImage
 ) -> None:
     async with daemon.client() as client:
-        await import_layout(client, busybox.layout, "localhost/busybox:1")
+        await import_layout(client, busybox_layout.layout, "localhost/busybox:1")
         filler = small_state / "filler"
         subprocess.run(
             ["dd", "if=/dev/zero", f"of={filler}", "bs=1M", "count=64"], capture_output=True, check=False

@@ -20,22 +20,10 @@ from tests.conftest import DaemonFactory, DaemonProcess
 from tests.integration.containers_helpers import CONTAINERS, delete, import_layout, logs, run
 from tests.support.images import (
     BuiltImage,
-    build_busybox_layout,
-    build_large_layout,
     build_layout,
     push_layout,
 )
 from tests.support.registry import FakeRegistry, FakeResponse, LocalRegistry
-
-
-@pytest.fixture(scope="session")
-def busybox_image(tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
-    return build_busybox_layout(tmp_path_factory.mktemp("busybox-pull"))
-
-
-@pytest.fixture(scope="session")
-def large_image(tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
-    return build_large_layout(tmp_path_factory.mktemp("large-pull"))
 
 
 @pytest.fixture
@@ -65,16 +53,16 @@ async def pull_error(client: AuraeClient, reference: str, **auth: str) -> Client
 
 
 async def test_pull_shows_progress_and_runs(
-    daemon: DaemonProcess, registry: LocalRegistry, busybox_image: BuiltImage
+    daemon: DaemonProcess, registry: LocalRegistry, busybox_layout: BuiltImage
 ) -> None:
-    push_layout(busybox_image, f"{registry.host}/library/busybox:1")
+    push_layout(busybox_layout, f"{registry.host}/library/busybox:1")
     async with daemon.client() as client:
         progress, image = await pull(client, f"{registry.host}/library/busybox:1")
         phases = [p.phase for p in progress]
         assert phases[0] == "resolving" and phases[-1] == "done"
-        assert progress[-1].done == progress[-1].total == busybox_image.total_layer_size
-        assert image.id == busybox_image.config_digest
-        assert image.manifest_digest == busybox_image.manifest_digest
+        assert progress[-1].done == progress[-1].total == busybox_layout.total_layer_size
+        assert image.id == busybox_layout.config_digest
+        assert image.manifest_digest == busybox_layout.manifest_digest
         assert f"{registry.host}/library/busybox:1" in image.references
         final = await run(
             client, "pulled", f"{registry.host}/library/busybox:1", command=["echo", "pulled ok"]
@@ -82,14 +70,14 @@ async def test_pull_shows_progress_and_runs(
         assert final.exit_code == 0 and await logs(client, "pulled") == ["pulled ok"]
         await delete(client, "pulled")
         # By digest too, and a second pull downloads nothing new.
-        _, again = await pull(client, f"{registry.host}/library/busybox@{busybox_image.manifest_digest}")
+        _, again = await pull(client, f"{registry.host}/library/busybox@{busybox_layout.manifest_digest}")
         assert again.id == image.id
 
 
 async def test_mirror_serves_another_registry(
-    daemon_factory: DaemonFactory, registry: LocalRegistry, busybox_image: BuiltImage
+    daemon_factory: DaemonFactory, registry: LocalRegistry, busybox_layout: BuiltImage
 ) -> None:
-    push_layout(busybox_image, f"{registry.host}/pause:3.9")
+    push_layout(busybox_layout, f"{registry.host}/pause:3.9")
     config = f'[registries."registry.k8s.io"]\nmirrors = ["http://{registry.host}"]\n'
     daemon = daemon_factory(config_text=config)
     async with daemon.client() as client:
@@ -98,10 +86,10 @@ async def test_mirror_serves_another_registry(
 
 
 async def test_basic_auth_and_docker_config(
-    daemon_factory: DaemonFactory, busybox_image: BuiltImage, tmp_path: Path
+    daemon_factory: DaemonFactory, busybox_layout: BuiltImage, tmp_path: Path
 ) -> None:
     with LocalRegistry(mode="basic") as private:
-        push_layout(busybox_image, f"{private.host}/team/app:1", creds=private.creds)
+        push_layout(busybox_layout, f"{private.host}/team/app:1", creds=private.creds)
         daemon = daemon_factory()
         async with daemon.client() as client:
             error = await pull_error(client, f"{private.host}/team/app:1")
@@ -119,9 +107,9 @@ async def test_basic_auth_and_docker_config(
             await pull(client, f"{private.host}/team/app:1")
 
 
-async def test_bearer_token_auth(daemon: DaemonProcess, busybox_image: BuiltImage) -> None:
+async def test_bearer_token_auth(daemon: DaemonProcess, busybox_layout: BuiltImage) -> None:
     with LocalRegistry(mode="token") as private:
-        push_layout(busybox_image, f"{private.host}/team/app:1", creds=private.creds)
+        push_layout(busybox_layout, f"{private.host}/team/app:1", creds=private.creds)
         async with daemon.client() as client:
             await pull(client, f"{private.host}/team/app:1", username=private.user, password=private.password)
 
@@ -151,9 +139,9 @@ async def test_registry_down_or_garbage_fails_fast_and_clearly(daemon: DaemonPro
 
 
 async def test_kill_9_mid_pull_corrupts_nothing_and_retry_completes(
-    daemon_factory: DaemonFactory, registry: LocalRegistry, large_image: BuiltImage
+    daemon_factory: DaemonFactory, registry: LocalRegistry, large_layout: BuiltImage
 ) -> None:
-    push_layout(large_image, f"{registry.host}/big:1")
+    push_layout(large_layout, f"{registry.host}/big:1")
     daemon = daemon_factory()
     async with daemon.client() as client:
         request = pb.ContainerServicePullImageRequest(reference=f"{registry.host}/big:1")
@@ -168,35 +156,39 @@ async def test_kill_9_mid_pull_corrupts_nothing_and_retry_completes(
     assert list((store / "ingest").iterdir()) == []
     async with daemon.client() as client:
         _, image = await pull(client, f"{registry.host}/big:1")
-        assert image.id == large_image.config_digest
+        assert image.id == large_layout.config_digest
 
 
-async def test_peer_import_sends_only_missing_blobs(daemon: DaemonProcess, busybox_image: BuiltImage) -> None:
+async def test_peer_import_sends_only_missing_blobs(
+    daemon: DaemonProcess, busybox_layout: BuiltImage
+) -> None:
     async with daemon.client() as client:
-        digests = [busybox_image.config_digest, *(layer.digest for layer in busybox_image.layers)]
+        digests = [busybox_layout.config_digest, *(layer.digest for layer in busybox_layout.layers)]
         missing = await client.call(
             CONTAINERS, "MissingBlobs", pb.ContainerServiceMissingBlobsRequest(digests=digests)
         )
         assert sorted(missing.digests) == sorted(digests)
-        reply = await client.upload(CONTAINERS, "ImportImage", _import_stream(busybox_image, missing.digests))
-        assert sorted(reply.received) == sorted(digests) and reply.image.id == busybox_image.config_digest
+        reply = await client.upload(
+            CONTAINERS, "ImportImage", _import_stream(busybox_layout, missing.digests)
+        )
+        assert sorted(reply.received) == sorted(digests) and reply.image.id == busybox_layout.config_digest
         missing = await client.call(
             CONTAINERS, "MissingBlobs", pb.ContainerServiceMissingBlobsRequest(digests=digests)
         )
         assert missing.digests == []
         # A second import under another name sends no blob at all.
         reply = await client.upload(
-            CONTAINERS, "ImportImage", _import_stream(busybox_image, [], "localhost/again:1")
+            CONTAINERS, "ImportImage", _import_stream(busybox_layout, [], "localhost/again:1")
         )
         assert reply.received == [] and "localhost/again:1" in reply.image.references
 
 
-async def test_peer_import_refuses_a_corrupt_blob(daemon: DaemonProcess, busybox_image: BuiltImage) -> None:
+async def test_peer_import_refuses_a_corrupt_blob(daemon: DaemonProcess, busybox_layout: BuiltImage) -> None:
     async with daemon.client() as client:
-        layer = busybox_image.layers[0].digest
+        layer = busybox_layout.layers[0].digest
         with pytest.raises(ClientError) as error:
             await client.upload(
-                CONTAINERS, "ImportImage", _import_stream(busybox_image, [layer], corrupt=layer)
+                CONTAINERS, "ImportImage", _import_stream(busybox_layout, [layer], corrupt=layer)
             )
         assert error.value.code == "FAILED_PRECONDITION" and layer in error.value.message
         missing = await client.call(
@@ -226,13 +218,13 @@ async def _import_stream(
             )
 
 
-async def test_layout_tar_import(daemon: DaemonProcess, busybox_image: BuiltImage, tmp_path: Path) -> None:
+async def test_layout_tar_import(daemon: DaemonProcess, busybox_layout: BuiltImage, tmp_path: Path) -> None:
     archive = tmp_path / "busybox.tar"
     with tarfile.open(archive, "w") as tar:
-        tar.add(busybox_image.layout, arcname=".")
+        tar.add(busybox_layout.layout, arcname=".")
     async with daemon.client() as client:
         image = await import_layout(client, archive, "localhost/from-tar:1")
-        assert image.id == busybox_image.config_digest
+        assert image.id == busybox_layout.config_digest
 
 
 def _hostile_layer() -> dict[str, object]:
@@ -260,9 +252,9 @@ async def test_hostile_layer_is_refused_and_writes_nothing_outside(
     assert list((store / "snapshots").iterdir()) == [] and list((store / "ingest").iterdir()) == []
 
 
-async def test_concurrent_containers(daemon: DaemonProcess, busybox_image: BuiltImage) -> None:
+async def test_concurrent_containers(daemon: DaemonProcess, busybox_layout: BuiltImage) -> None:
     async with daemon.client() as client:
-        await import_layout(client, busybox_image.layout, "localhost/busybox:1")
+        await import_layout(client, busybox_layout.layout, "localhost/busybox:1")
         names = [f"c{i}" for i in range(10)]
         finals = await asyncio.gather(
             *(run(client, n, "localhost/busybox:1", command=["echo", n]) for n in names)

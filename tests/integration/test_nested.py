@@ -20,15 +20,10 @@ from auraed.pki import PkiPaths, create_ca, issue_client_cert, write_pem_files
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
 from tests.integration.containers_helpers import CONTAINERS, import_layout
 from tests.integration.test_vms import free_test_pool
-from tests.support.images import BuiltImage, build_busybox_layout
+from tests.support.images import BuiltImage
 
 VMS = "aurae.vms.v0.VmService"
 IMAGE = "localhost/busybox:nested"
-
-
-@pytest.fixture(scope="module")
-def layout(tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
-    return build_busybox_layout(tmp_path_factory.mktemp("nested-layout"))
 
 
 @pytest.fixture
@@ -59,10 +54,10 @@ def guest_client(
 
 
 async def test_guest_boots_and_runs_a_placed_container(
-    host: DaemonProcess, layout: BuiltImage, tmp_path: Path
+    host: DaemonProcess, busybox_layout: BuiltImage, tmp_path: Path
 ) -> None:
     async with host.client() as client:
-        await import_layout(client, layout.layout, IMAGE)
+        await import_layout(client, busybox_layout.layout, IMAGE)
         await client.call(
             VMS,
             "Allocate",

@@ -11,8 +11,6 @@ import os
 import signal
 from pathlib import Path
 
-import pytest
-
 from auraed.api.aurae.cells import v0 as cells_pb
 from auraed.api.aurae.containers import v0 as pb
 from auraed.system.supervisor import ORPHANED
@@ -21,14 +19,9 @@ from tests.integration.containers_helpers import CONTAINERS, create, delete, imp
 from tests.integration.test_cells import CELLS, allocate
 from tests.integration.test_cells import start as start_executable
 from tests.integration.test_cells import status as executable_status
-from tests.support.images import BuiltImage, build_busybox_layout
+from tests.support.images import BuiltImage
 
 BUSYBOX = "localhost/busybox:orphan"
-
-
-@pytest.fixture(scope="module")
-def busybox(tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
-    return build_busybox_layout(tmp_path_factory.mktemp("orphan-busybox"))
 
 
 def kill_monitor_of(pid: int) -> None:
@@ -47,10 +40,10 @@ def ended(pid: int) -> bool:
 
 
 async def test_an_orphaned_container_is_still_running_and_stoppable_across_a_restart(
-    daemon: DaemonProcess, busybox: BuiltImage
+    daemon: DaemonProcess, busybox_layout: BuiltImage
 ) -> None:
     async with daemon.client() as client:
-        await import_layout(client, busybox.layout, BUSYBOX)
+        await import_layout(client, busybox_layout.layout, BUSYBOX)
         await create(client, "orphan", BUSYBOX, command=["sleep", "300"])
         pid = (await start(client, "orphan")).pid
         kill_monitor_of(pid)

@@ -27,14 +27,9 @@ from auraed.server.rpc import generic_handler
 from auraed.state.store import Store
 from auraed.vms.placement import GuestEndpoint, GuestRouter, send_image
 from tests.conftest import DaemonProcess
-from tests.support.images import BuiltImage, build_busybox_layout
+from tests.support.images import BuiltImage
 
 IMAGE = "localhost/busybox:1"
-
-
-@pytest.fixture(scope="module")
-def layout(tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
-    return build_busybox_layout(tmp_path_factory.mktemp("placement-layout"))
 
 
 class Boots:
@@ -50,11 +45,11 @@ def boots() -> Boots:
 
 @pytest.fixture
 async def host(
-    tmp_path: Path, layout: BuiltImage, daemon: DaemonProcess, boots: Boots
+    tmp_path: Path, busybox_layout: BuiltImage, daemon: DaemonProcess, boots: Boots
 ) -> AsyncIterator[tuple[AuraeClient, Images]]:
     store = Store(tmp_path / "host.db")
     images = Images(store, ContentStore(tmp_path / "images"), registry_factory=lambda: None)  # type: ignore[arg-type,return-value]
-    await images.import_layout(layout.layout, "latest", IMAGE)
+    await images.import_layout(busybox_layout.layout, "latest", IMAGE)
     guest = daemon.client()
 
     async def lookup(name: str) -> GuestEndpoint:
@@ -101,7 +96,7 @@ async def call(client: AuraeClient, method: str, request: Any, vm: str = "g1") -
 
 
 async def test_create_in_guest_sends_missing_blobs_then_runs(
-    host: tuple[AuraeClient, Images], daemon: DaemonProcess, layout: BuiltImage
+    host: tuple[AuraeClient, Images], daemon: DaemonProcess, busybox_layout: BuiltImage
 ) -> None:
     client, images = host
     config = pb.ContainerConfig(
@@ -130,7 +125,7 @@ async def test_create_in_guest_sends_missing_blobs_then_runs(
         image = (
             await guest.call(SERVICE_NAME, "ImageStatus", pb.ContainerServiceImageStatusRequest(image=IMAGE))
         ).image
-        assert image.id == layout.config_digest
+        assert image.id == busybox_layout.config_digest
         assert await send_image(guest.channel, images.find(IMAGE), images.content, IMAGE) == 0
     await call(client, "Delete", pb.ContainerServiceDeleteRequest(container_id="placed", force=True))
 
