@@ -134,10 +134,9 @@ class Containers:
                 created_at=time.time(),
             )
             self._changing[record.id] = "created"  # claimed before the record can be seen
+            # Saved before any kernel object exists: a crash from here on is cleaned at start.
             try:
-                self._save(
-                    record
-                )  # before any kernel object exists: a crash from here on is cleaned at start
+                self._save(record)
             except BaseException:
                 del self._changing[record.id]
                 raise
