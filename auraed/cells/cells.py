@@ -108,12 +108,12 @@ class Cells:
             self._save(record)
             try:
                 await asyncio.to_thread(self._make, record)
+                record.state = "ready"
+                self._save(record)  # may fail too (a full disk): then nothing stays either
             except BaseException:
                 await asyncio.to_thread(self._unmake, record)
                 self._delete(record)
                 raise
-            record.state = "ready"
-            self._save(record)
             log.info("allocated cell %s", spec.name)
             return record
 

@@ -167,12 +167,12 @@ class Vms:
             self._save(record)
             try:
                 await asyncio.to_thread(self._make, record)
+                record.state = State.ALLOCATED
+                self._save(record)  # may fail too (a full disk): then nothing stays either
             except BaseException:
                 await asyncio.to_thread(self._unmake, record)
                 self._delete(record)
                 raise
-            record.state = State.ALLOCATED
-            self._save(record)
         log.info(
             "allocated VM %s (%s%s)",
             spec.name,
