@@ -6,6 +6,7 @@ import asyncio
 import base64
 import hashlib
 import json
+import os
 import socket
 import tarfile
 import time
@@ -19,11 +20,12 @@ from auraed.client import AuraeClient, ClientError
 from tests.conftest import DaemonFactory, DaemonProcess
 from tests.integration.containers_helpers import CONTAINERS, delete, import_layout, logs, run
 from tests.support.images import (
+    OCI_MANIFEST,
     BuiltImage,
     build_layout,
     push_layout,
 )
-from tests.support.registry import FakeRegistry, FakeResponse, LocalRegistry
+from tests.support.registry import PACE_CHUNK, FakeRegistry, FakeResponse, LocalRegistry
 
 
 @pytest.fixture
@@ -136,6 +138,37 @@ async def test_registry_down_or_garbage_fails_fast_and_clearly(daemon: DaemonPro
             await client.call(CONTAINERS, "ListImages", pb.ContainerServiceListImagesRequest())
         ).images == []
         assert list((daemon.root / "state" / "images" / "ingest").iterdir()) == []
+
+
+async def test_a_failing_layer_stops_the_others_before_the_error_is_reported(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    """Two layers download at once: a slow one, and one whose bytes do not match its digest."""
+    slow = {"data/noise.bin": os.urandom(4 << 20)}  # incompressible: ~64 chunks on the slow link
+    corrupt = {"data/small.txt": b"small\n" * 1000}
+    image = build_layout(tmp_path / "layout", [slow, corrupt])
+    slow_layer, corrupt_layer = image.layers
+    broken = bytearray(image.blob(corrupt_layer.digest))
+    broken[len(broken) // 2] ^= 0xFF
+    base = "/v2/app"
+    routes = {
+        ("GET", f"{base}/manifests/1"): FakeResponse(200, image.manifest, {"Content-Type": OCI_MANIFEST}),
+        ("GET", f"{base}/blobs/{image.config_digest}"): FakeResponse(200, image.config),
+        ("GET", f"{base}/blobs/{slow_layer.digest}"): FakeResponse(
+            200, image.blob(slow_layer.digest), pace_s=0.02
+        ),
+        ("GET", f"{base}/blobs/{corrupt_layer.digest}"): FakeResponse(200, bytes(broken)),
+    }
+    with FakeRegistry(routes) as fake:
+        async with daemon.client() as client:
+            error = await pull_error(client, f"{fake.host}/app:1")
+        assert error.code == "FAILED_PRECONDITION" and corrupt_layer.digest in error.message
+        # Reported once the slow layer's download had stopped and its work was gone.
+        assert list((daemon.root / "state" / "images" / "ingest").iterdir()) == []
+        sent = fake.sent[f"{base}/blobs/{slow_layer.digest}"]
+        await asyncio.sleep(0.5)
+        assert fake.sent[f"{base}/blobs/{slow_layer.digest}"] <= sent + 2 * PACE_CHUNK
+        assert sent < slow_layer.size
 
 
 async def test_kill_9_mid_pull_corrupts_nothing_and_retry_completes(

@@ -443,12 +443,17 @@ class LocalRegistry:
 
 @dataclass
 class FakeResponse:
-    """``send_length=False`` omits Content-Length: the body ends when the connection closes."""
+    """``send_length=False`` omits Content-Length: the body ends when the connection closes.
+    ``pace_s``: a slow link, the body sent PACE_CHUNK bytes at a time, pace_s apart."""
 
     status: int = 200
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
     send_length: bool = True
+    pace_s: float = 0.0
+
+
+PACE_CHUNK = 64 << 10
 
 
 FakeHandler = Callable[[str, str, Mapping[str, str]], FakeResponse | None]
@@ -478,6 +483,7 @@ class FakeRegistry:
         self.routes: dict[tuple[str, str], FakeResponse] = dict(routes or {})
         self.handler = handler
         self.requests: list[SeenRequest] = []
+        self.sent: dict[str, int] = {}  # path -> body bytes written so far
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
         self._thread = threading.Thread(
@@ -535,9 +541,15 @@ class FakeRegistry:
                 if "content-length" not in sent and answer.send_length:
                     self.send_header("Content-Length", str(len(answer.body)))
                 self.end_headers()
-                if self.command != "HEAD":
-                    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                        self.wfile.write(answer.body)
+                if self.command == "HEAD":
+                    return
+                step = PACE_CHUNK if answer.pace_s else max(len(answer.body), 1)
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    for offset in range(0, len(answer.body), step):
+                        self.wfile.write(answer.body[offset : offset + step])
+                        self.wfile.flush()
+                        fake.sent[path] = offset + len(answer.body[offset : offset + step])
+                        time.sleep(answer.pace_s)
 
             do_GET = _serve
             do_HEAD = _serve
