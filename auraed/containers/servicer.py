@@ -257,7 +257,7 @@ class ContainerServicer:
     async def remove_image(
         self, request: pb.ContainerServiceRemoveImageRequest, context: Context
     ) -> pb.ContainerServiceRemoveImageResponse:
-        freed = await asyncio.to_thread(self._images.remove, _required(request.image, "image"))
+        freed = await self._images.remove(_required(request.image, "image"))
         return pb.ContainerServiceRemoveImageResponse(freed_bytes=freed)
 
     # -- containers ------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
@@ -35,6 +35,7 @@ from auraed.images.unpack import UnpackError, unpack_layer
 from auraed.state.store import Store
 
 if TYPE_CHECKING:
+    from auraed.images.reference import ImageReference
     from auraed.images.registry import RegistryClient
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,44 @@ def _until_abandoned(abandon: threading.Event, chunks: Iterator[bytes]) -> Itera
             close()  # let the download go now, not when its generator is collected
 
 
+class _StoreGate:
+    """Stores and collections of the content store, kept apart.
+
+    A garbage collection keeps what registered images name. What a pull or an import has stored
+    but not yet registered (its layers, or a shared layer it found already there) is named by
+    none, so a collection waits until no store is under way, and stores wait while one collects.
+    """
+
+    def __init__(self) -> None:
+        self._storing = 0
+        self._collecting = False
+        self._changed = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def storing(self) -> AsyncIterator[None]:
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._collecting)
+            self._storing += 1
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._storing -= 1
+                self._changed.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def collecting(self) -> AsyncIterator[None]:
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._collecting and not self._storing)
+            self._collecting = True
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._collecting = False
+                self._changed.notify_all()
+
+
 class Images:
     def __init__(
         self,
@@ -145,6 +184,7 @@ class Images:
         self._layer_locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self.in_use: Callable[[str], bool] = lambda image_id: False  # set by the container service
+        self._gate = _StoreGate()
 
     @property
     def _registry(self) -> RegistryClient:
@@ -347,13 +387,21 @@ class Images:
         self, reference: str, credentials: Any = None
     ) -> AsyncIterator[PullProgress | ImageRecord]:
         from auraed.images.reference import ReferenceError, parse_reference
-        from auraed.images.registry import RegistryError
 
         try:
             ref = parse_reference(reference)
         except ReferenceError as exc:
             raise ImageError(ErrorKind.INVALID_ARGUMENT, f"reference: {exc}") from None
         yield PullProgress("resolving")
+        async with self._gate.storing(), contextlib.aclosing(self._pull(ref, credentials)) as events:
+            async for event in events:
+                yield event
+
+    async def _pull(
+        self, ref: ImageReference, credentials: Any
+    ) -> AsyncGenerator[PullProgress | ImageRecord, None]:
+        from auraed.images.registry import RegistryError
+
         try:
             resolved = await asyncio.to_thread(self._registry.resolve, ref, credentials)
             manifest = parse_manifest(resolved.raw, resolved.media_type)
@@ -396,6 +444,16 @@ class Images:
         blobs: AsyncIterator[tuple[str, bytes, bool]],
     ) -> tuple[ImageRecord, list[str]]:
         """Store a peer's image: every blob the manifest names must arrive or already be stored."""
+        async with self._gate.storing():
+            return await self._import_image(reference, manifest_raw, media_type, blobs)
+
+    async def _import_image(
+        self,
+        reference: str,
+        manifest_raw: bytes,
+        media_type: str,
+        blobs: AsyncIterator[tuple[str, bytes, bool]],
+    ) -> tuple[ImageRecord, list[str]]:
         ref_name, repository = _reference_names(reference)
         manifest = parse_manifest(manifest_raw, media_type)
         expected = {b.digest: b for b in (manifest.config, *manifest.layers)}
@@ -442,6 +500,10 @@ class Images:
     # -- import from an OCI layout ---------------------------------------------------------
 
     async def import_layout(self, path: Path, ref_name: str, reference: str) -> ImageRecord:
+        async with self._gate.storing():
+            return await self._import_layout(path, ref_name, reference)
+
+    async def _import_layout(self, path: Path, ref_name: str, reference: str) -> ImageRecord:
         from auraed.images.layout import open_layout
 
         with open_layout(path) as layout:
@@ -460,12 +522,20 @@ class Images:
 
     # -- remove ----------------------------------------------------------------------------
 
-    def remove(self, name: str) -> int:
-        image = self.find(name)
-        if self.in_use(image.id):
-            raise ImageError.precondition(f"image {name} is used by a container; delete the container first")
-        self._store.delete(KIND, image.id)
-        return self.collect()
+    async def remove(self, name: str) -> int:
+        """Forget the image and collect what no image names any more; the bytes freed.
+
+        The check and the record's removal run on the event loop, as a container's Create finds
+        its image and records itself: one of them sees the other.
+        """
+        async with self._gate.collecting():
+            image = self.find(name)
+            if self.in_use(image.id):
+                raise ImageError.precondition(
+                    f"image {name} is used by a container; delete the container first"
+                )
+            self._store.delete(KIND, image.id)
+            return await asyncio.to_thread(self.collect)
 
     def collect(self) -> int:
         images = self.all()

@@ -12,6 +12,7 @@ import tarfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -169,6 +170,27 @@ async def test_a_failing_layer_stops_the_others_before_the_error_is_reported(
         await asyncio.sleep(0.5)
         assert fake.sent[f"{base}/blobs/{slow_layer.digest}"] <= sent + 2 * PACE_CHUNK
         assert sent < slow_layer.size
+
+
+async def test_removing_an_image_during_a_pull_keeps_what_the_pull_stored(
+    daemon: DaemonProcess, registry: LocalRegistry, busybox_layout: BuiltImage, large_layout: BuiltImage
+) -> None:
+    """RemoveImage collects what no registered image names; a pull's layers are named by none
+    until it ends. The collection waits for the pull, which then runs as a whole image."""
+    push_layout(large_layout, f"{registry.host}/big:1")
+    async with daemon.client() as client:
+        await import_layout(client, busybox_layout.layout, "localhost/other:1")
+        removal: asyncio.Task[Any] | None = None
+        request = pb.ContainerServicePullImageRequest(reference=f"{registry.host}/big:1")
+        async for reply in client.stream(CONTAINERS, "PullImage", request, timeout=120):
+            if removal is None and reply.progress is not None and reply.progress.done > 5 << 20:
+                remove = pb.ContainerServiceRemoveImageRequest(image="localhost/other:1")
+                removal = asyncio.create_task(client.call(CONTAINERS, "RemoveImage", remove))
+        assert removal is not None
+        await removal
+        final = await run(client, "whole", f"{registry.host}/big:1", command=["sh", "-c", "ls /data"])
+        assert final.exit_code == 0 and await logs(client, "whole") == ["random", "text"]
+        await delete(client, "whole")
 
 
 async def test_kill_9_mid_pull_corrupts_nothing_and_retry_completes(
