@@ -395,13 +395,33 @@ def _write_zero(path: str) -> None:
 
 def _spawnable(spec: dict[str, Any]) -> bool:
     """Whether the executable can start by posix_spawn from a thread that joined the cell
-    (_Monitor.spawn_child): no new namespace, hostname or ids to set up in the child, and v1
-    cgroups only (joining a v2 cgroup moves the whole monitor)."""
+    (_Monitor.spawn_child): no new namespace, hostname or ids to set up in the child, v1 cgroups
+    only (joining a v2 cgroup moves the whole monitor), and no pids limit on the way."""
     if spec.get("uid") is not None or spec.get("gid") is not None or spec.get("hostname"):
         return False
     if any(spec.get(key) for key in ("new_pid_ns", "new_mount_ns", "new_uts_ns", "new_ipc_ns")):
         return False
-    return all(os.path.basename(str(f)) == "tasks" for f in spec.get("cgroup_join_files") or ())
+    join_files = [str(f) for f in spec.get("cgroup_join_files") or ()]
+    return all(os.path.basename(f) == "tasks" for f in join_files) and not any(map(_pids_limited, join_files))
+
+
+def _pids_limited(join_file: str) -> bool:
+    """Whether the cgroup of ``join_file``, or one above it, limits its pids.
+
+    The pids controller counts threads: while the joining thread spawns, it holds one of the
+    cell's pids itself, so a cell allowing one process could start none. Such cells fork a child
+    that joins and execs instead (a move into a cgroup is never refused for its pids).
+    """
+    directory, above = os.path.dirname(join_file), ""
+    while directory != above:
+        try:
+            with open(os.path.join(directory, "pids.max"), "rb") as limit:
+                if limit.read().strip() != b"max":
+                    return True
+        except OSError:
+            return False  # not the pids hierarchy, or its root (which has no limit file)
+        directory, above = os.path.dirname(directory), directory
+    return False
 
 
 def _child(  # noqa: PLR0915 - one straight line of setup steps

@@ -248,6 +248,17 @@ async def test_pids_limit_makes_fork_fail(client: AuraeClient) -> None:
     assert "fork" in text.lower() or "resource temporarily unavailable" in text.lower()
 
 
+async def test_a_cell_allowing_one_process_runs_it(client: AuraeClient) -> None:
+    """pids.max 1, on the cell or on a cell above it: the one process starts."""
+    await allocate(client, "single", pids=pb.PidsController(max=1))
+    await allocate(client, "capped", pids=pb.PidsController(max=1))
+    await allocate(client, "capped/inner")
+    for cell in ("single", "capped/inner"):
+        await start(client, cell, "only", "echo alone")
+        assert (await wait_exited(client, cell, "only")).exit_code == 0
+        assert await output(client, cell, "only") == ["alone"]
+
+
 async def test_cpu_max_throttles(client: AuraeClient, daemon: DaemonProcess) -> None:
     await allocate(client, "slow", cpu=pb.CpuController(max=10_000, period=100_000))
     await start(client, "slow", "spin", "timeout 1 sh -c 'while :; do :; done'; true")

@@ -576,6 +576,17 @@ def test_spawned_child_starts_in_the_cell_and_the_monitor_stays_out(
     assert run.wait_exit().signal == signal.SIGKILL
 
 
+def test_a_cell_allowing_one_process_runs_one(monitors: Monitors, pids_cgroup: Path) -> None:
+    """pids.max 1: the process starts (a thread spawning it would hold the one pid itself, so the
+    monitor forks a child that joins instead) and cannot fork."""
+    (pids_cgroup / "pids.max").write_text("1")
+    spec = monitors.spec(["sh", "-c", "echo started; (true)"], cgroup_join_files=[str(pids_cgroup / "tasks")])
+    run = monitors.start(spec)
+    assert run.wait_exit().exit_code == 2  # dash gives up on a fork that fails
+    assert run.lines("stdout") == ["started"]
+    assert "fork" in " ".join(run.lines("stderr")).lower()
+
+
 def test_oom_kill_is_recorded(monitors: Monitors, memory_cgroup: Path) -> None:
     oom_control = memory_cgroup / "memory.oom_control"
     assert "oom_kill " in oom_control.read_text(), "kernel without the oom_kill counter"
