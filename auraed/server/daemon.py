@@ -130,10 +130,17 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        # SIGHUP's default would end the daemon on the spot, without a graceful stop (a closed
+        # terminal, or a "reload" from a service manager): there is nothing to reload, say so.
+        loop.add_signal_handler(signal.SIGHUP, self._on_hangup)
 
     def _on_signal(self, sig: int) -> None:
         log.info("received %s: shutting down", signal.Signals(sig).name)
         self.request_stop()
+
+    @staticmethod
+    def _on_hangup() -> None:
+        log.warning("received SIGHUP: ignored; auraed reads its configuration only at start (restart it)")
 
     async def _start(self) -> None:
         config = self.config

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import stat
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from auraed.api.aurae.discovery import v0 as discovery
 from auraed.client import AuraeClient, ClientConfig, ClientError
 from auraed.client.client import channel_for
-from tests.conftest import DaemonFactory, DaemonProcess
+from tests.conftest import DaemonFactory, DaemonProcess, wait_until
 
 AURAE_SERVICES = {
     "aurae.cells.v0.CellService",
@@ -136,6 +137,16 @@ async def test_graceful_shutdown_marks_not_serving_and_removes_socket(daemon: Da
     assert daemon.stop() == 0
     assert not daemon.socket.exists()
     assert "auraed stopped" in daemon.log()
+
+
+async def test_sighup_is_not_the_end(daemon: DaemonProcess) -> None:
+    """A closed terminal or a service manager's "reload": the daemon says so and serves on."""
+    assert daemon.process is not None
+    daemon.process.send_signal(signal.SIGHUP)
+    await wait_until(lambda: "received SIGHUP: ignored" in daemon.log())
+    async with daemon.client() as client:
+        assert await client.health() == "SERVING"
+    assert daemon.stop() == 0
 
 
 def test_client_reports_missing_certificate_files() -> None:
