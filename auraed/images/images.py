@@ -535,13 +535,16 @@ class Images:
                     f"image {name} is used by a container; delete the container first"
                 )
             self._store.delete(KIND, image.id)
-            return await asyncio.to_thread(self.collect)
+            return await asyncio.to_thread(self._collect)
 
-    def collect(self) -> int:
+    def _collect(self) -> int:
+        """Remove what no registered image names; only under the gate's collecting() (remove)."""
         images = self.all()
         keep_blobs = set().union(*(i.blobs for i in images)) if images else set()
         keep_snapshots = {layer.diff_id for i in images for layer in i.layers}
         freed = self.content.collect(keep_blobs, keep_snapshots)
+        with self._locks_guard:  # no pull runs during a collection (_StoreGate): none is held
+            self._layer_locks = {d: lock for d, lock in self._layer_locks.items() if d in keep_snapshots}
         log.info("garbage collection freed %d bytes", freed)
         return freed
 
