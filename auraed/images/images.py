@@ -445,47 +445,38 @@ class Images:
     ) -> tuple[ImageRecord, list[str]]:
         """Store a peer's image: every blob the manifest names must arrive or already be stored."""
         async with self._gate.storing():
-            return await self._import_image(reference, manifest_raw, media_type, blobs)
-
-    async def _import_image(
-        self,
-        reference: str,
-        manifest_raw: bytes,
-        media_type: str,
-        blobs: AsyncIterator[tuple[str, bytes, bool]],
-    ) -> tuple[ImageRecord, list[str]]:
-        ref_name, repository = _reference_names(reference)
-        manifest = parse_manifest(manifest_raw, media_type)
-        expected = {b.digest: b for b in (manifest.config, *manifest.layers)}
-        received: list[str] = []
-        writer = None
-        try:
-            async for digest, data, last in blobs:
-                if digest not in expected:
-                    raise ImageError(
-                        ErrorKind.INVALID_ARGUMENT, f"blob {digest[:80]} is not part of the manifest"
-                    )
-                if writer is None or writer.digest != digest:
-                    if writer is not None:
+            ref_name, repository = _reference_names(reference)
+            manifest = parse_manifest(manifest_raw, media_type)
+            expected = {b.digest: b for b in (manifest.config, *manifest.layers)}
+            received: list[str] = []
+            writer = None
+            try:
+                async for digest, data, last in blobs:
+                    if digest not in expected:
                         raise ImageError(
-                            ErrorKind.INVALID_ARGUMENT, f"blob {writer.digest} ended without last=true"
+                            ErrorKind.INVALID_ARGUMENT, f"blob {digest[:80]} is not part of the manifest"
                         )
-                    writer = self.content.writer(digest, expected[digest].size)
-                await asyncio.to_thread(writer.write, data)
-                if last:
-                    await asyncio.to_thread(writer.commit)
-                    received.append(digest)
-                    writer = None
-        finally:
-            if writer is not None:
-                writer.abort()
-        missing = self.content.missing(expected)
-        if missing:
-            raise ImageError(
-                ErrorKind.FAILED_PRECONDITION, f"blobs missing after import: {', '.join(missing)}"
-            )
-        image = await self._finish_local_import(ref_name, repository, manifest_raw, manifest)
-        return image, received
+                    if writer is None or writer.digest != digest:
+                        if writer is not None:
+                            raise ImageError(
+                                ErrorKind.INVALID_ARGUMENT, f"blob {writer.digest} ended without last=true"
+                            )
+                        writer = self.content.writer(digest, expected[digest].size)
+                    await asyncio.to_thread(writer.write, data)
+                    if last:
+                        await asyncio.to_thread(writer.commit)
+                        received.append(digest)
+                        writer = None
+            finally:
+                if writer is not None:
+                    writer.abort()
+            missing = self.content.missing(expected)
+            if missing:
+                raise ImageError(
+                    ErrorKind.FAILED_PRECONDITION, f"blobs missing after import: {', '.join(missing)}"
+                )
+            image = await self._finish_local_import(ref_name, repository, manifest_raw, manifest)
+            return image, received
 
     async def _finish_local_import(
         self, ref_name: str, repository: str, manifest_raw: bytes, manifest: Manifest
@@ -500,25 +491,22 @@ class Images:
     # -- import from an OCI layout ---------------------------------------------------------
 
     async def import_layout(self, path: Path, ref_name: str, reference: str) -> ImageRecord:
-        async with self._gate.storing():
-            return await self._import_layout(path, ref_name, reference)
-
-    async def _import_layout(self, path: Path, ref_name: str, reference: str) -> ImageRecord:
         from auraed.images.layout import open_layout
 
-        with open_layout(path) as layout:
-            manifest_raw, media_type, annotated_name = layout.select(ref_name)
-            manifest = parse_manifest(manifest_raw, media_type)
-            for blob in (manifest.config, *manifest.layers):
-                if not self.content.has_blob(blob.digest):
-                    await asyncio.to_thread(layout.copy_blob, blob, self.content)
-        name = reference or annotated_name
-        if not name:
-            raise ImageError(
-                ErrorKind.INVALID_ARGUMENT, "reference: the layout names no image; give a reference"
-            )
-        ref_name, repository = _reference_names(name)
-        return await self._finish_local_import(ref_name, repository, manifest_raw, manifest)
+        async with self._gate.storing():
+            with open_layout(path) as layout:
+                manifest_raw, media_type, annotated_name = layout.select(ref_name)
+                manifest = parse_manifest(manifest_raw, media_type)
+                for blob in (manifest.config, *manifest.layers):
+                    if not self.content.has_blob(blob.digest):
+                        await asyncio.to_thread(layout.copy_blob, blob, self.content)
+            name = reference or annotated_name
+            if not name:
+                raise ImageError(
+                    ErrorKind.INVALID_ARGUMENT, "reference: the layout names no image; give a reference"
+                )
+            ref_name, repository = _reference_names(name)
+            return await self._finish_local_import(ref_name, repository, manifest_raw, manifest)
 
     # -- remove ----------------------------------------------------------------------------
 
