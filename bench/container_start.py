@@ -76,7 +76,7 @@ from auraed.api.aurae.containers import v0 as pb
 from auraed.client import AuraeClient
 from auraed.containers.rootfs import mount_rootfs, unmount_rootfs
 from auraed.observe.logfile import POLL_LONGEST as LOGS_FOLLOW_POLL_INTERVAL
-from auraed.observe.logfile import read_lines
+from auraed.observe.logfile import read_tail
 from auraed.system import namespaces
 from auraed.system.monitor import MonitorSpec
 from auraed.system.supervisor import Supervisor
@@ -403,7 +403,7 @@ async def logged_lines(log: Path) -> tuple[list[str], float]:
     and when they were seen (perf_counter)."""
     deadline = time.monotonic() + LINE_TIMEOUT
     while True:
-        lines, _ = await asyncio.to_thread(read_lines, log, frozenset({"stdout", "stderr"}))
+        lines, _, _ = await asyncio.to_thread(read_tail, log, frozenset({"stdout", "stderr"}), 100)
         if lines:
             return [line.content for line in lines], time.perf_counter()
         if time.monotonic() > deadline:

@@ -6,9 +6,11 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import io
 import logging
 from collections.abc import AsyncGenerator, Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from asyncinotify import Inotify, Mask, Watch
 
@@ -109,7 +111,7 @@ class _Assembler:
     """Joins partial (P) records of a stream into the full line their final (F) record ends."""
 
     def __init__(self) -> None:
-        self._pending: dict[str, list[str]] = collections.defaultdict(list)
+        self.pending: dict[str, list[str]] = collections.defaultdict(list)  # stream -> parts so far
 
     def feed(self, raw: str) -> LogLine | None:
         try:
@@ -117,29 +119,116 @@ class _Assembler:
         except ValueError:
             return None
         if partial:
-            self._pending[stream].append(content)
+            self.pending[stream].append(content)
             return None
-        parts = self._pending.pop(stream, [])
+        parts = self.pending.pop(stream, [])
         return LogLine(timestamp, stream, "".join([*parts, content]))
 
 
-def read_lines(path: Path, streams: frozenset[str], since: float | None = None) -> tuple[list[LogLine], int]:
-    """Every complete line so far (logged at or after ``since``), and the byte offset reading stopped at."""
-    lines: list[LogLine] = []
-    offset = 0
+TAIL_BLOCK = 64 << 10
+"""Bytes read at a time from a log's end, going back, to find its last lines."""
+
+
+def _records_backwards(file: BinaryIO, end: int) -> Iterator[bytes]:
+    """The records (lines without their newline) that end before ``end``, last first; ``end``
+    follows a newline, or is 0."""
+    position, carry = end, None
+    while position > 0:
+        step = min(TAIL_BLOCK, position)
+        position -= step
+        file.seek(position)
+        data = file.read(step)
+        # carry: the start of the later block up to its first newline, the end of a record
+        # that began in this block (None before the first block: it ends with a newline).
+        parts = (data[:-1] if carry is None else data + carry).split(b"\n")
+        carry = parts[0]
+        yield from reversed(parts[1:])
+    if carry is not None:
+        yield carry  # the file's first record
+
+
+def _complete_end(file: BinaryIO) -> int:
+    """The offset after the file's last newline: what follows is a record still being written."""
+    size = file.seek(0, io.SEEK_END)
+    position = size
+    while position > 0:
+        step = min(TAIL_BLOCK, position)
+        position -= step
+        file.seek(position)
+        newline = file.read(step).rfind(b"\n")
+        if newline >= 0:
+            return position + newline + 1
+    return 0
+
+
+def read_tail(
+    path: Path, streams: frozenset[str], tail: int, since: float | None = None
+) -> tuple[list[LogLine], int, _Assembler]:
+    """The last ``tail`` complete lines of ``streams`` (logged at or after ``since``), read from
+    the file's end back only as far as they need: a long log costs no more than its tail. Also
+    the offset after the last complete record, and an assembler holding the parts of lines not
+    finished yet, for following on from there.
+
+    Going back, a stream's line is complete once the record that ended its previous line (F) is
+    reached, or the file's start: a line made of partial records (P) may have begun earlier.
+    """
     assembler = _Assembler()
     try:
-        with path.open("rb") as file:
-            for raw in file:
-                if not raw.endswith(b"\n"):
-                    break  # the writer is mid-record; the next read picks it up
-                offset += len(raw)
-                line = assembler.feed(raw.decode(errors="replace").rstrip("\n"))
-                if line is not None and line.stream in streams and (since is None or line.timestamp >= since):
-                    lines.append(line)
+        file = path.open("rb")
     except FileNotFoundError:
-        pass
-    return lines, offset
+        return [], 0, assembler
+    with file:
+        end = _complete_end(file)
+        complete: list[tuple[int, LogLine]] = []  # (how far back its F was, the line)
+        open_lines: dict[
+            str, tuple[int, float, list[str]]
+        ] = {}  # stream -> (how far back, F's time, parts last first)
+        unfinished: dict[str, list[str]] = collections.defaultdict(list)  # P after a stream's last F
+        older_than_since: set[str] = set()
+        back = 0
+        for raw in _records_backwards(file, end):
+            back += 1
+            try:
+                timestamp, stream, partial, content = parse_cri_log_line(raw.decode(errors="replace"))
+            except ValueError:
+                continue
+            if stream not in streams or stream in older_than_since:
+                continue
+            if partial:
+                if stream in open_lines:
+                    open_lines[stream][2].append(content)
+                else:
+                    unfinished[stream].append(content)
+                continue
+            if stream in open_lines:
+                complete.append(_joined(stream, *open_lines.pop(stream)))
+            if since is not None and timestamp < since:
+                older_than_since.add(stream)  # this line and all before it are too old
+            else:
+                open_lines[stream] = (back, timestamp, [content])
+            if _enough(complete, open_lines, tail) or older_than_since >= streams:
+                break
+        else:  # the file's start: what is open is whole
+            complete += [_joined(stream, *line) for stream, line in open_lines.items()]
+    for stream, parts in unfinished.items():
+        assembler.pending[stream] = parts[::-1]
+    newest = sorted(complete, key=lambda item: item[0])[:tail]
+    return [line for _, line in reversed(newest)], end, assembler
+
+
+def _joined(stream: str, back: int, timestamp: float, parts: list[str]) -> tuple[int, LogLine]:
+    return back, LogLine(timestamp, stream, "".join(reversed(parts)))
+
+
+def _enough(
+    complete: list[tuple[int, LogLine]], open_lines: dict[str, tuple[int, float, list[str]]], tail: int
+) -> bool:
+    """Whether the ``tail`` newest lines are known: that many complete lines are newer than every
+    line still open (going back, lines only open further back, so nothing newer can come)."""
+    if len(complete) < tail:
+        return False
+    newest_open = min((back for back, _, _ in open_lines.values()), default=None)
+    return newest_open is None or sum(1 for back, _ in complete if back < newest_open) >= tail
 
 
 async def stream_lines(
@@ -154,30 +243,37 @@ async def stream_lines(
 ) -> AsyncGenerator[LogLine, None]:
     """The last ``tail`` lines (all when None), then, with ``follow``, new lines until ``finished()``.
 
-    ``watch`` wakes the follower when the log's directory changes (the log written, the exit
-    recorded); without it, or without a watch, it polls.
+    All lines are read from the start in chunks and sent as they come, so a long log never sits
+    in memory whole; a tail is read from the end. ``watch`` wakes the follower when the log's
+    directory changes (the log written, the exit recorded); without it, or without a watch, it
+    polls.
     """
-    lines, offset = await asyncio.to_thread(read_lines, path, streams, since)
-    for line in lines if tail is None else lines[len(lines) - tail :] if tail else []:
-        yield line
-    if not follow:
-        return
-    with watch.watching(path.parent) if watch is not None else contextlib.nullcontext() as changed:
+    if tail is None:
+        offset, assembler = 0, _Assembler()
+    else:
+        lines, offset, assembler = await asyncio.to_thread(read_tail, path, streams, tail, since)
+        for line in lines:
+            yield line
+        if not follow:
+            return
+    watching = watch.watching(path.parent) if watch is not None and follow else contextlib.nullcontext()
+    with watching as changed:
         longest = POLL_LONGEST if changed is None else POLL_LONGEST_WATCHED
-        assembler = _Assembler()
         buffer = b""
         pause = POLL_SHORTEST
         while True:
             if changed is not None:
                 changed.clear()  # before reading: a change from here on wakes the wait below
-            done = finished()  # read before the data, so nothing written before the end is missed
+            # Read before the data, so nothing written before the end is missed; not following,
+            # the end is the end of what is there now.
+            done = not follow or finished()
             chunk = await asyncio.to_thread(_read_from, path, offset)
             offset += len(chunk)
             buffer += chunk
             *complete, buffer = buffer.split(b"\n")
             for raw in complete:
                 fed = assembler.feed(raw.decode(errors="replace"))
-                if fed is not None and fed.stream in streams:
+                if fed is not None and fed.stream in streams and (since is None or fed.timestamp >= since):
                     yield fed
             if done and not chunk:
                 return

@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from auraed.observe import logfile
 from auraed.observe.logfile import LogWatch, stream_lines
@@ -90,3 +92,96 @@ async def test_a_directory_that_cannot_be_watched_falls_back_to_polling(tmp_path
         assert changed is None
     assert watch.watched() == []
     await watch.close()
+
+
+# --- reading a log: all of it in chunks, or its tail from the end ---------------------------------
+
+Record = tuple[str, bool, str]  # stream, partial, content
+
+records_strategy = st.lists(
+    st.tuples(
+        st.sampled_from(["stdout", "stderr"]),
+        st.booleans(),
+        st.text(alphabet="abc xyz", max_size=12),
+    ),
+    max_size=60,
+)
+
+
+def write_log(log: Path, records: list[Record], unfinished_tail: str = "") -> list[float]:
+    """Records with times one second apart; ``unfinished_tail``: a record still being written."""
+    times = [1_700_000_000.0 + i for i in range(len(records))]
+    with log.open("w") as file:
+        for when, (stream, partial, content) in zip(times, records, strict=True):
+            file.write(
+                f"{format_cri_timestamp(int(when * 1e9))} {stream} {'P' if partial else 'F'} {content}\n"
+            )
+        file.write(unfinished_tail)
+    return times
+
+
+def forward(
+    records: list[Record], times: list[float], streams: frozenset[str]
+) -> tuple[list[logfile.LogLine], dict[str, list[str]]]:
+    """What a reader from the start gets: the whole lines, and the parts of lines not finished."""
+    pending: dict[str, list[str]] = {}
+    lines = []
+    for when, (stream, partial, content) in zip(times, records, strict=True):
+        pending.setdefault(stream, []).append(content)
+        if not partial:
+            parts = pending.pop(stream)
+            if stream in streams:
+                lines.append(logfile.LogLine(when, stream, "".join(parts)))
+    return lines, {s: p for s, p in pending.items() if s in streams and p}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    records=records_strategy,
+    tail=st.integers(min_value=0, max_value=70),
+    streams=st.sampled_from([STREAMS, frozenset({"stdout"}), frozenset({"stderr"})]),
+    since_index=st.none() | st.integers(min_value=0, max_value=60),
+    block=st.sampled_from([7, 64, 1 << 16]),
+)
+def test_the_tail_read_from_the_end_is_the_tail_read_from_the_start(
+    tmp_path: Path,
+    *,
+    records: list[Record],
+    tail: int,
+    streams: frozenset[str],
+    since_index: int | None,
+    block: int,
+) -> None:
+    log = tmp_path / "container.log"
+    times = write_log(log, records, unfinished_tail="2023-11-14T22:13:20.000000000Z stdout F half")
+    since = None if since_index is None else 1_700_000_000.0 + since_index
+    expected, pending = forward(records, times, streams)
+    if since is not None:
+        expected = [line for line in expected if line.timestamp >= since]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(logfile, "TAIL_BLOCK", block)  # records across block boundaries too
+        lines, end, assembler = logfile.read_tail(log, streams, tail, since)
+    assert lines == (expected[-tail:] if tail else [])
+    assert end == log.stat().st_size - len("2023-11-14T22:13:20.000000000Z stdout F half")
+    if tail and since is None and len(lines) == len(expected):  # read back to the start
+        assert {s: p for s, p in assembler.pending.items() if p} == pending
+
+
+async def test_reading_all_of_a_log_and_following_on(tmp_path: Path) -> None:
+    log = tmp_path / "container.log"
+    records: list[Record] = [("stdout", False, "one"), ("stderr", True, "tw"), ("stdout", False, "three")]
+    write_log(log, records)
+    ended = False
+    lines = stream_lines(log, STREAMS, None, True, lambda: ended)
+    assert [(await anext(lines)).content for _ in range(2)] == ["one", "three"]
+    with log.open("a") as file:  # the partial stderr record's line ends now
+        file.write(f"{format_cri_timestamp(time.time_ns())} stderr F o\n")
+    assert (await anext(lines)).content == "two"
+    ended = True
+    assert [line async for line in lines] == []
+    # Not following: what is there now, then the end.
+    assert [line.content async for line in stream_lines(log, STREAMS, None, False, lambda: False)] == [
+        "one",
+        "three",
+        "two",
+    ]
