@@ -180,9 +180,8 @@ def read_tail(
     with file:
         end = _complete_end(file)
         complete: list[tuple[int, LogLine]] = []  # (how far back its F was, the line)
-        open_lines: dict[
-            str, tuple[int, float, list[str]]
-        ] = {}  # stream -> (how far back, F's time, parts last first)
+        # stream -> (how far back its F was, the F's time, the parts, last first)
+        open_lines: dict[str, tuple[int, float, list[str]]] = {}
         unfinished: dict[str, list[str]] = collections.defaultdict(list)  # P after a stream's last F
         older_than_since: set[str] = set()
         back = 0
