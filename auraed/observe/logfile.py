@@ -127,6 +127,8 @@ class _Assembler:
 
 TAIL_BLOCK = 64 << 10
 """Bytes read at a time from a log's end, going back, to find its last lines."""
+READ_CHUNK = 1 << 20
+"""Bytes read at a time going forward; a shorter read reached the end of the file."""
 
 
 def _records_backwards(file: BinaryIO, end: int) -> Iterator[bytes]:
@@ -274,8 +276,8 @@ async def stream_lines(
                 fed = assembler.feed(raw.decode(errors="replace"))
                 if fed is not None and fed.stream in streams and (since is None or fed.timestamp >= since):
                     yield fed
-            if done and not chunk:
-                return
+            if done and len(chunk) < READ_CHUNK:
+                return  # everything written before the end (or before now) is read
             if chunk:
                 pause = POLL_SHORTEST
             elif await _wait(changed, pause):
@@ -298,6 +300,6 @@ def _read_from(path: Path, offset: int) -> bytes:
     try:
         with path.open("rb") as file:
             file.seek(offset)
-            return file.read(1 << 20)
+            return file.read(READ_CHUNK)
     except FileNotFoundError:
         return b""
