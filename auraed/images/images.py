@@ -150,8 +150,8 @@ class _StoreGate:
         try:
             yield
         finally:
+            self._storing -= 1  # first: a cancelled wake-up below must not leave it counted
             async with self._changed:
-                self._storing -= 1
                 self._changed.notify_all()
 
     @contextlib.asynccontextmanager
@@ -162,8 +162,8 @@ class _StoreGate:
         try:
             yield
         finally:
+            self._collecting = False
             async with self._changed:
-                self._collecting = False
                 self._changed.notify_all()
 
 
