@@ -131,15 +131,21 @@ READ_CHUNK = 1 << 20
 """Bytes read at a time going forward; a shorter read reached the end of the file."""
 
 
-def _records_backwards(file: BinaryIO, end: int) -> Iterator[bytes]:
-    """The records (lines without their newline) that end before ``end``, last first; ``end``
-    follows a newline, or is 0."""
-    position, carry = end, None
+def _blocks_backwards(file: BinaryIO, end: int) -> Iterator[tuple[int, bytes]]:
+    """The file before ``end`` in TAIL_BLOCK pieces, last first, each with its offset."""
+    position = end
     while position > 0:
         step = min(TAIL_BLOCK, position)
         position -= step
         file.seek(position)
-        data = file.read(step)
+        yield position, file.read(step)
+
+
+def _records_backwards(file: BinaryIO, end: int) -> Iterator[bytes]:
+    """The records (lines without their newline) that end before ``end``, last first; ``end``
+    follows a newline, or is 0."""
+    carry = None
+    for _, data in _blocks_backwards(file, end):
         # carry: the start of the later block up to its first newline, the end of a record
         # that began in this block (None before the first block: it ends with a newline).
         parts = (data[:-1] if carry is None else data + carry).split(b"\n")
@@ -151,13 +157,8 @@ def _records_backwards(file: BinaryIO, end: int) -> Iterator[bytes]:
 
 def _complete_end(file: BinaryIO) -> int:
     """The offset after the file's last newline: what follows is a record still being written."""
-    size = file.seek(0, io.SEEK_END)
-    position = size
-    while position > 0:
-        step = min(TAIL_BLOCK, position)
-        position -= step
-        file.seek(position)
-        newline = file.read(step).rfind(b"\n")
+    for position, data in _blocks_backwards(file, file.seek(0, io.SEEK_END)):
+        newline = data.rfind(b"\n")
         if newline >= 0:
             return position + newline + 1
     return 0
