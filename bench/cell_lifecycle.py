@@ -381,7 +381,7 @@ def monitor_costs(directory: Path, count: int) -> dict[str, list[float]]:
 
 
 async def rpc_floor(client: AuraeClient, count: int) -> list[float]:
-    """grpc.health.v1 Check to the same daemon: the cost of any one RPC (mTLS, authz interceptor)."""
+    """grpc.health.v1 Check to the same daemon: the cost of any one RPC (mTLS, authorization)."""
     samples = []
     for _ in range(count):
         start = time.perf_counter()

@@ -12,10 +12,10 @@ change of load on the machine hits all of them alike):
 * ``auraed_raw``     - the same server, but the client sends and keeps raw bytes: the server's share;
 * ``bare_rpc_layer`` - a bare server serving a fixed DiscoveryService reply through auraed's
                        rpc layer (auraed.server.rpc.generic_handler: request check, betterproto2
-                       reply encoding) behind its authz interceptor: auraed's path minus the daemon;
-* ``bare_encode``    - the bare server behind the interceptor, encoding the reply with betterproto2
+                       reply encoding) behind its authorization handler: auraed's path minus the daemon;
+* ``bare_encode``    - the bare server behind the authorization, encoding the reply with betterproto2
                        on every call (as auraed does);
-* ``bare_authz``     - the bare server behind auraed's AuthorizationInterceptor;
+* ``bare_authz``     - the bare server behind auraed's AuthorizedHandlers;
 * ``bare``           - the bare server, raw bytes both ends: the floor.
 
 Target (issue): auraed p50 < 1 ms.
@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,7 @@ from auraed.client.client import channel_for
 from auraed.config import AuthorizationPolicy
 from auraed.pki import PkiPaths
 from auraed.server import rpc
-from auraed.server.authz import AuthorizationInterceptor, is_allowed
+from auraed.server.authz import AuthorizedHandlers, is_allowed
 from auraed.server.listeners import server_credentials
 
 DISCOVERY = "aurae.discovery.v0.DiscoveryService"
@@ -89,10 +90,10 @@ class FixedDiscovery:
 
 async def serve_bare(socket: Path, pki_dir: Path, payload: bytes, mode: str) -> None:
     """A peer server. ``bare``: one unary method answering the pre-serialized payload, bytes in and
-    out. ``authz``: the same behind auraed's AuthorizationInterceptor (default policy). ``encode``:
-    behind the interceptor, encoding the reply with betterproto2 on every call. ``rpc``:
+    out. ``authz``: the same behind auraed's AuthorizedHandlers (default policy). ``encode``:
+    behind the authorization, encoding the reply with betterproto2 on every call. ``rpc``:
     DiscoveryService through auraed.server.rpc.generic_handler (request check, betterproto2
-    encoding of the reply) behind the interceptor: auraed's request path without the daemon.
+    encoding of the reply) behind the authorization: auraed's request path without the daemon.
     """
 
     response = pb.DiscoveryServiceDiscoverResponse.parse(payload)
@@ -103,15 +104,16 @@ async def serve_bare(socket: Path, pki_dir: Path, payload: bytes, mode: str) -> 
     async def discover_encoding(request: bytes, context: Any) -> bytes:
         return bytes(response)
 
-    interceptors = [AuthorizationInterceptor(AuthorizationPolicy())] if mode != "bare" else []
-    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     if mode == "rpc":
         generic = rpc.generic_handler(DISCOVERY, FixedDiscovery(payload))
     else:
         # No (de)serializers: bytes in and out.
         handler = grpc.unary_unary_rpc_method_handler(discover_encoding if mode == "encode" else discover)
         generic = grpc.method_handlers_generic_handler(BARE_SERVICE, {"Discover": handler})
-    server.add_generic_rpc_handlers([generic])
+    server.add_generic_rpc_handlers(
+        [generic if mode == "bare" else AuthorizedHandlers(AuthorizationPolicy(), [generic])]
+    )
     credentials = server_credentials(pki_dir / "ca.crt", pki_dir / "server.crt", pki_dir / "server.key")
     server.add_secure_port(f"unix:{socket}", credentials)
     await server.start()
@@ -178,17 +180,18 @@ async def codec_costs(payload: bytes, client: AuraeClient) -> dict[str, float]:
     """What auraed's own per-call steps cost, measured here in-process, in microseconds.
 
     Encoding the reply and checking the request run in the daemon, parsing the reply and
-    building the call in AuraeClient; the authorization guard wraps every handler per call.
+    building the call in AuraeClient; the authorization check runs before every call.
     """
     response = pb.DiscoveryServiceDiscoverResponse.parse(payload)
     request_cls = pb.DiscoveryServiceDiscoverRequest
     policy = AuthorizationPolicy()
-    interceptor = AuthorizationInterceptor(policy)
 
     async def behavior(request: bytes, context: Any) -> bytes:
         return request
 
-    handler = grpc.unary_unary_rpc_method_handler(behavior)
+    handlers = {"Discover": grpc.unary_unary_rpc_method_handler(behavior)}
+    authorized = AuthorizedHandlers(policy, [grpc.method_handlers_generic_handler(DISCOVERY, handlers)])
+    details = types.SimpleNamespace(method=DISCOVER_PATH, invocation_metadata=())
 
     def client_setup() -> object:
         response_cls = client._response_class(DISCOVERY, "Discover")
@@ -197,7 +200,7 @@ async def codec_costs(payload: bytes, client: AuraeClient) -> dict[str, float]:
         )
 
     def authz() -> object:
-        interceptor._guard(handler, DISCOVER_PATH)
+        authorized.service(details)  # the guarded handler's look-up
         return is_allowed(policy, ["aurae-client"], DISCOVER_PATH)
 
     return {
@@ -274,7 +277,7 @@ def report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]
         "ratio_p50_auraed_raw_over_bare": ratio(raw["p50_ms"], bare["p50_ms"]),
         "server_overhead_p50_ms": round(raw["p50_ms"] - bare["p50_ms"], 4),
         "split_p50_ms": {
-            "authz_interceptor": round(bare_authz["p50_ms"] - bare["p50_ms"], 4),
+            "authorization": round(bare_authz["p50_ms"] - bare["p50_ms"], 4),
             "reply_encoding": round(encode["p50_ms"] - bare_authz["p50_ms"], 4),
             "rpc_layer_rest": round(rpc_layer["p50_ms"] - encode["p50_ms"], 4),
             "rest_of_daemon": round(raw["p50_ms"] - rpc_layer["p50_ms"], 4),
@@ -291,7 +294,7 @@ def report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]
                 ("auraed (raw bytes)", raw),
                 ("bare + auraed's rpc layer + authz", rpc_layer),
                 ("bare + authz + betterproto2 encode", encode),
-                ("bare + auraed's authz interceptor", bare_authz),
+                ("bare + auraed's authorization", bare_authz),
                 ("bare", bare),
             )
         ]

@@ -5,13 +5,13 @@ from __future__ import annotations
 import fnmatch
 import inspect
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 
 from auraed.config import AuthorizationPolicy
-from auraed.server.rpc import Context
+from auraed.server.rpc import Context, first_handler
 
 log = logging.getLogger(__name__)
 
@@ -39,19 +39,29 @@ def is_allowed(policy: AuthorizationPolicy, identities: list[str], method: str) 
     return any(fnmatch.fnmatchcase(target, pattern) for pattern in allowed_patterns(policy, identities))
 
 
-class AuthorizationInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    def __init__(self, policy: AuthorizationPolicy) -> None:
-        self._policy = policy
+class AuthorizedHandlers(grpc.GenericRpcHandler):  # type: ignore[misc]
+    """Serves what ``inner`` serves, each call checked against the policy before it runs.
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
+    A wrapping handler rather than a grpc.aio server interceptor: grpc runs an interceptor's
+    coroutine chain on every call, and the interceptor built a new guarded handler each time
+    (~0.12 ms a call here). This guards each handler once and reuses it, so ``inner`` must give
+    the same handler object for a method every time (grpc's own generic handlers do).
+    """
+
+    def __init__(self, policy: AuthorizationPolicy, inner: Sequence[grpc.GenericRpcHandler]) -> None:
+        self._policy = policy
+        self._inner = tuple(inner)
+        self._guarded: dict[tuple[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler] = {}
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = first_handler(self._inner, details)
         if handler is None:
             return None
-        return self._guard(handler, handler_call_details.method)
+        key = (details.method, handler)
+        guarded = self._guarded.get(key)
+        if guarded is None:
+            guarded = self._guarded[key] = self._guard(handler, details.method)
+        return guarded
 
     async def _check(self, context: Context, method: str) -> None:
         identities = peer_identities(context)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection, reflection_pb2
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from auraed.api.google_proto_descriptor_pool import default_google_proto_descriptor_pool
 from auraed.cells.cells import Cells
@@ -22,12 +22,13 @@ from auraed.config import DaemonConfig
 from auraed.discovery.capabilities import Capabilities, probe
 from auraed.discovery.servicer import SERVICE_NAME as DISCOVERY
 from auraed.discovery.servicer import DiscoveryServicer
+from auraed.errors import AuraeError
 from auraed.init.roles import Role, detect_role
 from auraed.observe.events import DaemonLogHandler, ObserveHub
 from auraed.observe.logfile import LogWatch
 from auraed.observe.servicer import SERVICE_NAME as OBSERVE
 from auraed.observe.servicer import ObserveServicer
-from auraed.server.authz import AuthorizationInterceptor
+from auraed.server.authz import AuthorizedHandlers
 from auraed.server.listeners import (
     add_tcp_listener,
     add_unix_listener,
@@ -36,7 +37,7 @@ from auraed.server.listeners import (
     remove_unix_socket,
     server_credentials,
 )
-from auraed.server.rpc import generic_handler
+from auraed.server.rpc import CollectedHandlers, generic_handler
 from auraed.state.store import Store
 from auraed.system.cgroupfs import Cgroupfs
 from auraed.system.supervisor import Supervisor
@@ -115,7 +116,9 @@ class Daemon:
         try:
             await self._start()
         except Exception as exc:
-            log.error("cannot start: %s", exc)
+            # An expected refusal (a config or system error) says enough; anything else is a bug.
+            expected = isinstance(exc, (AuraeError, OSError))
+            log.error("cannot start: %s", exc or type(exc).__name__, exc_info=not expected)
             await self._shutdown()
             return 1
         self._install_signal_handlers()
@@ -171,37 +174,12 @@ class Daemon:
             )
             await self.containers.recover()
         capabilities = await asyncio.to_thread(probe, cgroups)
-        interceptors: list[grpc.aio.ServerInterceptor] = [AuthorizationInterceptor(config.authorization)]
-        handlers = []
-        if self.containers is not None and self.images is not None:
-            from auraed.containers.servicer import ContainerServicer
-
-            handlers.append(generic_handler(CONTAINERS, ContainerServicer(self.images, self.containers)))
-        if self.role is Role.HOST and self.images is not None:
-            handlers.append(await self._vm_service(capabilities))
-            assert self.guests is not None
-            from auraed.vms.placement import GuestRouter
-
-            interceptors.append(GuestRouter(self.guests.lookup, self.images))
-
         services = self.services()
-        server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
+        handlers = await self._handlers(self.cells, services, capabilities)
+        # Authorization wraps every service, health and reflection too; no server interceptors.
+        server = grpc.aio.server(options=SERVER_OPTIONS)
         self._server = server
-        server.add_generic_rpc_handlers(
-            [
-                *handlers,
-                generic_handler(CELLS, CellServicer(self.cells)),
-                generic_handler(OBSERVE, ObserveServicer(self.hub, self.cells, self._log_watch)),
-                generic_handler(
-                    DISCOVERY, DiscoveryServicer(self.role, services, capabilities, lambda: self._serving)
-                ),
-            ]
-        )
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        _register_standard_descriptors()
-        reflection.enable_server_reflection(
-            [*services, HEALTH, REFLECTION], server, pool=default_google_proto_descriptor_pool
-        )
+        server.add_generic_rpc_handlers([AuthorizedHandlers(config.authorization, handlers)])
         credentials = server_credentials(config.ca_crt, config.server_crt, config.server_key)
         add_unix_listener(server, config.socket, credentials)
         self._socket_bound = True
@@ -214,6 +192,37 @@ class Daemon:
         # After serving, not before: in a guest under emulation its start-up costs ~0.3 s of the
         # one vCPU, which boot-to-ready should not wait for.
         supervisor.start()
+
+    async def _handlers(
+        self, cells: Cells, services: list[str], capabilities: Capabilities
+    ) -> list[grpc.GenericRpcHandler]:
+        """Every service this daemon serves, health and reflection included, in lookup order."""
+        handlers: list[grpc.GenericRpcHandler] = []
+        if self.containers is not None and self.images is not None:
+            from auraed.containers.servicer import ContainerServicer
+
+            handlers.append(generic_handler(CONTAINERS, ContainerServicer(self.images, self.containers)))
+        if self.role is Role.HOST and self.images is not None:
+            vms = await self._vm_service(capabilities)
+            assert self.guests is not None  # made by _vm_service
+            from auraed.vms.placement import GuestRouter
+
+            handlers = [GuestRouter(self.guests.lookup, self.images, handlers), vms]
+        handlers += [
+            generic_handler(CELLS, CellServicer(cells)),
+            generic_handler(OBSERVE, ObserveServicer(self.hub, self.cells, self._log_watch)),
+            generic_handler(
+                DISCOVERY, DiscoveryServicer(self.role, services, capabilities, lambda: self._serving)
+            ),
+        ]
+        standard = CollectedHandlers()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, standard)
+        _register_standard_descriptors()
+        reflected = [*services, HEALTH, REFLECTION]
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+            reflection.aio.ReflectionServicer(reflected, pool=default_google_proto_descriptor_pool), standard
+        )
+        return handlers + standard.handlers
 
     async def _vm_service(self, capabilities: Capabilities) -> grpc.GenericRpcHandler:
         from auraed.system.kvm import KvmProbe

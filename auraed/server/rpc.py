@@ -14,7 +14,7 @@ import functools
 import importlib
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeAlias
 
 import betterproto2
@@ -208,3 +208,32 @@ def generic_handler(service_name: str, servicer: object) -> grpc.GenericRpcHandl
         )
     handlers = {m.name: _method_handler(m, servicer, service_name) for m in descriptor.methods}
     return grpc.method_handlers_generic_handler(service_name, handlers)
+
+
+def first_handler(
+    handlers: Sequence[grpc.GenericRpcHandler], details: grpc.HandlerCallDetails
+) -> grpc.RpcMethodHandler | None:
+    """The handler the first of ``handlers`` serving ``details.method`` gives, as grpc looks it up."""
+    for generic in handlers:
+        found = generic.service(details)
+        if found is not None:
+            return found
+    return None
+
+
+class CollectedHandlers:
+    """Stands in for the server with grpcio's ``add_XServicer_to_server`` helpers.
+
+    It keeps the handlers they register, so the daemon can serve them behind its own wrapping
+    handlers (authorization) like every other service.
+    """
+
+    def __init__(self) -> None:
+        self.handlers: list[grpc.GenericRpcHandler] = []
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self.handlers.extend(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        # The helpers register the same handlers through add_generic_rpc_handlers as well.
+        pass

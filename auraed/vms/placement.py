@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -25,7 +25,7 @@ from auraed.errors import AuraeError
 from auraed.images.content import ContentStore
 from auraed.images.images import Images
 from auraed.images.model import MAX_MANIFEST_BYTES, ImageRecord
-from auraed.server.rpc import Context, status_for
+from auraed.server.rpc import Context, first_handler, status_for
 
 log = logging.getLogger(__name__)
 
@@ -87,33 +87,34 @@ async def send_image(
     return len(missing)
 
 
-class GuestRouter(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Routes ContainerService calls that name a VM to that VM's guest."""
+class GuestRouter(grpc.GenericRpcHandler):  # type: ignore[misc]
+    """Serves ``local``; its ContainerService calls that name a VM go to that VM's guest instead."""
 
-    def __init__(self, guests: GuestLookup, images: Images) -> None:
+    def __init__(self, guests: GuestLookup, images: Images, local: Sequence[grpc.GenericRpcHandler]) -> None:
         self._guests = guests
         self._images = images
+        self._local = tuple(local)
+        # One forwarder per method, reused: the VM is read from each call's metadata.
+        self._forwarders: dict[str, grpc.RpcMethodHandler] = {}
         # (VM name, boot, reference, image id) this router has placed in that boot of the guest.
         self._placed: set[tuple[str, float, str, str]] = set()
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        vm = dict(details.invocation_metadata or ()).get(VM_METADATA_KEY)
-        if not vm or not details.method.startswith(f"/{CONTAINERS}/"):
-            return await continuation(details)
-        local = await continuation(details)
-        if local is None:
-            return None
-        return self._forwarder(local, details.method, vm)
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        local = first_handler(self._local, details)
+        if local is None or not details.method.startswith(f"/{CONTAINERS}/"):
+            return local
+        if not _vm_named(details.invocation_metadata):
+            return local
+        forwarder = self._forwarders.get(details.method)
+        if forwarder is None:
+            forwarder = self._forwarders[details.method] = self._forwarder(local, details.method)
+        return forwarder
 
-    def _forwarder(self, local: grpc.RpcMethodHandler, method: str, vm: str) -> grpc.RpcMethodHandler:
+    def _forwarder(self, local: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         router = self
 
         async def unary_unary(request: bytes, context: Context) -> bytes:
-            guest = await router._guest(vm, context)
+            guest = await router._guest(context)
             call = guest.channel.unary_unary(method)
             if method.endswith("/Create"):
                 return await router._create(guest, call, request, context)
@@ -122,7 +123,7 @@ class GuestRouter(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return await _relay(call(request, metadata=_forwarded(context)), context)  # type: ignore[no-any-return]
 
         async def unary_stream(request: bytes, context: Context) -> AsyncIterator[bytes]:
-            guest = await router._guest(vm, context)
+            guest = await router._guest(context)
             call = guest.channel.unary_stream(method)(request, metadata=_forwarded(context))
             try:
                 async for reply in call:
@@ -131,12 +132,12 @@ class GuestRouter(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 await context.abort(exc.code(), exc.details() or "")
 
         async def stream_unary(requests: AsyncIterator[bytes], context: Context) -> bytes:
-            guest = await router._guest(vm, context)
+            guest = await router._guest(context)
             call = guest.channel.stream_unary(method)
             return await _relay(call(requests, metadata=_forwarded(context)), context)  # type: ignore[no-any-return]
 
         async def stream_stream(requests: AsyncIterator[bytes], context: Context) -> AsyncIterator[bytes]:
-            guest = await router._guest(vm, context)
+            guest = await router._guest(context)
             call = guest.channel.stream_stream(method)(requests, metadata=_forwarded(context))
             try:
                 async for reply in call:
@@ -153,7 +154,8 @@ class GuestRouter(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return grpc.stream_unary_rpc_method_handler(stream_unary)
         return grpc.stream_stream_rpc_method_handler(stream_stream)
 
-    async def _guest(self, vm: str, context: Context) -> GuestEndpoint:
+    async def _guest(self, context: Context) -> GuestEndpoint:
+        vm = _vm_named(context.invocation_metadata())
         try:
             return await self._guests(vm)
         except AuraeError as exc:
@@ -204,6 +206,11 @@ class GuestRouter(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def _forget_placed(self, vm: str, keep_boot: float | None = None) -> None:
         """Forget what was placed in ``vm``, except in its boot ``keep_boot``."""
         self._placed = {key for key in self._placed if key[0] != vm or key[1] == keep_boot}
+
+
+def _vm_named(metadata: Any) -> str:
+    """The VM a call names in its metadata ("" for none)."""
+    return next((value for key, value in metadata or () if key == VM_METADATA_KEY), "")
 
 
 def _forwarded(context: Context) -> list[tuple[str, Any]]:

@@ -10,11 +10,14 @@ import grpc
 import pytest
 
 from auraed.api.aurae.cells import v0 as cells
+from auraed.api.aurae.containers import v0 as containers
 from auraed.api.aurae.discovery import v0 as discovery
 from auraed.client import AuraeClient, ClientConfig, ClientError
 from auraed.pki import create_ca, issue_client_cert, write_pem_files
 from auraed.pki.certs import load_ca
 from tests.conftest import DaemonFactory, DaemonProcess
+
+CONTAINERS = "aurae.containers.v0.ContainerService"
 
 DISCOVER = ("aurae.discovery.v0.DiscoveryService", "Discover", discovery.DiscoveryServiceDiscoverRequest())
 
@@ -126,9 +129,18 @@ async def test_authorization_by_identity(daemon_factory: DaemonFactory) -> None:
             await reader.call("aurae.cells.v0.CellService", "List", cells.CellServiceListRequest())
         assert error.value.code == "PERMISSION_DENIED"
         assert "reader" in error.value.message
-    # intruder: signed by the CA but not listed, and the default allows nothing.
+    # A ContainerService call naming a VM is routed to the guest: checked before that too.
+    async with AuraeClient.connect(daemon.client_config("reader"), vm="g1") as routed:
+        with pytest.raises(ClientError) as error:
+            await routed.call(CONTAINERS, "List", containers.ContainerServiceListRequest())
+        assert error.value.code == "PERMISSION_DENIED"
+    # intruder: signed by the CA but not listed, and the default allows nothing, health included.
     error_ = await _refused(daemon.client_config("intruder"))
     assert error_.code == "PERMISSION_DENIED"
+    async with daemon.client("intruder") as intruder:
+        with pytest.raises(ClientError) as error:
+            await intruder.health()
+        assert error.value.code == "PERMISSION_DENIED"
     log = daemon.log()
     assert "refused /aurae.cells.v0.CellService/List for identity reader" in log
     assert "identity intruder" in log

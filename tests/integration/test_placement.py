@@ -59,11 +59,10 @@ async def host(
             name, str(daemon.socket), "server.unsafe.aurae.io", guest.channel, boots.booted_at
         )
 
-    server = grpc.aio.server(interceptors=[GuestRouter(lookup, images)])
+    server = grpc.aio.server()
     # Every call to the host names a VM, so the local servicer is never reached.
-    server.add_generic_rpc_handlers(
-        [generic_handler(SERVICE_NAME, ContainerServicer(images, cast(Containers, None)))]
-    )
+    local = generic_handler(SERVICE_NAME, ContainerServicer(images, cast(Containers, None)))
+    server.add_generic_rpc_handlers([GuestRouter(lookup, images, [local])])
     socket = Path(tempfile.mkdtemp(prefix="aurae-host-", dir="/tmp")) / "host.sock"
     server.add_insecure_port(f"unix:{socket}")
     await server.start()
