@@ -8,12 +8,12 @@ Discover with. It is the floor grpc + TLS + asyncio impose on any Python server;
 needs beyond it is our overhead. Six series run interleaved on one channel per server (so a
 change of load on the machine hits all of them alike):
 
-* ``auraed``         - the way users call it: AuraeClient.call, betterproto2 on both ends;
+* ``auraed``         - the way users call it: AuraeClient.call, auraed.codec on both ends;
 * ``auraed_raw``     - the same server, but the client sends and keeps raw bytes: the server's share;
 * ``bare_rpc_layer`` - a bare server serving a fixed DiscoveryService reply through auraed's
-                       rpc layer (auraed.server.rpc.generic_handler: request check, betterproto2
+                       rpc layer (auraed.server.rpc.generic_handler: request check, auraed.codec
                        reply encoding) behind its authorization handler: auraed's path minus the daemon;
-* ``bare_encode``    - the bare server behind the authorization, encoding the reply with betterproto2
+* ``bare_encode``    - the bare server behind the authorization, encoding the reply with auraed.codec
                        on every call (as auraed does);
 * ``bare_authz``     - the bare server behind auraed's AuthorizedHandlers;
 * ``bare``           - the bare server, raw bytes both ends: the floor.
@@ -53,6 +53,7 @@ from common import (
     verdict,
 )
 
+from auraed import codec
 from auraed.api.aurae.discovery import v0 as pb
 from auraed.client import AuraeClient
 from auraed.client.client import channel_for
@@ -82,7 +83,7 @@ class FixedDiscovery:
     """A DiscoveryService servicer answering a fixed reply, served through auraed's own rpc layer."""
 
     def __init__(self, payload: bytes) -> None:
-        self._response = pb.DiscoveryServiceDiscoverResponse.parse(payload)
+        self._response = codec.decode(pb.DiscoveryServiceDiscoverResponse, payload)
 
     async def discover(self, request: Any, context: Any) -> pb.DiscoveryServiceDiscoverResponse:
         return self._response
@@ -91,18 +92,18 @@ class FixedDiscovery:
 async def serve_bare(socket: Path, pki_dir: Path, payload: bytes, mode: str) -> None:
     """A peer server. ``bare``: one unary method answering the pre-serialized payload, bytes in and
     out. ``authz``: the same behind auraed's AuthorizedHandlers (default policy). ``encode``:
-    behind the authorization, encoding the reply with betterproto2 on every call. ``rpc``:
-    DiscoveryService through auraed.server.rpc.generic_handler (request check, betterproto2
+    behind the authorization, encoding the reply with auraed.codec on every call. ``rpc``:
+    DiscoveryService through auraed.server.rpc.generic_handler (request check, auraed.codec
     encoding of the reply) behind the authorization: auraed's request path without the daemon.
     """
 
-    response = pb.DiscoveryServiceDiscoverResponse.parse(payload)
+    response = codec.decode(pb.DiscoveryServiceDiscoverResponse, payload)
 
     async def discover(request: bytes, context: Any) -> bytes:
         return payload
 
     async def discover_encoding(request: bytes, context: Any) -> bytes:
-        return bytes(response)
+        return codec.encode(response)
 
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     if mode == "rpc":
@@ -182,7 +183,7 @@ async def codec_costs(payload: bytes, client: AuraeClient) -> dict[str, float]:
     Encoding the reply and checking the request run in the daemon, parsing the reply and
     building the call in AuraeClient; the authorization check runs before every call.
     """
-    response = pb.DiscoveryServiceDiscoverResponse.parse(payload)
+    response = codec.decode(pb.DiscoveryServiceDiscoverResponse, payload)
     request_cls = pb.DiscoveryServiceDiscoverRequest
     policy = AuthorizationPolicy()
 
@@ -194,21 +195,21 @@ async def codec_costs(payload: bytes, client: AuraeClient) -> dict[str, float]:
     details = types.SimpleNamespace(method=DISCOVER_PATH, invocation_metadata=())
 
     def client_setup() -> object:
-        response_cls = client._response_class(DISCOVERY, "Discover")
-        return client.channel.unary_unary(
-            DISCOVER_PATH, request_serializer=bytes, response_deserializer=response_cls.parse
-        )
+        client._response_class(DISCOVERY, "Discover")
+        return client._callable("unary_unary", DISCOVERY, "Discover")
 
     def authz() -> object:
         authorized.service(details)  # the guarded handler's look-up
         return is_allowed(policy, ["aurae-client"], DISCOVER_PATH)
 
     return {
-        "server_response_encode_us": micro(lambda: bytes(response)),
+        "server_response_encode_us": micro(lambda: codec.encode(response)),
+        "betterproto2_encode_us": micro(lambda: bytes(response)),
         "server_request_check_and_parse_us": micro(lambda: rpc._parse(request_cls, b"")),
         "server_authz_guard_us": micro(authz),
-        "client_response_parse_us": micro(lambda: pb.DiscoveryServiceDiscoverResponse.parse(payload)),
-        "client_request_encode_us": micro(lambda: bytes(request_cls())),
+        "client_response_parse_us": micro(lambda: codec.decode(pb.DiscoveryServiceDiscoverResponse, payload)),
+        "betterproto2_parse_us": micro(lambda: pb.DiscoveryServiceDiscoverResponse.parse(payload)),
+        "client_request_encode_us": micro(lambda: codec.encode(request_cls())),
         "client_call_setup_us": micro(client_setup),
     }
 
@@ -249,14 +250,14 @@ async def run(args: argparse.Namespace, root: Path, pki: PkiPaths, daemon: Daemo
             **bare_calls,
         }
         samples = await measure(series, args.calls, args.warmup)
-        codec = await codec_costs(payload, client)
+        costs = await codec_costs(payload, client)
     finally:
         for channel in channels:
             await channel.close()
         for server in servers:
             stop_process(server)
     stats = {name: summarize(values) for name, values in samples.items()}
-    return {"payload_bytes": len(payload), "stats": stats, "codec_us": codec}
+    return {"payload_bytes": len(payload), "stats": stats, "codec_us": costs}
 
 
 def report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]:
@@ -281,7 +282,7 @@ def report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]
             "reply_encoding": round(encode["p50_ms"] - bare_authz["p50_ms"], 4),
             "rpc_layer_rest": round(rpc_layer["p50_ms"] - encode["p50_ms"], 4),
             "rest_of_daemon": round(raw["p50_ms"] - rpc_layer["p50_ms"], 4),
-            "client_betterproto2": round(auraed["p50_ms"] - raw["p50_ms"], 4),
+            "client_decoding": round(auraed["p50_ms"] - raw["p50_ms"], 4),
         },
         "client_overhead_p50_ms": round(auraed["p50_ms"] - raw["p50_ms"], 4),
         "target": {"auraed_p50_ms_below": TARGET_P50_MS, "result": verdict(passed)},
@@ -293,7 +294,7 @@ def report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]
                 ("auraed (AuraeClient)", auraed),
                 ("auraed (raw bytes)", raw),
                 ("bare + auraed's rpc layer + authz", rpc_layer),
-                ("bare + authz + betterproto2 encode", encode),
+                ("bare + authz + codec encode", encode),
                 ("bare + auraed's authorization", bare_authz),
                 ("bare", bare),
             )
@@ -304,7 +305,7 @@ def report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]
             ["series", "p50 ms", "p90 ms", "p99 ms", "mean ms", "max ms"],
             rows,
         )
-        codec = measured["codec_us"]
+        costs = measured["codec_us"]
         print_lines(
             [
                 f"ratio p50 auraed/bare: {result['ratio_p50_auraed_over_bare']}x "
@@ -312,11 +313,11 @@ def report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]
                 f"client share {result['client_overhead_p50_ms']} ms)",
                 "p50 split (ms): "
                 + ", ".join(f"{name} {value}" for name, value in result["split_p50_ms"].items()),
-                f"in-process per call: server encodes the reply (betterproto2) "
-                f"{codec['server_response_encode_us']} us, client parses it "
-                f"{codec['client_response_parse_us']} us; request check+parse "
-                f"{codec['server_request_check_and_parse_us']} us, authz guard "
-                f"{codec['server_authz_guard_us']} us, client call set-up {codec['client_call_setup_us']} us",
+                f"in-process per call: server encodes the reply {costs['server_response_encode_us']} us "
+                f"(betterproto2: {costs['betterproto2_encode_us']}), client decodes it "
+                f"{costs['client_response_parse_us']} us (betterproto2: {costs['betterproto2_parse_us']}); "
+                f"request check+parse {costs['server_request_check_and_parse_us']} us, authz guard "
+                f"{costs['server_authz_guard_us']} us, client call set-up {costs['client_call_setup_us']} us",
                 f"target auraed p50 < {TARGET_P50_MS} ms: {verdict(passed)} ({auraed['p50_ms']} ms)",
             ]
         )

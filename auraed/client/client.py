@@ -11,6 +11,7 @@ snake_case.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import tomllib
@@ -22,6 +23,7 @@ from typing import Any
 import betterproto2
 import grpc
 
+from auraed import codec
 from auraed.errors import AuraeError, ErrorKind
 from auraed.server.rpc import message_class, service_descriptor, snake_case
 
@@ -129,6 +131,51 @@ def _client_error(exc: grpc.aio.AioRpcError) -> ClientError:
     return ClientError(exc.code().name, exc.details() or "")
 
 
+def _decoded(response: type[betterproto2.Message], data: bytes) -> Any:
+    try:
+        return codec.decode(response, data)
+    except codec.CodecError as exc:
+        raise ClientError("INTERNAL", f"the server's reply cannot be read: {exc}") from None
+
+
+class _Requests:
+    """A call's request, or stream of requests, encoded before grpc takes it.
+
+    A request that cannot be encoded (a value out of its field's range) is the caller's mistake:
+    INVALID_ARGUMENT, raised here for one request. When a stream's request fails, grpc cancels
+    the call (the caller sees CancelledError or CANCELLED); the encoding error is raised instead.
+    """
+
+    def __init__(self, payload: Any) -> None:
+        self._payload = payload
+        self._error: codec.CodecError | None = None
+
+    def encoded(self) -> Any:
+        if isinstance(self._payload, betterproto2.Message):
+            try:
+                return codec.encode(self._payload)
+            except codec.CodecError as exc:
+                raise ClientError("INVALID_ARGUMENT", str(exc)) from None
+        return self._stream()
+
+    async def _stream(self) -> AsyncIterator[bytes]:
+        async for message in self._payload:
+            try:
+                data = codec.encode(message)
+            except codec.CodecError as exc:
+                self._error = exc
+                raise
+            yield data
+
+    def failure(self, exc: grpc.aio.AioRpcError) -> ClientError:
+        self.raise_encoding_failure()
+        return _client_error(exc)
+
+    def raise_encoding_failure(self) -> None:
+        if self._error is not None:
+            raise ClientError("INVALID_ARGUMENT", str(self._error)) from None
+
+
 class ServiceStub:
     """Methods of one service, as snake_case attributes, from its descriptor."""
 
@@ -180,30 +227,45 @@ class AuraeClient:
         return message_class(descriptor.methods_by_name[method].output_type.full_name)
 
     def _callable(self, kind: str, service: str, method: str) -> Any:
-        """grpc's multicallable of ``kind`` ("unary_unary", "stream_stream", ...) for one method."""
-        response = self._response_class(service, method)
-        make = getattr(self.channel, kind)
-        return make(f"/{service}/{method}", request_serializer=bytes, response_deserializer=response.parse)
+        """grpc's multicallable of ``kind`` ("unary_unary", "stream_stream", ...) for one method.
+
+        Bytes in and out: requests are encoded (see _Requests) and replies decoded (_decoded)
+        here, not by grpc's hooks, which log a failing hook and carry on with an empty request
+        or a reply of None.
+        """
+        return getattr(self.channel, kind)(f"/{service}/{method}")
 
     async def _one_reply(
         self, kind: str, service: str, method: str, payload: Any, timeout: float | None
     ) -> Any:
+        requests = _Requests(payload)
         try:
-            return await self._callable(kind, service, method)(
-                payload, timeout=timeout, metadata=self._metadata
+            reply = await self._callable(kind, service, method)(
+                requests.encoded(), timeout=timeout, metadata=self._metadata
             )
         except grpc.aio.AioRpcError as exc:
-            raise _client_error(exc) from None
+            raise requests.failure(exc) from None
+        except asyncio.CancelledError:
+            requests.raise_encoding_failure()
+            raise
+        return _decoded(self._response_class(service, method), reply)
 
     async def _replies(
         self, kind: str, service: str, method: str, payload: Any, timeout: float | None
     ) -> AsyncIterator[Any]:
-        call = self._callable(kind, service, method)(payload, timeout=timeout, metadata=self._metadata)
+        response = self._response_class(service, method)
+        requests = _Requests(payload)
+        call = self._callable(kind, service, method)(
+            requests.encoded(), timeout=timeout, metadata=self._metadata
+        )
         try:
-            async for item in call:
-                yield item
+            async for reply in call:
+                yield _decoded(response, reply)
         except grpc.aio.AioRpcError as exc:
-            raise _client_error(exc) from None
+            raise requests.failure(exc) from None
+        except asyncio.CancelledError:
+            requests.raise_encoding_failure()
+            raise
         finally:
             call.cancel()
 

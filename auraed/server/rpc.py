@@ -10,7 +10,6 @@ daemon down.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 import re
@@ -19,9 +18,9 @@ from typing import Any, TypeAlias
 
 import betterproto2
 import grpc
-from google.protobuf import message_factory
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
+from auraed import codec
 from auraed.api.google_proto_descriptor_pool import default_google_proto_descriptor_pool
 from auraed.api.message_pool import default_message_pool
 from auraed.errors import RESOURCE_ERRNOS, AuraeError, ErrorKind
@@ -92,27 +91,13 @@ class _MalformedRequest(AuraeError):
         super().__init__(ErrorKind.INVALID_ARGUMENT, message)
 
 
-@functools.cache
-def _wire_checker(cls: type[betterproto2.Message]) -> Callable[[bytes], Any]:
-    descriptor = default_google_proto_descriptor_pool.FindMessageTypeByName(
-        default_message_pool.type_to_url[cls].removeprefix("type.googleapis.com/")
-    )
-    return message_factory.GetMessageClass(descriptor).FromString
-
-
 def _parse(cls: type[betterproto2.Message], data: bytes) -> betterproto2.Message:
     # Parsed here rather than by grpc's deserializer hook: grpc answers a failing hook with
-    # INTERNAL, but a malformed message is the client's mistake. betterproto2 trusts the wire:
-    # it accepts malformed input (leaving fields None) and takes a field sent with the wrong
-    # wire type as whatever arrived (an int where a string belongs). So protobuf's strict C
-    # parser reads the request first, unknown and mistyped fields are dropped, and betterproto2
-    # parses what is left — clean bytes of the declared types.
+    # INTERNAL, but a malformed message is the client's mistake.
     try:
-        checked = _wire_checker(cls)(data)
-        checked.DiscardUnknownFields()
-        return cls.parse(checked.SerializeToString())
-    except Exception as exc:
-        raise _MalformedRequest(f"malformed {cls.__name__}: {exc}") from exc
+        return codec.decode(cls, data)
+    except codec.CodecError as exc:
+        raise _MalformedRequest(str(exc)) from None
 
 
 async def _parse_stream(cls: type[betterproto2.Message], raw: AsyncIterator[bytes]) -> AsyncIterator[Any]:
@@ -144,7 +129,7 @@ def _unary_response(
 ) -> Behavior:
     async def behavior(raw: Any, context: Context) -> Any:
         try:
-            return await func(request(raw), context)
+            return codec.encode(await func(request(raw), context))
         except Exception as exc:
             if _is_grpc_abort(exc):
                 raise
@@ -159,18 +144,13 @@ def _streaming_response(
     async def behavior(raw: Any, context: Context) -> AsyncIterator[Any]:
         try:
             async for item in func(request(raw), context):
-                yield item
+                yield codec.encode(item)
         except Exception as exc:
             if _is_grpc_abort(exc):
                 raise
             await _abort(context, exc, method)
 
     return behavior
-
-
-def _serialize(response: betterproto2.Message | bytes) -> bytes:
-    """Messages are encoded here; a servicer may return bytes it encoded once and kept."""
-    return response if isinstance(response, bytes) else bytes(response)
 
 
 def _method_handler(method: MethodDescriptor, servicer: object, service_name: str) -> grpc.RpcMethodHandler:
@@ -194,8 +174,10 @@ def _method_handler(method: MethodDescriptor, servicer: object, service_name: st
         (True, False): grpc.stream_unary_rpc_method_handler,
         (True, True): grpc.stream_stream_rpc_method_handler,
     }[(method.client_streaming, method.server_streaming)]
-    # No deserializer: requests arrive as bytes and are parsed inside the behavior (see _parse).
-    return factory(behavior, request_deserializer=None, response_serializer=_serialize)
+    # Bytes in and out: requests are parsed and replies encoded inside the behavior, not by grpc's
+    # hooks. grpc logs a failing hook and sends an empty message in place of the reply; here the
+    # failure ends the call with INTERNAL.
+    return factory(behavior, request_deserializer=None, response_serializer=None)
 
 
 def generic_handler(service_name: str, servicer: object) -> grpc.GenericRpcHandler:

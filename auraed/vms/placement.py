@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from auraed import codec
 from auraed.api.aurae.containers import v0 as pb
 from auraed.client.client import VM_METADATA_KEY
 from auraed.errors import AuraeError
@@ -52,38 +53,29 @@ async def send_image(
 ) -> int:
     """Make ``image`` exist in the guest under ``reference``; the number of blobs sent."""
     digests = [image.id, *(layer.digest for layer in image.layers)]
-    missing_call = channel.unary_unary(
-        f"/{CONTAINERS}/MissingBlobs",
-        request_serializer=bytes,
-        response_deserializer=pb.ContainerServiceMissingBlobsResponse.parse,
-    )
-    missing = (await missing_call(pb.ContainerServiceMissingBlobsRequest(digests=digests))).digests
+    # Bytes in and out, encoded and decoded here: grpc's hooks would hide a failure.
+    request = codec.encode(pb.ContainerServiceMissingBlobsRequest(digests=digests))
+    reply = await channel.unary_unary(f"/{CONTAINERS}/MissingBlobs")(request)
+    missing = codec.decode(pb.ContainerServiceMissingBlobsResponse, reply).digests
     manifest = content.read_blob(image.manifest_digest, MAX_MANIFEST_BYTES)
 
-    async def requests() -> AsyncIterator[pb.ContainerServiceImportImageRequest]:
-        yield pb.ContainerServiceImportImageRequest(
-            header=pb.ImportImageHeader(
-                reference=reference, manifest=manifest, manifest_media_type=image.manifest_media_type
-            )
+    async def requests() -> AsyncIterator[bytes]:
+        header = pb.ImportImageHeader(
+            reference=reference, manifest=manifest, manifest_media_type=image.manifest_media_type
         )
+        yield codec.encode(pb.ContainerServiceImportImageRequest(header=header))
         for digest in missing:
             with content.blob_path(digest).open("rb") as blob:
                 chunk = blob.read(CHUNK)
                 while True:
                     following = blob.read(CHUNK)
-                    yield pb.ContainerServiceImportImageRequest(
-                        chunk=pb.BlobChunk(digest=digest, data=chunk, last=not following)
-                    )
+                    blob_chunk = pb.BlobChunk(digest=digest, data=chunk, last=not following)
+                    yield codec.encode(pb.ContainerServiceImportImageRequest(chunk=blob_chunk))
                     if not following:
                         break
                     chunk = following
 
-    import_call = channel.stream_unary(
-        f"/{CONTAINERS}/ImportImage",
-        request_serializer=bytes,
-        response_deserializer=pb.ContainerServiceImportImageResponse.parse,
-    )
-    await import_call(requests())
+    await channel.stream_unary(f"/{CONTAINERS}/ImportImage")(requests())
     return len(missing)
 
 
@@ -185,9 +177,12 @@ class GuestRouter(grpc.GenericRpcHandler):  # type: ignore[misc]
 
     async def _host_image(self, request: bytes, context: Context) -> tuple[str, ImageRecord]:
         try:
-            config = pb.ContainerServiceCreateRequest.parse(request).config
+            config = codec.decode(pb.ContainerServiceCreateRequest, request).config
             name = config.image if config is not None else ""
             return name, self._images.find(name)
+        except codec.CodecError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise
         except AuraeError as exc:
             code, detail = status_for(exc)
             await context.abort(code, detail)
@@ -202,6 +197,9 @@ class GuestRouter(grpc.GenericRpcHandler):  # type: ignore[misc]
             await context.abort(code, detail)
         except grpc.aio.AioRpcError as exc:
             await context.abort(exc.code(), f"guest {guest.name}: {exc.details()}")
+        except codec.CodecError as exc:
+            log.error("guest %s answered a reply that cannot be read: %s", guest.name, exc)
+            await context.abort(grpc.StatusCode.INTERNAL, f"guest {guest.name}: {exc}")
 
     def _forget_placed(self, vm: str, keep_boot: float | None = None) -> None:
         """Forget what was placed in ``vm``, except in its boot ``keep_boot``."""
