@@ -10,6 +10,7 @@ daemon down.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import re
@@ -74,6 +75,7 @@ def _import_package_of(full_name: str) -> None:
             continue
 
 
+@functools.cache  # a client looks its method up on every call
 def service_descriptor(service: str) -> ServiceDescriptor:
     _import_package_of(service)
     return default_google_proto_descriptor_pool.FindServiceByName(service)
