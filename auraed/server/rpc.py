@@ -131,7 +131,7 @@ def _unary_response(
 ) -> Behavior:
     async def behavior(raw: Any, context: Context) -> Any:
         try:
-            return codec.encode(await func(request(raw), context))
+            return _encoded(await func(request(raw), context))
         except Exception as exc:
             if _is_grpc_abort(exc):
                 raise
@@ -146,13 +146,18 @@ def _streaming_response(
     async def behavior(raw: Any, context: Context) -> AsyncIterator[Any]:
         try:
             async for item in func(request(raw), context):
-                yield codec.encode(item)
+                yield _encoded(item)
         except Exception as exc:
             if _is_grpc_abort(exc):
                 raise
             await _abort(context, exc, method)
 
     return behavior
+
+
+def _encoded(reply: betterproto2.Message | bytes) -> bytes:
+    """A servicer may return a reply it encoded once and kept (Discover's)."""
+    return reply if isinstance(reply, bytes) else codec.encode(reply)
 
 
 def _method_handler(method: MethodDescriptor, servicer: object, service_name: str) -> grpc.RpcMethodHandler:
