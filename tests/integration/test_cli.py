@@ -245,3 +245,14 @@ def test_daemon_started_with_pki_init_files(tmp_path: Path) -> None:
     finally:
         daemon.stop()
         free_all_cells(daemon)
+
+
+def test_the_example_client_runs_a_command_in_a_cell(config: Path) -> None:
+    example = Path(__file__).parents[2] / "examples" / "cells_client.py"
+    result = subprocess.run(
+        [sys.executable, str(example), "--config", str(config)],
+        check=False, capture_output=True, text=True, timeout=90, env=environment(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    # isolate_process: the cell's hostname, and PID 1 of its own namespace.
+    assert result.stdout == "hello from example, pid 1\n"
