@@ -200,3 +200,12 @@ async def test_unknown_vm_and_unknown_image(host: tuple[AuraeClient, Images]) ->
     with pytest.raises(ClientError) as error:
         await call(client, "Create", pb.ContainerServiceCreateRequest(config=config))
     assert error.value.code == "NOT_FOUND" and "absent" in error.value.message
+
+
+async def test_a_malformed_create_is_refused_by_the_host(host: tuple[AuraeClient, Images]) -> None:
+    client, _ = host
+    create = client.channel.unary_unary(f"/{SERVICE_NAME}/Create")
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await create(b"\x0a\x05ab", metadata=on_vm(), timeout=30)  # config cut short
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed ContainerServiceCreateRequest" in (error.value.details() or "")
