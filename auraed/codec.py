@@ -69,8 +69,13 @@ class _Unset(enum.Enum):
     POSITIVE_ZERO = 3  # a float: 0.0, but -0.0 is written (its bits are not zero)
 
 
-def _is_default(falsy_value: Any, unset: _Unset) -> bool:
-    return unset is _Unset.FALSY or (unset is _Unset.POSITIVE_ZERO and copysign(1, falsy_value) > 0)
+def _left_out(value: Any, unset: _Unset) -> bool:
+    """Whether a field holding ``value`` is not written: unset, or at proto3's default."""
+    if value is None:
+        return True
+    if value:
+        return False
+    return unset is _Unset.FALSY or (unset is _Unset.POSITIVE_ZERO and copysign(1, value) > 0)
 
 
 def _unset_values(field: FieldDescriptor) -> _Unset:
@@ -160,7 +165,7 @@ def _to_protobuf(plan: _Plan, message: betterproto2.Message) -> ProtobufMessage:
     values = {}
     for name, proto_name, write, unset in plan.writers:
         value = getattr(message, name)
-        if value is None or (not value and _is_default(value, unset)):
+        if _left_out(value, unset):
             continue
         values[proto_name] = value if write is None else write(value)
     return plan.protobuf_class(**values)
@@ -171,7 +176,7 @@ def _failing_field(message: betterproto2.Message) -> str:
     plan = _plan(type(message))
     for name, proto_name, write, unset in plan.writers:
         value = getattr(message, name)
-        if value is None or (not value and _is_default(value, unset)):
+        if _left_out(value, unset):
             continue
         try:
             plan.protobuf_class(**{proto_name: value if write is None else write(value)})
