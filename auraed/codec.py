@@ -28,9 +28,6 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as ProtobufMessage
 
-from auraed.api.google_proto_descriptor_pool import default_google_proto_descriptor_pool
-from auraed.api.message_pool import default_message_pool
-
 M = TypeVar("M", bound=betterproto2.Message)
 Convert = Callable[[Any], Any]
 
@@ -100,8 +97,7 @@ class _Plan:
 
 @functools.cache
 def _plan(cls: type[betterproto2.Message]) -> _Plan:
-    full_name = default_message_pool.type_to_url[cls].removeprefix("type.googleapis.com/")
-    descriptor = default_google_proto_descriptor_pool.FindMessageTypeByName(full_name)
+    descriptor = cls.DESCRIPTOR  # type: ignore[attr-defined]  # every generated class has it
     plan = _Plan(cls, message_factory.GetMessageClass(descriptor))
     meta = cls._betterproto  # type: ignore[arg-type]  # betterproto2's classproperty confuses mypy
     for field in descriptor.fields:

@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 from auraed import codec
 from auraed.api.aurae.cells import v0 as cells_pb
 from auraed.api.aurae.discovery import v0 as discovery_pb
-from auraed.api.google_proto_descriptor_pool import default_google_proto_descriptor_pool
 from auraed.api.message_pool import default_message_pool
 
 API_MODULES = (
@@ -116,8 +115,7 @@ def messages(descriptor: Descriptor, depth: int = 0) -> st.SearchStrategy[Any]:
 
 
 def _descriptor(cls: type[betterproto2.Message]) -> Descriptor:
-    full_name = default_message_pool.type_to_url[cls].removeprefix("type.googleapis.com/")
-    return default_google_proto_descriptor_pool.FindMessageTypeByName(full_name)
+    return cls.DESCRIPTOR  # type: ignore[attr-defined]  # every generated class has it
 
 
 @pytest.mark.parametrize("cls", MESSAGES, ids=lambda cls: cls.__name__)
