@@ -6,21 +6,22 @@ Each iteration runs six series, in an order that rotates from one iteration to t
 after ``--gap-ms`` (100) of idle time, so load changes on the machine and the kernel's cgroup
 quirks (see cell_lifecycle.py) hit them alike:
 
-* ``auraed_poll``   - Create (rootfs and bundle), Start (``runc run --detach`` under the monitor),
-                      then Logs (no follow) every millisecond until the line is there: the
-                      moment a client can first read it;
+* ``auraed_poll``   - Create (rootfs and bundle; ``runc create`` under the monitor runs after
+                      its reply), Start (releases the init at its exec fifo), then Logs (no
+                      follow) every millisecond until the line is there: the moment a client
+                      can first read it;
 * ``auraed_follow`` - Create, open a following Logs stream, Start, until the line arrives on the
                       stream (timed when it arrives, which may be before Start's reply:
                       ``first_line_after_start`` is then negative);
 * ``auraed_oneshot``- one Create with ``start`` set (what ``aer container run`` sends: one RPC
-                      fewer), then Logs polled as in ``auraed_poll``;
+                      fewer; ``runc run --detach`` under the monitor), then Logs polled as in
+                      ``auraed_poll``;
 * ``bare_run``      - the peer: mount an overlay over auraed's own layer snapshot (what auraed's
                       Create mounts), then ``runc run`` of a bundle holding the exact config.json
                       auraed wrote for its first warm-up container (root path and cgroupsPath
                       changed), from the mount until "ready" arrives on runc's stdout pipe;
-* ``bare_split``    - the same with ``runc create`` + ``runc start`` as two commands: what splitting
-                      at the runtime would cost (auraed's Create ran ``runc create`` until
-                      2026-11-30; it now leaves the runtime to Start, as containerd does);
+* ``bare_split``    - the same with ``runc create`` + ``runc start`` as two commands (auraed runs
+                      the first and does what the second does itself);
 * ``bare_monitor``  - auraed minus the daemon: the mount, auraed's own monitor (through its
                       Supervisor, in this process) running ``runc run --detach``, until the line
                       is in the monitor's CRI log file (looked at every millisecond from the
@@ -29,12 +30,12 @@ quirks (see cell_lifecycle.py) hit them alike:
 Both sides run the same runc (1.1), the same rootfs (overlayfs over the same snapshot) and the
 same OCI config (namespaces incl. a new network namespace, seccomp, masked paths, cgroup); the
 difference is auraed's own work: two RPCs (mTLS), validation, SQLite records, a Python monitor
-per container that runs ``runc run --detach`` and copies the output into a CRI log file, and
+per container that runs runc and copies the output into a CRI log file, and
 reading the log back through Logs.
 
 Where auraed's time goes: the client times each call; the daemon's side is read off the files it
 writes (bundle/config.json after the mount and spec, monitor.json just before the monitor is
-spawned, container.pid when ``runc run --detach`` is about done) and the CRI timestamp the
+spawned, container.pid when ``runc create`` or ``run --detach`` is about done) and the CRI timestamp the
 monitor gives the line. References measured alone afterwards: an RPC floor (health check) and Python start-up.
 
 Target (issue): auraed at most 1.3x bare ``runc run`` (p50, first line available).
@@ -199,8 +200,8 @@ class Auraed:
             # The daemon's side, from the files it writes (wall clock):
             "create_until_bundle_written": files["bundle"] - w0,
             "bundle_until_monitor_spawn": files["monitor"] - files["bundle"],
-            "monitor_spawn_until_runc_run_done": files["pid"] - files["monitor"],
-            "runc_run_done_until_reply": w2 - files["pid"],
+            "monitor_spawn_until_pid_file": files["pid"] - files["monitor"],
+            "pid_file_until_start_reply": w2 - files["pid"],
             "start_reply_until_line_logged": logged - w2,
             "line_logged_until_client_has_it": w3 - logged,
         }

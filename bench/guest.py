@@ -34,9 +34,9 @@ in one python3 (RssAnon and, in a second run, tracemalloc's Python heap added by
 
 ``containers`` -- a busybox container running ``echo ready``, until its line is available:
 
-* ``auraed_host``: through the host (AuraeClient vm=NAME): Create (rootfs and bundle) + Start
-  (``crun run --detach`` under the monitor), then Logs every 5 ms until the line is there (each
-  call relayed to the guest);
+* ``auraed_host``: through the host (AuraeClient vm=NAME): Create (rootfs and bundle; ``crun
+  create`` under the monitor runs after its reply) + Start (releases the init at its exec fifo),
+  then Logs every 5 ms until the line is there (each call relayed to the guest);
 * ``auraed_direct``: the same straight to the guest's auraed (host certificate): what the relay
   and placement add is the difference;
 * ``auraed_host_oneshot``: through the host, one Create with ``start`` set (what
@@ -46,9 +46,8 @@ in one python3 (RssAnon and, in a second run, tracemalloc's Python heap added by
   overlay mount of auraed's own layer snapshot, timed inside the guest (python3's monotonic clock
   around the mount and ``crun run``, until "ready" is on crun's stdout pipe; busybox ``date`` has
   no %N). Run as a guest cell executable; the interpreter starts before the clock does;
-* ``bare_split``: the same with ``crun create`` + ``crun start``: what splitting at the runtime
-  would cost (auraed's Create ran ``crun create`` until 2026-11-30; it now leaves the runtime to
-  Start, as containerd does).
+* ``bare_split``: the same with ``crun create`` + ``crun start`` as two commands (auraed runs
+  the first and does what the second does itself).
 
 The daemon's side in the guest is read off the files it writes there (bundle/config.json,
 monitor.json, container.pid: mtimes on the guest's clock) and the CRI timestamp of the line.
@@ -200,7 +199,7 @@ with open(root + "/crun.err", "wb") as err:
         times["crun_run_until_line"] = (t2 - t1) / 1e9
         rest = proc.stdout.read()
         code = proc.wait()
-    else:  # crun create + crun start, as auraed's Create and Start do
+    else:  # crun create + crun start
         r, w = os.pipe()
         create = subprocess.Popen(
             [*crun, "create", "--bundle", bundle, cid], stdin=subprocess.DEVNULL, stdout=w, stderr=err
@@ -1067,8 +1066,8 @@ class InGuest:
             if {"bundle", "monitor", "pid"} <= set(t):
                 phases[name] = {
                     "bundle_until_monitor_spawn": t["monitor"] - t["bundle"],
-                    "monitor_spawn_until_crun_done": t["pid"] - t["monitor"],
-                    "crun_done_until_line_logged": self.logged[name] - t["pid"],
+                    "monitor_spawn_until_pid_file": t["pid"] - t["monitor"],
+                    "pid_file_until_line_logged": self.logged[name] - t["pid"],
                 }
         return phases
 

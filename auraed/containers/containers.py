@@ -29,7 +29,7 @@ from auraed.images.content import remove_tree
 from auraed.images.images import Images
 from auraed.images.model import ImageRecord
 from auraed.observe.logfile import LogLine, LogWatch, stream_lines
-from auraed.state.store import Store
+from auraed.state.store import Store, StoreError
 from auraed.system.cgroupfs import CgroupError, Cgroupfs
 from auraed.system.monitor import ExitRecord, MonitorSpec, read_exit_record
 from auraed.system.supervisor import ORPHANED, MonitorStartError, Supervisor
@@ -83,6 +83,7 @@ class Containers:
         self._exited: dict[str, asyncio.Event] = {}
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._changing: dict[str, str] = {}  # id -> the change under way: "created", "started", ...
+        self._runtime_creates: dict[str, asyncio.Task[None]] = {}  # id -> its create_ahead
         self._lock = asyncio.Lock()
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         images.in_use = lambda image_id: any(r.image_id == image_id for r in self._records.values())
@@ -112,9 +113,10 @@ class Containers:
     ) -> ContainerRecord:
         """Create a container: its rootfs and bundle, and with ``start`` its process.
 
-        As in containerd, the OCI runtime first runs at Start, as one ``run --detach``: a created
-        container has no runtime state, process or cgroup yet, and Create + Start costs one
-        runtime command, not two (``create`` + ``start``).
+        With ``start``, one ``run --detach``. Without, the reply does not wait for the runtime:
+        ``create`` runs after it (create_ahead), while the client sends Start, and Start then only
+        releases the init at its exec fifo. A Start that finds no runtime-created container (the
+        create failed, or a reboot came between) runs ``run --detach`` instead.
         """
         async with self._lock:
             if any(r.name == request.name for r in self._records.values()):
@@ -141,9 +143,9 @@ class Containers:
                 del self._changing[record.id]
                 raise
         try:
-            await asyncio.to_thread(self._prepare, record, image, request)
+            spec = await asyncio.to_thread(self._prepare, record, image, request)
             if start:
-                await self._launch(record)
+                await self._launch(record, start=True)
         except BaseException:
             await self._teardown(record, keep_logs=False)
             raise
@@ -155,6 +157,10 @@ class Containers:
         else:
             record.state = State.CREATED
             self._save(record)
+            if self._runtime.releases_by_fifo and not spec.get("hooks", {}).get("poststart"):
+                self._runtime_creates[record.id] = asyncio.get_running_loop().create_task(
+                    self._create_ahead(record), name=f"create {record.id}"
+                )
         log.info(
             "%s container %s (%s) from %s",
             "started" if start else "created",
@@ -164,8 +170,10 @@ class Containers:
         )
         return record
 
-    def _prepare(self, record: ContainerRecord, image: ImageRecord, request: oci.ContainerRequest) -> None:
-        """Mount the rootfs and write the bundle; runs in a worker thread."""
+    def _prepare(
+        self, record: ContainerRecord, image: ImageRecord, request: oci.ContainerRequest
+    ) -> dict[str, Any]:
+        """Mount the rootfs and write the bundle; its spec. Runs in a worker thread."""
         record.path.mkdir(mode=0o700, parents=True)
         self._mount(record, image)
         try:
@@ -179,6 +187,7 @@ class Containers:
         record.process = spec["process"]
         record.bundle.mkdir(mode=0o700)
         (record.bundle / "config.json").write_text(json.dumps(spec))  # compact: the C encoder, 6x faster
+        return spec
 
     def _mount(self, record: ContainerRecord, image: ImageRecord | None = None) -> None:
         """The overlay rootfs over the image's snapshots; the upper dir keeps what was written."""
@@ -191,15 +200,15 @@ class Containers:
         self._sockets_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         return self._sockets_dir / f"{record.id}.sock"
 
-    async def _launch(self, record: ContainerRecord) -> None:
-        """Run the container (``run --detach``) under a new monitor."""
+    async def _launch(self, record: ContainerRecord, start: bool) -> None:
+        """Create the container under a new monitor, and with ``start`` run it (``run --detach``)."""
         monitor = MonitorSpec(
             argv=self._runtime.create_argv(
                 record.id,
                 record.bundle,
                 record.path / "container.pid",
                 self._console_socket(record) if record.tty else None,
-                start=True,
+                start=start,
             ),
             log_path=str(record.log_path),
             exit_path=str(record.exit_path),
@@ -207,7 +216,7 @@ class Containers:
             subreaper=True,
             pid_file=str(record.path / "container.pid"),
             console_socket=str(self._console_socket(record)) if record.tty else None,
-            runtime_starts=True,
+            runtime_starts=start,
         )
         try:
             supervised = await self._supervisor.launch(monitor, record.path)
@@ -216,6 +225,47 @@ class Containers:
             raise ContainerError(kind, f"cannot run container {record.name}: {exc}") from None
         record.monitor_pid, record.monitor_ticks = supervised.monitor_pid, supervised.monitor_ticks
         record.pid, record.ticks = supervised.pid, supervised.ticks
+
+    async def _create_ahead(self, record: ContainerRecord) -> None:
+        """The runtime's ``create`` for a created container, after Create's reply; on any failure
+        its traces go and Start runs the container as if this had not been tried."""
+        try:
+            await self._launch(record, start=False)
+            if record.id in self._records:
+                self._save(record)  # a restart finds its monitor and init
+        except BaseException as exc:
+            await self._forget_runtime_create(record)
+            if not isinstance(exc, Exception):
+                raise
+            log.info("container %s: create ahead of Start failed, Start runs it: %s", record.name, exc)
+        finally:
+            self._runtime_creates.pop(record.id, None)
+
+    async def _forget_runtime_create(self, record: ContainerRecord) -> None:
+        """Undo a runtime ``create``: kill its init (its monitor then ends), drop what it left."""
+        with contextlib.suppress(OciRuntimeError):
+            await self._runtime.delete(record.id, force=True)
+        await self._monitor_ended(record)
+        record.monitor_pid, record.monitor_ticks, record.pid, record.ticks = 0, None, 0, None
+        for leftover in (record.exit_path, record.path / "container.pid"):
+            leftover.unlink(missing_ok=True)
+        if record.id in self._records:
+            with contextlib.suppress(StoreError):  # the record on disk is undone at recovery
+                self._save(record)
+
+    def _runtime_create_lost(self, record: ContainerRecord) -> bool:
+        """A created container whose runtime create ended (a reboot, say), or began but was never
+        recorded (auraed killed meanwhile)."""
+        if record.pid:
+            return not Supervisor.alive(record.supervised)
+        return self._runtime.knows(record.id)
+
+    async def _monitor_ended(self, record: ContainerRecord) -> None:
+        """Wait (at most KILL_WAIT) for a killed container's monitor to end, so that nothing
+        writes into its directory any more."""
+        if record.monitor_pid and Supervisor.alive(record.supervised):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._supervisor.wait(record.supervised, record.exit_path), KILL_WAIT)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -237,15 +287,30 @@ class Containers:
         with self._changing_now(record, "started"):
             if record.state != State.CREATED:
                 raise ContainerError.precondition(f"container {record.name} is {record.state}, not created")
+            ahead = self._runtime_creates.get(record.id)
+            if ahead is not None:
+                await asyncio.shield(ahead)
             try:
-                if not is_mounted(record.rootfs):  # created before a reboot: the mount is gone
-                    await asyncio.to_thread(self._mount, record)
-                await self._launch(record)
+                if record.pid:  # the runtime created it: its init waits at the exec fifo
+                    await self._release(record)
+                else:
+                    if not is_mounted(record.rootfs):  # created before a reboot: the mount is gone
+                        await asyncio.to_thread(self._mount, record)
+                    await self._launch(record, start=True)
             except BaseException as exc:  # a cancelled Start too: the runtime may have run already
                 await self._start_failed(record, str(exc) if isinstance(exc, ContainerError) else repr(exc))
                 raise
             self._started(record)
         return record
+
+    async def _release(self, record: ContainerRecord) -> None:
+        def alive() -> bool:
+            return Supervisor.alive(record.supervised)
+
+        try:
+            await self._runtime.start_created(record.id, alive)
+        except OciRuntimeError as exc:
+            raise runtime_error(exc, f"cannot run container {record.name}") from None
 
     def _started(self, record: ContainerRecord) -> None:
         record.state = State.RUNNING
@@ -314,8 +379,13 @@ class Containers:
 
     async def _teardown(self, record: ContainerRecord, keep_logs: bool) -> None:
         """Remove every trace of a container; safe on half-made ones and repeatable."""
+        ahead = self._runtime_creates.get(record.id)
+        if ahead is not None:
+            await asyncio.shield(ahead)
         with contextlib.suppress(OciRuntimeError):
             await self._runtime.delete(record.id, force=True)
+        if record.state == State.CREATED:
+            await self._monitor_ended(record)  # a runtime-created init was killed just now
         watcher = self._watchers.pop(record.id, None)
         if watcher is not None:
             watcher.cancel()
@@ -401,6 +471,8 @@ class Containers:
         )
 
     def stats(self, record: ContainerRecord) -> dict[str, int]:
+        if record.state == State.CREATED:  # its cgroup may hold the runtime's init, not yet ours
+            raise ContainerError.precondition(f"container {record.name} has not started")
         path = self.cgroup(record)
         if not self._cgroups.exists(path):
             raise ContainerError.precondition(f"container {record.name} has no cgroup ({record.state})")
@@ -434,6 +506,8 @@ class Containers:
                 await self._teardown(record, keep_logs=False)
             elif record.state == State.CREATED:  # nothing runs until Start
                 self._exited[record.id] = asyncio.Event()
+                if self._runtime_create_lost(record):
+                    await self._forget_runtime_create(record)
             elif record.alive and Supervisor.alive(record.supervised):
                 log.info("found container %s running as pid %d", record.name, record.pid)
                 self._watch(record)
@@ -443,6 +517,8 @@ class Containers:
         log.info("recovered %d containers", len(self._records))
 
     async def close(self) -> None:
+        # Not cancelled: a runtime create cut short would leave an init nothing knows of.
+        await asyncio.gather(*self._runtime_creates.values(), return_exceptions=True)
         for task in list(self._watchers.values()):
             task.cancel()
         await asyncio.gather(*self._watchers.values(), return_exceptions=True)

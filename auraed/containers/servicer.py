@@ -155,7 +155,7 @@ def status_message(record: ContainerRecord) -> pb.ContainerStatus:
         image=record.image,
         image_id=record.image_id,
         state=STATES[record.state],
-        pid=record.pid if record.alive else 0,
+        pid=record.pid if record.state == State.RUNNING else 0,
         exit_code=record.exit_code,
         signal=record.signal,
         oom_killed=record.oom_killed,

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -415,6 +418,88 @@ async def test_created_containers_run_nothing_until_start(loaded: AuraeClient) -
     assert await asyncio.wait_for(following, 5) == []
 
 
+def runtime_state(daemon: DaemonProcess, container_id: str) -> dict[str, Any] | None:
+    """What runc itself knows of a container of the daemon's (None: nothing)."""
+    found = subprocess.run(
+        ["runc", "--root", str(daemon.root / "run" / "runtime"), "state", container_id],
+        capture_output=True,
+        check=False,
+    )
+    return json.loads(found.stdout) if found.returncode == 0 else None
+
+
+async def created_by_runtime(daemon: DaemonProcess, container_id: str) -> dict[str, Any]:
+    async def created() -> bool:
+        state = runtime_state(daemon, container_id)
+        return state is not None and state["status"] == "created"
+
+    await wait_until(created, 20)
+    state = runtime_state(daemon, container_id)
+    assert state is not None
+    return state
+
+
+async def test_start_releases_the_init_the_runtime_created_after_the_reply(
+    loaded: AuraeClient, daemon: DaemonProcess
+) -> None:
+    # runc create runs after Create's reply; Start then only releases the init at its exec
+    # fifo, as runc start would, without a runc process.
+    created = await create(loaded, "ahead", BUSYBOX, command=["sh", "-c", "echo released; exit 7"])
+    init = await created_by_runtime(daemon, created.id)
+    current = await status(loaded, "ahead")
+    assert (current.state, current.pid) == (pb.ContainerState.CREATED, 0)  # nothing of its own runs
+    started = await start(loaded, "ahead")
+    assert started.pid == init["pid"]
+    waited = pb.ContainerServiceWaitRequest(container_id="ahead")
+    final = (await loaded.call(CONTAINERS, "Wait", waited, timeout=60)).status
+    assert (final.state, final.exit_code) == (pb.ContainerState.EXITED, 7)
+    assert await logs(loaded, "ahead") == ["released"]
+    await delete(loaded, "ahead", force=False)
+    assert runtime_state(daemon, created.id) is None
+
+    # With a terminal: the runtime hands the monitor the pty at create.
+    on_tty = await create(loaded, "ahead-tty", BUSYBOX, command=["sh", "-c", "tty; echo done"], tty=True)
+    await created_by_runtime(daemon, on_tty.id)
+    await start(loaded, "ahead-tty")
+    waited = pb.ContainerServiceWaitRequest(container_id="ahead-tty")
+    assert (await loaded.call(CONTAINERS, "Wait", waited, timeout=60)).status.exit_code == 0
+    assert await logs(loaded, "ahead-tty") == ["/dev/pts/0", "done"]
+    await delete(loaded, "ahead-tty", force=False)
+
+    # An init that died before Start: Start says so, in bounded time, and the container is EXITED.
+    doomed = await create(loaded, "doomed", BUSYBOX, command=["true"])
+    os.kill(int((await created_by_runtime(daemon, doomed.id))["pid"]), signal.SIGKILL)
+    with pytest.raises(ClientError) as error:
+        await start(loaded, "doomed")
+    assert error.value.code == "FAILED_PRECONDITION" and "ended before it was started" in error.value.message
+    assert (await status(loaded, "doomed")).state == pb.ContainerState.EXITED
+    await delete(loaded, "doomed", force=False)
+
+    # A Delete right after Create, while runc creates it, leaves nothing behind.
+    for round_ in range(3):
+        gone = await create(loaded, f"gone{round_}", BUSYBOX, command=["true"])
+        await delete(loaded, f"gone{round_}", force=False)
+        assert runtime_state(daemon, gone.id) is None
+    assert list((daemon.root / "state" / "containers").iterdir()) == []
+
+
+async def test_a_container_with_poststart_hooks_is_created_by_start(
+    loaded: AuraeClient, daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    # Releasing the init at its fifo would skip the runtime's poststart hooks: such a container
+    # is left to Start, which runs the runtime (and its hooks).
+    marker = tmp_path / "poststart-ran"
+    hook = pb.Hook(path="/bin/sh", args=["-c", f"echo ran > {marker}"])
+    created = await create(
+        loaded, "hooked", BUSYBOX, command=["sleep", "30"], hooks=pb.Hooks(poststart=[hook])
+    )
+    await asyncio.sleep(0.5)
+    assert runtime_state(daemon, created.id) is None
+    await start(loaded, "hooked")
+    assert marker.read_text() == "ran\n"
+    await delete(loaded, "hooked")
+
+
 async def test_a_failed_start_leaves_the_container_exited_with_the_reason(
     loaded: AuraeClient, daemon: DaemonProcess
 ) -> None:
@@ -432,31 +517,38 @@ async def test_a_failed_start_leaves_the_container_exited_with_the_reason(
     assert list((daemon.root / "state" / "containers").iterdir()) == []
 
 
-async def test_a_created_container_survives_kill_9_and_a_lost_mount(
+async def test_a_created_container_survives_kill_9_and_a_reboot(
     daemon_factory: DaemonFactory, busybox_layout: BuiltImage
 ) -> None:
     daemon = daemon_factory()
     async with daemon.client() as client:
         await import_layout(client, busybox_layout.layout, BUSYBOX)
-        created = await create(client, "later", BUSYBOX, command=["sh", "-c", "echo up; ls /"])
+        kept = await create(client, "kept", BUSYBOX, command=["sh", "-c", "echo kept"])
+        later = await create(client, "later", BUSYBOX, command=["sh", "-c", "echo up; ls /"])
+        inits = [await created_by_runtime(daemon, c.id) for c in (kept, later)]
     daemon.kill9()
-    # As after a reboot: the rootfs mount is gone, the upper dir on disk stays.
-    rootfs = daemon.root / "state" / "containers" / created.id / "rootfs"
+    # "later" as after a reboot: its monitor and init are gone, and so is its rootfs mount (the
+    # upper dir on disk stays). "kept" waits at its exec fifo, its monitor alive.
+    init_pid = int(inits[1]["pid"])
+    monitor_pid = int(Path(f"/proc/{init_pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    for pid in (monitor_pid, init_pid):
+        os.kill(pid, signal.SIGKILL)
+    rootfs = daemon.root / "state" / "containers" / later.id / "rootfs"
     assert rootfs.is_mount()
     subprocess.run(["umount", str(rootfs)], check=True)
     daemon.start()
     async with daemon.client() as client:
-        assert (await status(client, "later")).state == pb.ContainerState.CREATED
-        await start(client, "later")
-        final = (
-            await client.call(
-                CONTAINERS, "Wait", pb.ContainerServiceWaitRequest(container_id="later"), timeout=60
-            )
-        ).status
-        assert (final.state, final.exit_code) == (pb.ContainerState.EXITED, 0)
-        lines = await logs(client, "later")
-        assert lines[0] == "up" and "bin" in lines
-        await delete(client, "later", force=False)
+        for name, first_line in (("kept", "kept"), ("later", "up")):
+            assert (await status(client, name)).state == pb.ContainerState.CREATED
+            await start(client, name)
+            waited = pb.ContainerServiceWaitRequest(container_id=name)
+            final = (await client.call(CONTAINERS, "Wait", waited, timeout=60)).status
+            assert (final.state, final.exit_code) == (pb.ContainerState.EXITED, 0), name
+            lines = await logs(client, name)
+            assert lines[0] == first_line, lines
+        assert "bin" in lines
+        for name in ("kept", "later"):
+            await delete(client, name, force=False)
     assert not rootfs.exists()
 
 
