@@ -175,7 +175,7 @@ class OciRuntime:
         only releases it there and removes the fifo (which is how both tell "created" from
         "running"). runc's init writes one byte into the fifo and execs once someone reads it;
         crun's init reads one byte from it. Doing that here saves a runtime process: ~8 ms on a
-        host, 150-250 ms in a TCG guest (docs/benchmarks.md). Poststart hooks are not run:
+        host, 150-320 ms in a TCG guest (docs/benchmarks.md). Poststart hooks are not run:
         containers with some are not created ahead (Containers.create). ``alive``: whether the
         init still runs, asked while waiting for it.
         """

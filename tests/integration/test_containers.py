@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -550,6 +552,34 @@ async def test_a_created_container_survives_kill_9_and_a_reboot(
         for name in ("kept", "later"):
             await delete(client, name, force=False)
     assert not rootfs.exists()
+
+
+async def test_a_runtime_create_auraed_did_not_record_is_undone_at_restart(
+    daemon_factory: DaemonFactory, busybox_layout: BuiltImage
+) -> None:
+    # auraed killed between the runtime's create and saving what it made: the record knows no
+    # monitor, runc knows a container. Made here by erasing the pids from the record.
+    daemon = daemon_factory()
+    async with daemon.client() as client:
+        await import_layout(client, busybox_layout.layout, BUSYBOX)
+        created = await create(client, "unrecorded", BUSYBOX, command=["sh", "-c", "echo fresh"])
+        stray_init = int((await created_by_runtime(daemon, created.id))["pid"])
+    daemon.kill9()
+    with contextlib.closing(sqlite3.connect(daemon.root / "state" / "auraed.db")) as db, db:
+        (doc,) = db.execute("SELECT doc FROM records WHERE key = ?", (created.id,)).fetchone()
+        record = json.loads(doc) | {"monitor_pid": 0, "monitor_ticks": None, "pid": 0, "ticks": None}
+        db.execute("UPDATE records SET doc = ? WHERE key = ?", (json.dumps(record), created.id))
+    daemon.start()
+    async with daemon.client() as client:
+        await wait_until(lambda: not Path(f"/proc/{stray_init}").exists(), 5)  # killed at recovery
+        assert not Path(f"/proc/{stray_init}").exists()
+        started = await start(client, "unrecorded")
+        assert started.pid != stray_init
+        waited = pb.ContainerServiceWaitRequest(container_id="unrecorded")
+        assert (await client.call(CONTAINERS, "Wait", waited, timeout=60)).status.exit_code == 0
+        assert await logs(client, "unrecorded") == ["fresh"]
+        await delete(client, "unrecorded", force=False)
+    assert runtime_state(daemon, created.id) is None
 
 
 async def test_a_graceful_stop_leaves_no_cgroup_of_ours_in_any_hierarchy(
