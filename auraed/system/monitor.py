@@ -736,14 +736,7 @@ class _Monitor:
             os.set_inheritable(self.sync_fd, False)
         except OSError:
             self.sync_fd = -1
-        if os.getsid(0) != os.getpid():
-            try:
-                os.setsid()
-            except OSError as exc:
-                log_error(f"setsid: {_describe(exc)}")
-        for sig in (_signal.SIGINT, _signal.SIGHUP, _signal.SIGPIPE):
-            _signal.signal(sig, _signal.SIG_IGN)
-        _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)  # SIG_IGN (inherited) would auto-reap
+        _own_session_and_signals()
 
         self.step = f"read spec {spec_path}"
         with open(spec_path, "rb") as f:
@@ -1240,6 +1233,32 @@ def monitor_command(spec_path: str, sync_fd: int, python: str | None = None) -> 
     this is for starting one by hand (tests, the benchmarks' references).
     """
     return module_command("auraed.system.monitor", [spec_path, str(sync_fd)], python)
+
+
+def _own_session_and_signals() -> None:
+    """A session of our own (out of auraed's reach of terminal signals), interactive signals
+    ignored, SIGCHLD delivered."""
+    if os.getsid(0) != os.getpid():
+        try:
+            os.setsid()
+        except OSError as exc:
+            log_error(f"setsid: {_describe(exc)}")
+    for sig in (_signal.SIGINT, _signal.SIGHUP, _signal.SIGPIPE):
+        _signal.signal(sig, _signal.SIG_IGN)
+    _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)  # SIG_IGN (inherited) would auto-reap
+
+
+def prepare_ahead() -> None:
+    """In a process forked to become a monitor later (the launcher's spare), before it knows
+    what for: what does not depend on the request, and a first touch of the objects a monitor
+    uses, so that their pages are copied from the parent now rather than on the request's path."""
+    _own_session_and_signals()
+    _ensure_std_fds()
+    _loads('{"argv": ["x"], "n": 1, "t": true, "f": null}')
+    _Monitor(-1)
+    _CriLog(os.devnull).timestamp()
+    os.makedirs(os.path.dirname(os.devnull), exist_ok=True)  # the path _CriLog.open takes
+    _namespaces().is_child_subreaper()
 
 
 def preload() -> None:

@@ -2,8 +2,10 @@
 
 Starting each monitor as a fresh interpreter costs its start-up and imports every time: ~8-20 ms
 on a host, ~300 ms in a guest under TCG. The launcher pays that once, at daemon start: it imports
-``auraed.system.monitor`` (and what the monitor loads on demand), then forks a monitor per request,
-ready in about a millisecond. A forked monitor is the same code as before, in its own session.
+``auraed.system.monitor`` (and what the monitor loads on demand), then keeps one forked child, the
+spare, waiting for the next request. The spare takes it, tells the launcher (which forks the next
+spare while this one works) and becomes the monitor: the fork (~1.1 ms on a host after idle) is
+off the request's path. A monitor is the same code as before, in its own session.
 
 Protocol, on a SOCK_SEQPACKET socketpair with auraed:
 
@@ -11,7 +13,9 @@ Protocol, on a SOCK_SEQPACKET socketpair with auraed:
   monitor's stdin, stdout, stderr and sync fd (``auraed.system.monitor``'s protocol from there).
 - reply: the monitor's pid in decimal, or ``error: <why>``.
 
-The launcher ends at EOF on its socket: when auraed closes it or dies. The monitors it forked
+Requests are read by the spare (the launcher reads one itself only when it cannot fork, to
+answer it with the error). The launcher and its spare end at EOF on the socket: when auraed
+closes it or dies. The monitors it forked
 carry on: they hold no reference to it, and when it ends they are reparented like any orphan,
 which is what happened to monitors auraed started itself. The launcher never waits for them:
 with SIGCHLD ignored the kernel reaps them, so an exit is seen through a pidfd, as before.
@@ -26,8 +30,9 @@ import gc
 import os
 import socket
 import sys
+import time
 
-from auraed.system import monitor
+from auraed.system import monitor, namespaces  # the monitor loads namespaces anyway (preload)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -42,6 +47,19 @@ REQUEST_MAX = 4096
 """Longest spec path accepted (PATH_MAX)."""
 
 REPLY_MAX = 1024
+
+SPARE_TOOK = b"t"
+"""What a spare writes to the launcher once it has a request (then it becomes its monitor)."""
+
+SPARE_SAW_EOF = b"e"
+"""What a spare writes when auraed closed the socket: the launcher ends too."""
+
+SPARE_NAME = "aurae-spare"
+MONITOR_NAME = "aurae-monitor"
+"""Process names (comm, what ps shows) of a spare and of the monitor it becomes."""
+
+RESPAWN_DELAY = 0.1
+"""Seconds before replacing a spare that died without a request (so a broken one cannot spin)."""
 
 
 def main(argv: list[str]) -> int:
@@ -60,39 +78,92 @@ def main(argv: list[str]) -> int:
     control = socket.socket(fileno=int(argv[0]))
     while True:
         try:
-            payload, fds, _flags, _address = socket.recv_fds(control, REQUEST_MAX, DESCRIPTORS)
-        except OSError as exc:
-            monitor.log_error(f"launcher: receive: {exc}")
-            return 1
-        if not payload and not fds:
+            news = _next_spare(control)
+        except OSError as exc:  # no spare (fork failed): answer the next request with why
+            news = _refuse_one(control, f"cannot fork a monitor: {exc}")
+        if news == SPARE_SAW_EOF:
             return 0  # auraed closed its end or died
-        try:
-            control.send(_launch(control, payload, fds))
-        except OSError as exc:
-            monitor.log_error(f"launcher: reply: {exc}")
-            return 1
+        if news != SPARE_TOOK:
+            time.sleep(RESPAWN_DELAY)
 
 
-def _launch(control: socket.socket, payload: bytes, fds: list[int]) -> bytes:
-    """Fork a monitor for one request; the reply for auraed."""
+def _next_spare(control: socket.socket) -> bytes:
+    """Fork a spare and wait until it took a request (SPARE_TOOK), saw EOF (SPARE_SAW_EOF) or
+    died (b"")."""
+    news_r, news_w = os.pipe()
     try:
-        if len(fds) != DESCRIPTORS:
-            return f"error: expected {DESCRIPTORS} descriptors, got {len(fds)}".encode()
-        spec_path = payload.decode()
         sys.stderr.flush()
         pid = os.fork()
-        if pid == 0:
-            _become_monitor(control, spec_path, fds)
-        return str(pid).encode()
-    except (OSError, UnicodeDecodeError) as exc:
-        return f"error: {exc}".encode()
+    except OSError:
+        os.close(news_r)
+        os.close(news_w)
+        raise
+    if pid == 0:
+        os.close(news_r)
+        _spare(control, news_w)
+    os.close(news_w)
+    with open(news_r, "rb", buffering=0) as news:
+        return news.read(1)
+
+
+def _refuse_one(control: socket.socket, why: str) -> bytes:
+    """Without a spare: read one request and answer it with ``why``."""
+    try:
+        payload, fds, _flags, _address = socket.recv_fds(control, REQUEST_MAX, DESCRIPTORS)
+    except OSError as exc:
+        monitor.log_error(f"launcher: receive: {exc}")
+        return SPARE_SAW_EOF
+    for fd in fds:
+        os.close(fd)
+    if not payload and not fds:
+        return SPARE_SAW_EOF
+    try:
+        control.send(f"error: {why}".encode())
+    except OSError as exc:
+        monitor.log_error(f"launcher: reply: {exc}")
+    return b""
+
+
+def _spare(control: socket.socket, news_w: int) -> None:
+    """In a forked spare: wait for one request, tell the launcher, become its monitor."""
+    code = 1
+    try:
+        namespaces.set_process_name(SPARE_NAME)
+        monitor.prepare_ahead()
+        payload, fds, _flags, _address = socket.recv_fds(control, REQUEST_MAX, DESCRIPTORS)
+        if not payload and not fds:
+            os.write(news_w, SPARE_SAW_EOF)
+            code = 0
+            return
+        os.write(news_w, SPARE_TOOK)
+        os.close(news_w)
+        namespaces.set_process_name(MONITOR_NAME)
+        problem = _check_request(payload, fds)
+        if problem is not None:
+            for fd in fds:
+                os.close(fd)
+            control.send(f"error: {problem}".encode())
+            return
+        control.send(str(os.getpid()).encode())
+        code = _become_monitor(control, payload.decode(), fds)
+    except BaseException as exc:
+        monitor.log_error(f"launcher spare: {exc!r}")
     finally:
-        for fd in fds:  # the child never gets here: it ends in os._exit
-            os.close(fd)
+        os._exit(code)
 
 
-def _become_monitor(control: socket.socket, spec_path: str, fds: list[int]) -> None:
-    """In the forked child: take the request's descriptors as stdio and run the monitor."""
+def _check_request(payload: bytes, fds: list[int]) -> str | None:
+    if len(fds) != DESCRIPTORS:
+        return f"expected {DESCRIPTORS} descriptors, got {len(fds)}"
+    try:
+        payload.decode()
+    except UnicodeDecodeError as exc:
+        return str(exc)
+    return None
+
+
+def _become_monitor(control: socket.socket, spec_path: str, fds: list[int]) -> int:
+    """In the spare: take the request's descriptors as stdio and run the monitor; its exit code."""
     code = 1
     try:
         control.close()
@@ -103,10 +174,9 @@ def _become_monitor(control: socket.socket, spec_path: str, fds: list[int]) -> N
         for fd in stdio:
             os.close(fd)
         code = monitor.main([spec_path, str(sync_fd)])
-    except BaseException as exc:
+    except Exception as exc:
         monitor.log_error(f"launcher child: {exc!r}")
-    finally:
-        os._exit(code)
+    return code
 
 
 def launcher_command(control_fd: int, label: str, python: str | None = None) -> list[str]:

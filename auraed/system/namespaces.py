@@ -66,6 +66,8 @@ _prctl.restype = ctypes.c_int
 
 PR_SET_CHILD_SUBREAPER = 36
 PR_GET_CHILD_SUBREAPER = 37
+PR_SET_NAME = 15
+TASK_COMM_LEN = 16  # /proc/PID/comm holds 15 bytes and a NUL
 
 
 def _raise(call: str) -> None:
@@ -118,6 +120,13 @@ def set_child_subreaper(enabled: bool = True) -> None:
     """prctl(PR_SET_CHILD_SUBREAPER): orphaned descendants are reparented to this process, not init."""
     if _prctl(PR_SET_CHILD_SUBREAPER, 1 if enabled else 0, 0, 0, 0) != 0:
         _raise("prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def set_process_name(name: str) -> None:
+    """prctl(PR_SET_NAME): what ps and /proc/PID/comm show (truncated to 15 bytes)."""
+    raw = ctypes.create_string_buffer(name.encode()[: TASK_COMM_LEN - 1])
+    if _prctl(PR_SET_NAME, ctypes.addressof(raw), 0, 0, 0) != 0:
+        _raise("prctl(PR_SET_NAME)")
 
 
 def is_child_subreaper() -> bool:

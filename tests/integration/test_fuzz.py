@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from auraed.api.aurae.cells import v0 as cells_pb
 from auraed.api.aurae.vms import v0 as vms_pb
 from auraed.server.rpc import message_class, service_descriptor
+from auraed.system.monitor_launcher import SPARE_NAME
 from tests.conftest import DaemonProcess
 
 SERVICES = [
@@ -186,7 +187,8 @@ def _assert_nothing_left(daemon: DaemonProcess) -> None:
 
 def _monitors_left(daemon: DaemonProcess) -> list[int]:
     """Monitors are forked by the daemon's monitor launcher and carry its command line (which
-    names the daemon's runtime dir); the launcher itself is the daemon's child, a monitor is not."""
+    names the daemon's runtime dir); the launcher itself is the daemon's child, a monitor is not,
+    and the launcher's spare (not yet a monitor) has a name of its own."""
     assert daemon.process is not None
     runtime_dir = str(daemon.root / "run").encode()
     left = []
@@ -195,9 +197,10 @@ def _monitors_left(daemon: DaemonProcess) -> list[int]:
             try:
                 cmdline = (proc / "cmdline").read_bytes()
                 stat = (proc / "stat").read_text()
+                spare = (proc / "comm").read_text().strip() == SPARE_NAME
             except OSError:
                 continue
-            ours = runtime_dir in cmdline and b"auraed.system.monitor" in cmdline
+            ours = runtime_dir in cmdline and b"auraed.system.monitor" in cmdline and not spare
             if ours and int(stat[stat.rindex(")") + 2 :].split()[1]) != daemon.process.pid:
                 left.append(int(proc.name))
     return left

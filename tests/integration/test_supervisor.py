@@ -14,6 +14,7 @@ import pytest
 
 from auraed.system import processes
 from auraed.system.monitor import MonitorSpec, parse_cri_log_line
+from auraed.system.monitor_launcher import MONITOR_NAME, SPARE_NAME
 from auraed.system.supervisor import MonitorStartError, Supervised, Supervisor
 
 LAUNCHED: list[Supervised] = []
@@ -91,6 +92,48 @@ async def test_a_killed_launcher_is_replaced(supervisor: Supervisor, tmp_path: P
     processes.send_signal(running.pid, signal.SIGTERM, running.ticks)
     record = await supervisor.wait(running, tmp_path / "a" / "exit.json")
     assert record is not None and record.signal == signal.SIGTERM
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                stat = (proc / "stat").read_text()
+            except OSError:
+                continue  # ended meanwhile
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(proc.name))
+    return found
+
+
+async def test_the_launchers_spare_is_replaced_when_it_dies_and_leaves_with_it(
+    supervisor: Supervisor, tmp_path: Path
+) -> None:
+    # The launcher keeps one forked spare waiting for the next request.
+    done = await launch(supervisor, tmp_path / "a", ["true"])
+    await supervisor.wait(done, tmp_path / "a" / "exit.json")
+    launcher = supervisor.launcher_pid
+    assert launcher is not None
+    (spare,) = children_of(launcher)
+    assert cmdline(spare) == cmdline(launcher)
+    assert Path(f"/proc/{spare}/comm").read_text().strip() == SPARE_NAME
+    os.kill(spare, signal.SIGKILL)  # dead without a request: another replaces it
+    handle = await launch(supervisor, tmp_path / "b", ["sh", "-c", "echo on; sleep 1"])
+    assert handle.monitor_pid != spare and supervisor.launcher_pid == launcher
+    assert Path(f"/proc/{handle.monitor_pid}/comm").read_text().strip() == MONITOR_NAME
+    record = await supervisor.wait(handle, tmp_path / "b" / "exit.json")
+    assert record is not None and record.exit_code == 0 and logged(tmp_path / "b") == ["on"]
+    (spare,) = children_of(launcher)
+    launcher_process = supervisor._launcher
+    assert launcher_process is not None
+    supervisor.close()  # EOF: the spare tells the launcher, and both end by themselves
+    assert launcher_process.returncode == 0
+    for _ in range(100):  # reaped by whoever inherited it, in a moment
+        if not Path(f"/proc/{spare}").exists():
+            break
+        await asyncio.sleep(0.02)
+    assert not Path(f"/proc/{spare}").exists()
 
 
 async def test_start_errors_come_from_the_monitor(supervisor: Supervisor, tmp_path: Path) -> None:
