@@ -38,9 +38,13 @@ async def run(client: AuraeClient, name: str, image: str, **config: Any) -> pb.C
     """Create, start and wait for the end of a container."""
     await create(client, name, image, **config)
     await start(client, name)
-    return (
-        await client.call(CONTAINERS, "Wait", pb.ContainerServiceWaitRequest(container_id=name), timeout=60)
-    ).status
+    return await wait_exit(client, name)
+
+
+async def wait_exit(client: AuraeClient, container: str) -> pb.ContainerStatus:
+    """The container's status once it has ended."""
+    request = pb.ContainerServiceWaitRequest(container_id=container)
+    return (await client.call(CONTAINERS, "Wait", request, timeout=60)).status
 
 
 async def status(client: AuraeClient, container: str) -> pb.ContainerStatus:

@@ -27,6 +27,7 @@ from tests.integration.containers_helpers import (
     run,
     start,
     status,
+    wait_exit,
     wait_for_line,
     wait_running,
 )
@@ -452,8 +453,7 @@ async def test_start_releases_the_init_the_runtime_created_after_the_reply(
     assert (current.state, current.pid) == (pb.ContainerState.CREATED, 0)  # nothing of its own runs
     started = await start(loaded, "ahead")
     assert started.pid == init["pid"]
-    waited = pb.ContainerServiceWaitRequest(container_id="ahead")
-    final = (await loaded.call(CONTAINERS, "Wait", waited, timeout=60)).status
+    final = await wait_exit(loaded, "ahead")
     assert (final.state, final.exit_code) == (pb.ContainerState.EXITED, 7)
     assert await logs(loaded, "ahead") == ["released"]
     await delete(loaded, "ahead", force=False)
@@ -463,8 +463,7 @@ async def test_start_releases_the_init_the_runtime_created_after_the_reply(
     on_tty = await create(loaded, "ahead-tty", BUSYBOX, command=["sh", "-c", "tty; echo done"], tty=True)
     await created_by_runtime(daemon, on_tty.id)
     await start(loaded, "ahead-tty")
-    waited = pb.ContainerServiceWaitRequest(container_id="ahead-tty")
-    assert (await loaded.call(CONTAINERS, "Wait", waited, timeout=60)).status.exit_code == 0
+    assert (await wait_exit(loaded, "ahead-tty")).exit_code == 0
     assert await logs(loaded, "ahead-tty") == ["/dev/pts/0", "done"]
     await delete(loaded, "ahead-tty", force=False)
 
@@ -543,8 +542,7 @@ async def test_a_created_container_survives_kill_9_and_a_reboot(
         for name, first_line in (("kept", "kept"), ("later", "up")):
             assert (await status(client, name)).state == pb.ContainerState.CREATED
             await start(client, name)
-            waited = pb.ContainerServiceWaitRequest(container_id=name)
-            final = (await client.call(CONTAINERS, "Wait", waited, timeout=60)).status
+            final = await wait_exit(client, name)
             assert (final.state, final.exit_code) == (pb.ContainerState.EXITED, 0), name
             lines = await logs(client, name)
             assert lines[0] == first_line, lines
@@ -575,8 +573,7 @@ async def test_a_runtime_create_auraed_did_not_record_is_undone_at_restart(
         assert not Path(f"/proc/{stray_init}").exists()
         started = await start(client, "unrecorded")
         assert started.pid != stray_init
-        waited = pb.ContainerServiceWaitRequest(container_id="unrecorded")
-        assert (await client.call(CONTAINERS, "Wait", waited, timeout=60)).status.exit_code == 0
+        assert (await wait_exit(client, "unrecorded")).exit_code == 0
         assert await logs(client, "unrecorded") == ["fresh"]
         await delete(client, "unrecorded", force=False)
     assert runtime_state(daemon, created.id) is None
