@@ -15,9 +15,9 @@ Protocol, on a SOCK_SEQPACKET socketpair with auraed:
 
 Requests are read by the spare (the launcher reads one itself only when it cannot fork, to
 answer it with the error). The launcher and its spare end at EOF on the socket: when auraed
-closes it or dies. The monitors it forked
-carry on: they hold no reference to it, and when it ends they are reparented like any orphan,
-which is what happened to monitors auraed started itself. The launcher never waits for them:
+closes it or dies. The monitors it forked carry on: they hold no reference to it, and when it
+ends they are reparented like any orphan, which is what happened to monitors auraed started
+itself. The launcher never waits for them:
 with SIGCHLD ignored the kernel reaps them, so an exit is seen through a pidfd, as before.
 
 Run as ``launcher_command(...)`` builds it; the cmdline of every forked monitor is the
@@ -26,6 +26,7 @@ launcher's, which names this module and the daemon's runtime directory.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import socket
@@ -52,7 +53,8 @@ SPARE_TOOK = b"t"
 """What a spare writes to the launcher once it has a request (then it becomes its monitor)."""
 
 SPARE_SAW_EOF = b"e"
-"""What a spare writes when auraed closed the socket: the launcher ends too."""
+"""What a spare writes when auraed closed the socket (or it cannot be read): the launcher ends
+too, and auraed starts another launcher at its next launch."""
 
 SPARE_NAME = "aurae-spare"
 MONITOR_NAME = "aurae-monitor"
@@ -128,12 +130,20 @@ def _spare(control: socket.socket, news_w: int) -> None:
     """In a forked spare: wait for one request, tell the launcher, become its monitor."""
     code = 1
     try:
-        namespaces.set_process_name(SPARE_NAME)
-        monitor.prepare_ahead()
-        payload, fds, _flags, _address = socket.recv_fds(control, REQUEST_MAX, DESCRIPTORS)
+        try:  # only to go faster and be named in ps: never worth dying (and respawning) over
+            namespaces.set_process_name(SPARE_NAME)
+            monitor.prepare_ahead()
+        except Exception as exc:
+            monitor.log_error(f"launcher spare: preparing: {exc!r}")
+        try:
+            payload, fds, _flags, _address = socket.recv_fds(control, REQUEST_MAX, DESCRIPTORS)
+        except OSError as exc:
+            monitor.log_error(f"launcher: receive: {exc}")
+            payload, fds = b"", []
         if not payload and not fds:
-            os.write(news_w, SPARE_SAW_EOF)
             code = 0
+            with contextlib.suppress(OSError):  # a launcher killed meanwhile is not to be told
+                os.write(news_w, SPARE_SAW_EOF)
             return
         os.write(news_w, SPARE_TOOK)
         os.close(news_w)
