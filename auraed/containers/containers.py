@@ -241,6 +241,12 @@ class Containers:
         finally:
             self._runtime_creates.pop(record.id, None)
 
+    async def _create_ahead_done(self, record: ContainerRecord) -> None:
+        """Until the container's create ahead, if one runs, has ended (it is never cancelled)."""
+        ahead = self._runtime_creates.get(record.id)
+        if ahead is not None:
+            await asyncio.shield(ahead)
+
     async def _forget_runtime_create(self, record: ContainerRecord) -> None:
         """Undo a runtime ``create``: kill its init (its monitor then ends), drop what it left."""
         with contextlib.suppress(OciRuntimeError):
@@ -287,9 +293,7 @@ class Containers:
         with self._changing_now(record, "started"):
             if record.state != State.CREATED:
                 raise ContainerError.precondition(f"container {record.name} is {record.state}, not created")
-            ahead = self._runtime_creates.get(record.id)
-            if ahead is not None:
-                await asyncio.shield(ahead)
+            await self._create_ahead_done(record)
             try:
                 if record.pid:  # the runtime created it: its init waits at the exec fifo
                     await self._release(record)
@@ -379,9 +383,7 @@ class Containers:
 
     async def _teardown(self, record: ContainerRecord, keep_logs: bool) -> None:
         """Remove every trace of a container; safe on half-made ones and repeatable."""
-        ahead = self._runtime_creates.get(record.id)
-        if ahead is not None:
-            await asyncio.shield(ahead)
+        await self._create_ahead_done(record)
         with contextlib.suppress(OciRuntimeError):
             await self._runtime.delete(record.id, force=True)
         if record.state == State.CREATED:
