@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 KIND = "container"
 CGROUP_PARENT = "_containers"
 KILL_WAIT = 30.0  # seconds to wait for a SIGKILLed container to be reaped
+ENDED_BEFORE_START = "its process ended before it was started"
 
 SPEC_ERROR_KINDS = {
     "invalid": ErrorKind.INVALID_ARGUMENT,
@@ -233,6 +234,7 @@ class Containers:
             await self._launch(record, start=False)
             if record.id in self._records:
                 self._save(record)  # a restart finds its monitor and init
+                self._watch(record)
         except BaseException as exc:
             await self._forget_runtime_create(record)
             if not isinstance(exc, Exception):
@@ -322,11 +324,19 @@ class Containers:
         self._save(record)
         self._watch(record)
 
-    async def _start_failed(self, record: ContainerRecord, message: str) -> None:
-        """Like containerd: a container that failed to start is EXITED, with the reason kept."""
+    async def _start_failed(
+        self, record: ContainerRecord, message: str, exit_record: ExitRecord | None = None
+    ) -> None:
+        """Like containerd: a container that failed to start is EXITED, with the reason kept
+        (and how its process ended, when it had one)."""
+        watcher = self._watchers.pop(record.id, None)  # a created container's init's: it is over
+        if watcher is not None and watcher is not asyncio.current_task():
+            watcher.cancel()
         with contextlib.suppress(OciRuntimeError):
             await self._runtime.delete(record.id, force=True)
         record.state, record.reason = State.EXITED, message
+        if exit_record is not None:
+            record.exit_code, record.signal = exit_record.exit_code, exit_record.signal
         record.finished_at = time.time()
         self._save(record)
         self._exited[record.id].set()  # still there: Delete, which drops it, waits its turn
@@ -415,7 +425,12 @@ class Containers:
     # -- exits -----------------------------------------------------------------------------
 
     def _watch(self, record: ContainerRecord) -> None:
+        """Until the container's process ends, replacing an earlier watch: a runtime-created
+        container is watched from its create on, its init waiting for Start."""
         self._exited.setdefault(record.id, asyncio.Event())  # Waits may have begun at Create
+        earlier = self._watchers.pop(record.id, None)
+        if earlier is not None:
+            earlier.cancel()
         task = asyncio.get_running_loop().create_task(self._await_exit(record), name=f"watch {record.id}")
         self._watchers[record.id] = task
 
@@ -426,7 +441,18 @@ class Containers:
                 self._save(record)
             log.warning("container %s: its monitor ended while it runs; %s", record.name, ORPHANED)
 
-        self._finish(record, await self._supervisor.wait(record.supervised, record.exit_path, orphaned))
+        exit_record = await self._supervisor.wait(record.supervised, record.exit_path, orphaned)
+        if record.state != State.CREATED:
+            self._finish(record, exit_record)
+        elif record.id not in self._changing:  # else the Start or Delete under way sees it
+            await self._ended_before_start(record, exit_record)
+
+    async def _ended_before_start(self, record: ContainerRecord, exit_record: ExitRecord | None) -> None:
+        """A runtime-created init that ended before Start (killed, say): the container is EXITED
+        now, as Start would find it, and its Waits end."""
+        with self._changing_now(record, "marked exited"):
+            await self._start_failed(record, ENDED_BEFORE_START, exit_record)
+        log.info("container %s: %s", record.name, ENDED_BEFORE_START)
 
     def _finish(self, record: ContainerRecord, exit_record: ExitRecord | None) -> None:
         if exit_record is None:
@@ -510,6 +536,8 @@ class Containers:
                 self._exited[record.id] = asyncio.Event()
                 if self._runtime_create_lost(record):
                     await self._forget_runtime_create(record)
+                elif record.pid:
+                    self._watch(record)  # its init waits for Start
             elif record.alive and Supervisor.alive(record.supervised):
                 log.info("found container %s running as pid %d", record.name, record.pid)
                 self._watch(record)

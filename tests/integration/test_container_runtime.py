@@ -386,6 +386,27 @@ async def test_created_until_started_then_output_and_exit_code(lab: Lab) -> None
     assert info.value.kind == "invalid"
 
 
+async def test_start_created_releases_the_init_or_says_it_ended(lab: Lab) -> None:
+    # What runc start does, without a runc process: the init waiting at its exec fifo runs.
+    container = lab.create(["sh", "-c", "echo released"])
+    monitor = lab.procs[-1]
+    await lab.runtime.start_created(container.id, lambda: monitor.poll() is None)
+    record = await container.async_wait_exit()
+    assert (record.exit_code, container.lines("stdout")) == (0, ["released"])
+    state = await lab.runtime.state(container.id)
+    assert state is not None and state["status"] == "stopped"
+
+    # An init that died before: said so once its monitor has seen it, not a wait until timeout.
+    doomed = lab.create(["true"])
+    monitor = lab.procs[-1]
+    os.kill(doomed.pid, signal.SIGKILL)
+    began = time.monotonic()
+    with pytest.raises(OciRuntimeError) as info:
+        await lab.runtime.start_created(doomed.id, lambda: monitor.poll() is None)
+    assert "ended before it was started" in str(info.value)
+    assert time.monotonic() - began < 5
+
+
 async def test_run_detach_keeps_the_output_written_while_the_runtime_ran(lab: Lab) -> None:
     # 3 MB at once: more than the monitor reads while runc still runs (EARLY_OUTPUT_MAX), so the
     # container blocks on its pipe until the monitor supervises it; nothing may be lost.

@@ -16,6 +16,7 @@ import pytest
 
 from auraed.api.aurae.containers import v0 as pb
 from auraed.client import AuraeClient, ClientError
+from auraed.containers.containers import ENDED_BEFORE_START
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
 from tests.integration.containers_helpers import (
     CONTAINERS,
@@ -467,13 +468,18 @@ async def test_start_releases_the_init_the_runtime_created_after_the_reply(
     assert await logs(loaded, "ahead-tty") == ["/dev/pts/0", "done"]
     await delete(loaded, "ahead-tty", force=False)
 
-    # An init that died before Start: Start says so, in bounded time, and the container is EXITED.
+    # An init that died before Start: the container is EXITED at once, saying so, and a Wait on
+    # it ends; Start then refuses it.
     doomed = await create(loaded, "doomed", BUSYBOX, command=["true"])
+    waiting = asyncio.ensure_future(wait_exit(loaded, "doomed"))
     os.kill(int((await created_by_runtime(daemon, doomed.id))["pid"]), signal.SIGKILL)
+    ended = await asyncio.wait_for(waiting, 20)
+    assert (ended.state, ended.reason) == (pb.ContainerState.EXITED, ENDED_BEFORE_START)
+    assert ended.signal == signal.SIGKILL
+    assert runtime_state(daemon, doomed.id) is None  # its runtime state went with it
     with pytest.raises(ClientError) as error:
         await start(loaded, "doomed")
-    assert error.value.code == "FAILED_PRECONDITION" and "ended before it was started" in error.value.message
-    assert (await status(loaded, "doomed")).state == pb.ContainerState.EXITED
+    assert error.value.code == "FAILED_PRECONDITION" and "exited" in error.value.message
     await delete(loaded, "doomed", force=False)
 
     # A Delete right after Create, while runc creates it, leaves nothing behind.
@@ -526,7 +532,8 @@ async def test_a_created_container_survives_kill_9_and_a_reboot(
         await import_layout(client, busybox_layout.layout, BUSYBOX)
         kept = await create(client, "kept", BUSYBOX, command=["sh", "-c", "echo kept"])
         later = await create(client, "later", BUSYBOX, command=["sh", "-c", "echo up; ls /"])
-        inits = [await created_by_runtime(daemon, c.id) for c in (kept, later)]
+        doomed = await create(client, "doomed", BUSYBOX, command=["true"])
+        inits = [await created_by_runtime(daemon, c.id) for c in (kept, later, doomed)]
     daemon.kill9()
     # "later" as after a reboot: its monitor and init are gone, and so is its rootfs mount (the
     # upper dir on disk stays). "kept" waits at its exec fifo, its monitor alive.
@@ -547,7 +554,11 @@ async def test_a_created_container_survives_kill_9_and_a_reboot(
             lines = await logs(client, name)
             assert lines[0] == first_line, lines
         assert "bin" in lines
-        for name in ("kept", "later"):
+        # The restarted auraed watches a created init too: "doomed" ends before Start.
+        os.kill(int(inits[2]["pid"]), signal.SIGKILL)
+        ended = await wait_exit(client, "doomed")
+        assert (ended.state, ended.reason) == (pb.ContainerState.EXITED, ENDED_BEFORE_START)
+        for name in ("kept", "later", "doomed"):
             await delete(client, name, force=False)
     assert not rootfs.exists()
 
