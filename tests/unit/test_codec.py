@@ -119,6 +119,8 @@ def _descriptor(cls: type[betterproto2.Message]) -> Descriptor:
 
 
 @pytest.mark.parametrize("cls", MESSAGES, ids=lambda cls: cls.__name__)
+# Every field is drawn, the CRI's deprecated ones too (betterproto2 warns when they are set).
+@pytest.mark.filterwarnings("ignore:.* is deprecated:DeprecationWarning")
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_codec_agrees_with_betterproto2(cls: type[betterproto2.Message], data: st.DataObject) -> None:
