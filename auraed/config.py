@@ -199,7 +199,16 @@ def _parse_authorization(table: Any, source: str) -> AuthorizationPolicy:
     )
 
 
-def _parse_registries(table: Any, source: str) -> dict[str, RegistryHost]:
+def _beside(config_file: Path, value: Any) -> Any:
+    """A relative path in the file means one beside the file (as in containerd's and nginx's
+    configurations), not in whatever directory the daemon was started from."""
+    if isinstance(value, Path) and not value.is_absolute():
+        return config_file.absolute().parent / value
+    return value
+
+
+def _parse_registries(table: Any, config_file: Path) -> dict[str, RegistryHost]:
+    source = str(config_file)
     if not isinstance(table, dict):
         raise ConfigError(f"{source}: [registries] must be a table of registry hosts")
     hosts = {}
@@ -218,8 +227,12 @@ def _parse_registries(table: Any, source: str) -> dict[str, RegistryHost]:
             settings.get("ca_file", ""), str
         ):
             raise ConfigError(f"{where}: insecure and skip_verify are booleans, ca_file a path")
+        ca_file = settings.get("ca_file", "")
         hosts[host] = RegistryHost(
-            tuple(mirrors), flags["insecure"], flags["skip_verify"], settings.get("ca_file", "")
+            tuple(mirrors),
+            flags["insecure"],
+            flags["skip_verify"],
+            str(_beside(config_file, Path(ca_file))) if ca_file else "",
         )
     return hosts
 
@@ -290,9 +303,9 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
             if key == "authorization":
                 authorization = _parse_authorization(value, str(config_file))
             elif key == "registries":
-                registries = _parse_registries(value, str(config_file))
+                registries = _parse_registries(value, config_file)
             elif key in by_name:
-                values[key] = _coerce(by_name[key], value, str(config_file))
+                values[key] = _beside(config_file, _coerce(by_name[key], value, str(config_file)))
             else:
                 raise ConfigError(f"{config_file}: unknown setting {key!r}")
     for setting in SETTINGS:
