@@ -35,7 +35,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import platform
 import posixpath
 import re
 import resource
@@ -312,7 +311,7 @@ class HostFacts:
             capabilities=caps,
             rlimit_hard=hard,
             can_raise_rlimits="CAP_SYS_RESOURCE" in caps,
-            machine=platform.machine(),
+            machine=os.uname().machine,
         )
 
 
@@ -832,7 +831,7 @@ def default_seccomp_profile(
         syscalls.append({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": _ENOSYS})
     return {
         "defaultAction": "SCMP_ACT_ALLOW",
-        "architectures": seccomp_architectures(machine if machine is not None else platform.machine()),
+        "architectures": seccomp_architectures(machine if machine is not None else os.uname().machine),
         "syscalls": syscalls,
     }
 

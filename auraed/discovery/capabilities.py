@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -81,7 +80,7 @@ def probe(cgroups: Cgroupfs) -> Capabilities:
         kvm_detail=kvm.detail,
         qemu_path=shutil.which("qemu-system-x86_64") or "",
         cloud_hypervisor_path=shutil.which("cloud-hypervisor") or "",
-        kernel_release=platform.release(),
+        kernel_release=os.uname().release,
         cpus=os.cpu_count() or 0,
         memory_bytes=memory_bytes(),
     )
