@@ -16,6 +16,7 @@ from auraed.system import processes
 from auraed.system.monitor import MonitorSpec, parse_cri_log_line
 from auraed.system.monitor_launcher import MONITOR_NAME, SPARE_NAME
 from auraed.system.supervisor import MonitorStartError, Supervised, Supervisor
+from tests.integration.test_container_runtime import children_of
 
 LAUNCHED: list[Supervised] = []
 
@@ -94,17 +95,8 @@ async def test_a_killed_launcher_is_replaced(supervisor: Supervisor, tmp_path: P
     assert record is not None and record.signal == signal.SIGTERM
 
 
-def children_of(pid: int) -> list[int]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                stat = (proc / "stat").read_text()
-            except OSError:
-                continue  # ended meanwhile
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(proc.name))
-    return found
+def child_pids(pid: int) -> list[int]:
+    return [child for child, _state in children_of(pid)]
 
 
 async def test_the_launchers_spare_is_replaced_when_it_dies_and_leaves_with_it(
@@ -115,7 +107,7 @@ async def test_the_launchers_spare_is_replaced_when_it_dies_and_leaves_with_it(
     await supervisor.wait(done, tmp_path / "a" / "exit.json")
     launcher = supervisor.launcher_pid
     assert launcher is not None
-    (spare,) = children_of(launcher)
+    (spare,) = child_pids(launcher)
     assert cmdline(spare) == cmdline(launcher)
     assert Path(f"/proc/{spare}/comm").read_text().strip() == SPARE_NAME
     os.kill(spare, signal.SIGKILL)  # dead without a request: another replaces it
@@ -124,7 +116,7 @@ async def test_the_launchers_spare_is_replaced_when_it_dies_and_leaves_with_it(
     assert Path(f"/proc/{handle.monitor_pid}/comm").read_text().strip() == MONITOR_NAME
     record = await supervisor.wait(handle, tmp_path / "b" / "exit.json")
     assert record is not None and record.exit_code == 0 and logged(tmp_path / "b") == ["on"]
-    (spare,) = children_of(launcher)
+    (spare,) = child_pids(launcher)
     launcher_process = supervisor._launcher
     assert launcher_process is not None
     supervisor.close()  # EOF: the spare tells the launcher, and both end by themselves
