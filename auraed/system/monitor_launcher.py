@@ -108,17 +108,24 @@ def _next_spare(control: socket.socket) -> bytes:
         return news.read(1)
 
 
-def _refuse_one(control: socket.socket, why: str) -> bytes:
-    """Without a spare: read one request and answer it with ``why``."""
+def _receive(control: socket.socket) -> tuple[bytes, list[int]] | None:
+    """One request from auraed, or None at EOF (auraed closed its end or died) or when the
+    socket cannot be read."""
     try:
         payload, fds, _flags, _address = socket.recv_fds(control, REQUEST_MAX, DESCRIPTORS)
     except OSError as exc:
         monitor.log_error(f"launcher: receive: {exc}")
+        return None
+    return (payload, fds) if payload or fds else None
+
+
+def _refuse_one(control: socket.socket, why: str) -> bytes:
+    """Without a spare: read one request and answer it with ``why``."""
+    request = _receive(control)
+    if request is None:
         return SPARE_SAW_EOF
-    for fd in fds:
+    for fd in request[1]:
         os.close(fd)
-    if not payload and not fds:
-        return SPARE_SAW_EOF
     try:
         control.send(f"error: {why}".encode())
     except OSError as exc:
@@ -135,16 +142,13 @@ def _spare(control: socket.socket, news_w: int) -> None:
             monitor.prepare_ahead()
         except Exception as exc:
             monitor.log_error(f"launcher spare: preparing: {exc!r}")
-        try:
-            payload, fds, _flags, _address = socket.recv_fds(control, REQUEST_MAX, DESCRIPTORS)
-        except OSError as exc:
-            monitor.log_error(f"launcher: receive: {exc}")
-            payload, fds = b"", []
-        if not payload and not fds:
+        request = _receive(control)
+        if request is None:
             code = 0
             with contextlib.suppress(OSError):  # a launcher killed meanwhile is not to be told
                 os.write(news_w, SPARE_SAW_EOF)
             return
+        payload, fds = request
         os.write(news_w, SPARE_TOOK)
         os.close(news_w)
         namespaces.set_process_name(MONITOR_NAME)
