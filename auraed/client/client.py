@@ -31,11 +31,17 @@ from auraed.server.rpc import message_class, service_descriptor, snake_case
 VM_METADATA_KEY = "aurae-vm"
 CONFIG_PATHS = (Path("~/.aurae/config"), Path("/etc/aurae/config"))
 DEFAULT_SERVER_NAME = "server.unsafe.aurae.io"
-# A booting guest must be reachable the moment it listens; grpc's default backoff waits seconds.
+# How long one connection attempt (TCP, TLS, HTTP/2 settings) may take. grpc reads it from
+# min_reconnect_backoff_ms; a small value there fails every link or server slower than that
+# (a far client, a guest busy booting under TCG) at once with UNAVAILABLE. 20 s is grpc's default.
+CONNECT_ATTEMPT_TIMEOUT_MS = 20_000
+# Retry a refused connection every 100 ms (grpc's floor) instead of grpc's 1 s growing to 2 min:
+# a booting guest is reachable the moment it listens.
+RECONNECT_BACKOFF_MS = 100
 CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 50),
-    ("grpc.min_reconnect_backoff_ms", 50),
-    ("grpc.max_reconnect_backoff_ms", 100),
+    ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+    ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+    ("grpc.min_reconnect_backoff_ms", CONNECT_ATTEMPT_TIMEOUT_MS),
 ]
 
 

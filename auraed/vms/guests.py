@@ -2,8 +2,9 @@
 
 The host CA (``ca_crt`` + ``ca_key``) issues each guest a server certificate on its config disk
 (guest_config.py) and the host a client certificate with the identity ``aurae-host``, the only
-identity a guest lets in. Channels to guests use short reconnect backoff: a booting guest must be
-reached the moment it listens.
+identity a guest lets in. Channels to guests use the client's options (auraed.client.client): a
+short reconnect backoff, so a booting guest is reached the moment it listens, and grpc's full
+connect timeout, so a guest slow to finish a handshake is still reached.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import grpc
 
 from auraed.api.aurae.vms import v0 as vms_pb
+from auraed.client.client import CHANNEL_OPTIONS
 from auraed.errors import AuraeError, ErrorKind
 from auraed.pki import (
     CertificateAuthority,
@@ -35,11 +37,6 @@ from auraed.vms.vms import Vms
 log = logging.getLogger(__name__)
 
 HOST_IDENTITY = "aurae-host"
-CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 50),
-    ("grpc.min_reconnect_backoff_ms", 50),
-    ("grpc.max_reconnect_backoff_ms", 100),
-]
 
 
 class GuestTrust:
@@ -217,5 +214,15 @@ class Guests:
             raise AuraeError(ErrorKind.FAILED_PRECONDITION, f"VM {name} does not run a guest auraed")
         return self.trust.endpoint(name, self.identity(record), record.started_at)
 
-    async def forget(self, name: str) -> None:
+    async def free(self, name: str, timeout: float | None) -> None:
+        """Free the VM, closing the host's channel to its guest before the tap goes.
+
+        A channel left retrying after its tap is gone would reach for the guest's address through
+        the host's default route. It is closed again afterwards, in case a call to the guest
+        opened it meanwhile.
+        """
         await self.trust.forget(name)
+        try:
+            await self.vms.free(name, timeout)
+        finally:
+            await self.trust.forget(name)

@@ -77,8 +77,7 @@ class VmServicer:
 
     async def free(self, request: pb.VmServiceFreeRequest, context: Context) -> pb.VmServiceFreeResponse:
         name = validate_label(request.name, "name")
-        await self._vms.free(name, seconds_from_ms(request.timeout_ms, "timeout_ms"))
-        await self._guests.forget(name)
+        await self._guests.free(name, seconds_from_ms(request.timeout_ms, "timeout_ms"))
         return pb.VmServiceFreeResponse()
 
     async def start(self, request: pb.VmServiceStartRequest, context: Context) -> pb.VmServiceStartResponse:

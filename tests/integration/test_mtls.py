@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime as dt
 import socket
+import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -61,6 +65,51 @@ async def test_valid_client_is_served_on_unix_and_tcp(tcp_daemon: tuple[DaemonPr
         config = daemon.client_config()
         config = ClientConfig(config.ca_crt, config.client_crt, config.client_key, address)
         assert await _discover(config) == "host"
+
+
+async def _carry(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
+    try:
+        while chunk := await reader.read(65536):
+            await asyncio.sleep(delay)
+            writer.write(chunk)
+            await writer.drain()
+    except ConnectionError:
+        pass
+    finally:
+        writer.close()
+
+
+@contextlib.asynccontextmanager
+async def _long_link(target: str, delay: float) -> AsyncIterator[str]:
+    """A TCP relay to ``target`` holding every chunk ``delay`` seconds each way: a far client."""
+    host, port = target.rsplit(":", 1)
+
+    async def relay(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        server_reader, server_writer = await asyncio.open_connection(host, int(port))
+        await asyncio.gather(
+            _carry(client_reader, server_writer, delay), _carry(server_reader, client_writer, delay)
+        )
+
+    relay_server = await asyncio.start_server(relay, "127.0.0.1", 0)
+    try:
+        yield f"127.0.0.1:{relay_server.sockets[0].getsockname()[1]}"
+    finally:
+        relay_server.close()
+        await relay_server.wait_closed()
+
+
+async def test_client_is_served_over_a_long_link(tcp_daemon: tuple[DaemonProcess, str]) -> None:
+    """TCP, TLS and HTTP/2 settings take several round trips: at 300 ms each, well over a second.
+
+    grpc takes min_reconnect_backoff_ms as the time a connection attempt may last; when the client
+    set it to 50 ms, such a link failed at once with UNAVAILABLE.
+    """
+    daemon, tcp = tcp_daemon
+    ours = daemon.client_config()
+    async with _long_link(tcp, delay=0.15) as far:
+        started = time.monotonic()
+        assert await _discover(ClientConfig(ours.ca_crt, ours.client_crt, ours.client_key, far)) == "host"
+    assert time.monotonic() - started > 0.6  # the handshake really crossed the slow link
 
 
 async def test_client_without_certificate_is_refused(tcp_daemon: tuple[DaemonProcess, str]) -> None:
