@@ -30,7 +30,7 @@ from auraed.pki import (
     write_pem_files,
 )
 from auraed.vms.guest_config import GuestIdentity, build_config_disk
-from auraed.vms.model import DiskSpec, VmRecord, VmSpec
+from auraed.vms.model import DiskSpec, State, VmRecord, VmSpec
 from auraed.vms.placement import GuestEndpoint
 from auraed.vms.vms import Vms
 
@@ -39,12 +39,24 @@ log = logging.getLogger(__name__)
 HOST_IDENTITY = "aurae-host"
 
 
+@dataclasses.dataclass
+class _Link:
+    """The host's channel to one guest, and why the host closed it ("" while open)."""
+
+    channel: grpc.aio.Channel
+    closed: str = ""
+
+    def why_closed(self) -> str:
+        return self.closed
+
+
 class GuestTrust:
     def __init__(self, ca_crt: Path, ca_key: Path, pki_dir: Path) -> None:
         self._ca_crt, self._ca_key, self._pki_dir = ca_crt, ca_key, pki_dir
         self._ca: CertificateAuthority | None = None
         self._credentials: grpc.ChannelCredentials | None = None
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._links: dict[str, _Link] = {}
+        self._closing: set[asyncio.Task[None]] = set()
 
     def ca(self) -> CertificateAuthority:
         if self._ca is None:
@@ -76,17 +88,35 @@ class GuestTrust:
         return build_config_disk(output, identity, self.ca(), HOST_IDENTITY)
 
     def endpoint(self, name: str, identity: GuestIdentity, booted_at: float) -> GuestEndpoint:
-        channel = self._channels.get(name)
-        if channel is None:
+        link = self._links.get(name)
+        if link is None:
             options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", identity.server_name)]
             channel = grpc.aio.secure_channel(identity.endpoint, self.credentials(), options=options)
-            self._channels[name] = channel
-        return GuestEndpoint(name, identity.endpoint, identity.server_name, channel, booted_at)
+            link = self._links[name] = _Link(channel)
+        return GuestEndpoint(
+            name, identity.endpoint, identity.server_name, link.channel, booted_at, link.why_closed
+        )
 
-    async def forget(self, name: str) -> None:
-        channel = self._channels.pop(name, None)
+    def _unlink(self, name: str, why: str) -> grpc.aio.Channel | None:
+        link = self._links.pop(name, None)
+        if link is None:
+            return None
+        link.closed = why
+        return link.channel
+
+    async def forget(self, name: str, why: str) -> None:
+        """Close the channel to ``name``; calls on it end, their relays answering ``why``."""
+        channel = self._unlink(name, why)
         if channel is not None:
             await channel.close()
+
+    def forget_soon(self, name: str, why: str) -> None:
+        """``forget`` for code that cannot wait: the channel is closed by a task."""
+        channel = self._unlink(name, why)
+        if channel is not None:
+            task = asyncio.get_running_loop().create_task(channel.close(), name=f"close-guest-{name}")
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     async def wait_serving(self, endpoint: GuestEndpoint, timeout: float) -> float:
         """Seconds until the guest's health is SERVING; DEADLINE_EXCEEDED after ``timeout``."""
@@ -96,6 +126,8 @@ class GuestTrust:
         stub = health_pb2_grpc.HealthStub(endpoint.channel)
         last_error = ""
         while (remaining := timeout - (time.monotonic() - started)) > 0:
+            if why := endpoint.why_closed():
+                raise AuraeError(ErrorKind.UNAVAILABLE, f"guest {endpoint.name} never served: {why}")
             try:
                 reply = await stub.Check(
                     health_pb2.HealthCheckRequest(), timeout=min(remaining, 5.0), wait_for_ready=True
@@ -105,6 +137,10 @@ class GuestTrust:
                 last_error = f"health {reply.status}"
             except grpc.aio.AioRpcError as exc:
                 last_error = f"{exc.code().name}: {exc.details()}"
+            except asyncio.CancelledError:
+                if not endpoint.why_closed():
+                    raise  # not the channel closing: this wait itself was cancelled
+                continue
             await asyncio.sleep(0.05)
         raise AuraeError(
             ErrorKind.DEADLINE_EXCEEDED,
@@ -113,8 +149,9 @@ class GuestTrust:
         )
 
     async def close(self) -> None:
-        for name in list(self._channels):
-            await self.forget(name)
+        for name in list(self._links):
+            await self.forget(name, "the host is shutting down")
+        await asyncio.gather(*self._closing)
 
 
 def identity_for(name: str, guest_address: str, host_address: str, port: int) -> GuestIdentity:
@@ -145,6 +182,7 @@ class Guests:
         self.trust = trust
         self._image_dir = image_dir
         self._ready_timeout = ready_timeout
+        vms.when_ended(self._vm_ended)
 
     @staticmethod
     def is_guest(spec: VmSpec) -> bool:
@@ -202,17 +240,27 @@ class Guests:
             return time.time() - record.started_at if record.started_at else None
         except AuraeError as exc:
             tail = self.vms.console_tail(name)
+            stopped = "; stopped it" if record.state == State.RUNNING else ""
             await self.vms.stop(name, 0.0)
-            raise AuraeError(
-                exc.kind, f"{exc.message}; stopped it. Console tail:\n" + "\n".join(tail)
-            ) from None
+            raise AuraeError(exc.kind, f"{exc.message}{stopped}. Console tail:\n" + "\n".join(tail)) from None
 
     async def lookup(self, name: str) -> GuestEndpoint:
         """The endpoint of a running guest (for placing work in it)."""
         record = self.vms.get(name)
         if not self.is_guest(record.spec):
             raise AuraeError(ErrorKind.FAILED_PRECONDITION, f"VM {name} does not run a guest auraed")
+        if record.state != State.RUNNING:
+            raise AuraeError(
+                ErrorKind.FAILED_PRECONDITION,
+                f"VM {name} is {_state_and_reason(record)}: its guest cannot be reached until it is "
+                "started again",
+            )
         return self.trust.endpoint(name, self.identity(record), record.started_at)
+
+    def _vm_ended(self, record: VmRecord) -> None:
+        # Calls relayed to a guest whose VM died would wait on a dead connection: end them now.
+        if self.is_guest(record.spec):
+            self.trust.forget_soon(record.name, f"its VM {_state_and_reason(record)}")
 
     async def free(self, name: str, timeout: float | None) -> None:
         """Free the VM, closing the host's channel to its guest before the tap goes.
@@ -221,8 +269,15 @@ class Guests:
         the host's default route. It is closed again afterwards, in case a call to the guest
         opened it meanwhile.
         """
-        await self.trust.forget(name)
+        await self.trust.forget(name, "its VM was freed")
         try:
             await self.vms.free(name, timeout)
         finally:
-            await self.trust.forget(name)
+            await self.trust.forget(name, "its VM was freed")
+
+
+def _state_and_reason(record: VmRecord) -> str:
+    """A VM's state with its reason, e.g. 'crashed (killed by signal 9)'; the state alone when the
+    reason only repeats it."""
+    reason = record.reason
+    return f"{record.state} ({reason})" if reason and reason != record.state else record.state

@@ -12,6 +12,8 @@ then it is placed again.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -34,6 +36,10 @@ CONTAINERS = "aurae.containers.v0.ContainerService"
 CHUNK = 1 << 20
 
 
+def _never_closed() -> str:
+    return ""
+
+
 @dataclasses.dataclass(frozen=True)
 class GuestEndpoint:
     """How the host reaches one guest's auraed."""
@@ -43,6 +49,9 @@ class GuestEndpoint:
     server_name: str  # a name in the guest's certificate
     channel: grpc.aio.Channel
     booted_at: float  # when its VMM was launched: a new boot is a guest with an empty store
+    # Why the host closed ``channel`` ("" while open): its VM ended or was freed. Closing the
+    # channel cancels every call on it; the relays then answer UNAVAILABLE with this reason.
+    why_closed: Callable[[], str] = _never_closed
 
 
 GuestLookup = Callable[[str], Awaitable[GuestEndpoint]]
@@ -108,34 +117,38 @@ class GuestRouter(grpc.GenericRpcHandler):  # type: ignore[misc]
         async def unary_unary(request: bytes, context: Context) -> bytes:
             guest = await router._guest(context)
             call = guest.channel.unary_unary(method)
-            if method.endswith("/Create"):
-                return await router._create(guest, call, request, context)
-            if method.endswith("/RemoveImage"):
-                router._forget_placed(guest.name)
-            return await _relay(call(request, metadata=_forwarded(context)), context)  # type: ignore[no-any-return]
+            async with _while_guest_open(guest, context):
+                if method.endswith("/Create"):
+                    return await router._create(guest, call, request, context)
+                if method.endswith("/RemoveImage"):
+                    router._forget_placed(guest.name)
+                return await _relay(call(request, metadata=_forwarded(context)), context)  # type: ignore[no-any-return]
 
         async def unary_stream(request: bytes, context: Context) -> AsyncIterator[bytes]:
             guest = await router._guest(context)
             call = guest.channel.unary_stream(method)(request, metadata=_forwarded(context))
-            try:
-                async for reply in call:
-                    yield reply
-            except grpc.aio.AioRpcError as exc:
-                await context.abort(exc.code(), exc.details() or "")
+            async with _while_guest_open(guest, context):
+                try:
+                    async for reply in call:
+                        yield reply
+                except grpc.aio.AioRpcError as exc:
+                    await context.abort(exc.code(), exc.details() or "")
 
         async def stream_unary(requests: AsyncIterator[bytes], context: Context) -> bytes:
             guest = await router._guest(context)
             call = guest.channel.stream_unary(method)
-            return await _relay(call(requests, metadata=_forwarded(context)), context)  # type: ignore[no-any-return]
+            async with _while_guest_open(guest, context):
+                return await _relay(call(requests, metadata=_forwarded(context)), context)  # type: ignore[no-any-return]
 
         async def stream_stream(requests: AsyncIterator[bytes], context: Context) -> AsyncIterator[bytes]:
             guest = await router._guest(context)
             call = guest.channel.stream_stream(method)(requests, metadata=_forwarded(context))
-            try:
-                async for reply in call:
-                    yield reply
-            except grpc.aio.AioRpcError as exc:
-                await context.abort(exc.code(), exc.details() or "")
+            async with _while_guest_open(guest, context):
+                try:
+                    async for reply in call:
+                        yield reply
+                except grpc.aio.AioRpcError as exc:
+                    await context.abort(exc.code(), exc.details() or "")
 
         # Raw bytes in and out: the guest parses and validates; the host only relays.
         if local.unary_unary:
@@ -217,6 +230,23 @@ def _forwarded(context: Context) -> list[tuple[str, Any]]:
         for k, v in context.invocation_metadata() or ()
         if k not in (VM_METADATA_KEY,) and not k.startswith(":")
     ]
+
+
+@contextlib.asynccontextmanager
+async def _while_guest_open(guest: GuestEndpoint, context: Context) -> AsyncIterator[None]:
+    """Answer UNAVAILABLE, naming why, when the host closes the guest's channel mid-call.
+
+    Closing a channel cancels its calls: the relay sees CancelledError from the guest's call, not
+    a status. Without this a call to a guest whose VM died waited for the dead connection (TCP
+    gives up after many minutes) or its deadline.
+    """
+    try:
+        yield
+    except asyncio.CancelledError:
+        why = guest.why_closed()
+        if not why:
+            raise  # the host's own call was cancelled
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"guest {guest.name}: {why}")
 
 
 async def _relay(call: Any, context: Context) -> Any:

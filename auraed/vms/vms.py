@@ -22,7 +22,7 @@ import ipaddress
 import logging
 import shutil
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 
 from auraed.errors import ErrorKind
@@ -116,8 +116,13 @@ class Vms:
         self._records: dict[str, VmRecord] = {}
         self._live: dict[str, _Live] = {}
         self._vm_locks: dict[str, asyncio.Lock] = {}
+        self._ended_listeners: list[Callable[[VmRecord], None]] = []
         # Membership and the pool: allocation and freeing.
         self._lock = asyncio.Lock()
+
+    def when_ended(self, listener: Callable[[VmRecord], None]) -> None:
+        """Have ``listener`` called with a VM's record each time its VMM ends, once that is saved."""
+        self._ended_listeners.append(listener)
 
     # -- lookup ------------------------------------------------------------------------------
 
@@ -405,6 +410,11 @@ class Vms:
             record.state,
             record.reason,
         )
+        for listener in self._ended_listeners:
+            try:
+                listener(record)
+            except Exception:
+                log.exception("VM %s: a listener for its end failed", record.name)
 
     # -- status and console ------------------------------------------------------------------
 

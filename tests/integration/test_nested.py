@@ -4,6 +4,9 @@ and places a container in it; the guest runs it with crun on cgroup v2.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -82,6 +85,62 @@ async def test_guest_boots_and_runs_a_placed_container(
     assert status.tap not in links
     assert not Path(status.console_path).exists()
     await wait_until(lambda: not _qemu_running(status.pid))
+
+
+async def test_calls_to_a_guest_end_when_its_vm_dies(host: DaemonProcess, busybox_layout: BuiltImage) -> None:
+    """A guest whose QEMU is killed: the boot, a relayed log stream and new calls end at once.
+
+    Before, Start waited out the guest ready timeout (120 s), the stream hung on the dead TCP
+    connection, and each new call waited for its deadline.
+    """
+    async with host.client() as client:
+        await import_layout(client, busybox_layout.layout, IMAGE)
+        await client.call(
+            VMS,
+            "Allocate",
+            vms.VmServiceAllocateRequest(vm=vms.VirtualMachine(name="g1", role="guest", memory_mib=768)),
+        )
+
+        async def qemu_pid() -> int:
+            return (await client.call(VMS, "List", vms.VmServiceListRequest(name="g1"))).vms[0].pid
+
+        # Killed while it boots: Start says so instead of waiting for the guest to serve.
+        booting = asyncio.create_task(
+            client.call(VMS, "Start", vms.VmServiceStartRequest(name="g1"), timeout=300)
+        )
+        await wait_until(qemu_pid, timeout=30)
+        await asyncio.sleep(1)
+        os.kill(await qemu_pid(), signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(ClientError) as error:
+            await booting
+        assert time.monotonic() - killed < 20
+        assert error.value.code == "UNAVAILABLE"
+        assert "never served: its VM crashed" in error.value.message and "signal 9" in error.value.message
+
+        # Killed while a container's logs are followed through the host: the stream ends.
+        await client.call(VMS, "Start", vms.VmServiceStartRequest(name="g1"), timeout=300)
+        on_guest = AuraeClient(client.channel, vm="g1")
+        config = pb.ContainerConfig(name="ticker", image=IMAGE, command=["sh", "-c", "echo up; sleep 300"])
+        await on_guest.call(
+            CONTAINERS, "Create", pb.ContainerServiceCreateRequest(config=config, start=True), timeout=120
+        )
+        request = pb.ContainerServiceLogsRequest(container_id="ticker", follow=True)
+        lines = on_guest.stream(CONTAINERS, "Logs", request, timeout=300)
+        assert (await anext(lines)).line == "up"
+        os.kill(await qemu_pid(), signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(ClientError) as error:
+            await anext(lines)
+        assert time.monotonic() - killed < 20
+        assert error.value.code == "UNAVAILABLE"
+        assert error.value.message.startswith("guest g1: its VM crashed")
+
+        # And a new call is refused by the host, saying why, without trying the guest.
+        with pytest.raises(ClientError) as error:
+            await on_guest.call(CONTAINERS, "List", pb.ContainerServiceListRequest(), timeout=60)
+        assert error.value.code == "FAILED_PRECONDITION"
+        assert error.value.message.startswith("VM g1 is crashed")
 
 
 async def _run_containers_in_guest(on_guest: AuraeClient) -> None:
