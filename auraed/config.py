@@ -72,6 +72,24 @@ class DaemonConfig:
     tcp_listen: str = field(
         default="", metadata=_help("also serve on this host:port (mTLS), e.g. [::1]:8080; off when empty")
     )
+    keepalive_time: float = field(
+        default=60.0,
+        metadata=_help(
+            "seconds a connection with calls open may stay silent before auraed pings the client, so "
+            "that calls of a client gone without a word end; 0: never ping"
+        ),
+    )
+    keepalive_timeout: float = field(
+        default=20.0,
+        metadata=_help("seconds a ping may go unanswered before the connection is dropped and its calls end"),
+    )
+    keepalive_client_min_interval: float = field(
+        default=10.0,
+        metadata=_help(
+            "shortest interval at which clients may ping auraed while no data flows; a client "
+            "pinging more often is disconnected (aer and the host ping every 30 s)"
+        ),
+    )
     ca_crt: Path = field(
         default=Path("/etc/aurae/pki/ca.crt"), metadata=_help("CA certificate clients must be signed by")
     )
@@ -244,6 +262,11 @@ def _validate(config: DaemonConfig) -> DaemonConfig:
         raise ConfigError(f"log_level: unknown level {config.log_level!r}")
     if config.stop_grace_period < 0:
         raise ConfigError("stop_grace_period: must not be negative")
+    for name in ("keepalive_time", "keepalive_client_min_interval"):
+        if getattr(config, name) < 0:
+            raise ConfigError(f"{name}: must not be negative")
+    if config.keepalive_timeout <= 0:
+        raise ConfigError("keepalive_timeout: must be positive")
     if config.log_buffer_lines < 1:
         raise ConfigError("log_buffer_lines: must be at least 1")
     if config.tcp_listen and ":" not in config.tcp_listen:

@@ -25,6 +25,7 @@ import grpc
 
 from auraed import codec
 from auraed.errors import AuraeError, ErrorKind
+from auraed.keepalive import keepalive_options
 from auraed.server.rpc import message_class, service_descriptor, snake_case
 
 # The metadata key by which a host routes a ContainerService call to a guest (vms/placement.py).
@@ -38,11 +39,22 @@ CONNECT_ATTEMPT_TIMEOUT_MS = 20_000
 # Retry a refused connection every 100 ms (grpc's floor) instead of grpc's 1 s growing to 2 min:
 # a booting guest is reachable the moment it listens.
 RECONNECT_BACKOFF_MS = 100
-CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
-    ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
-    ("grpc.min_reconnect_backoff_ms", CONNECT_ATTEMPT_TIMEOUT_MS),
-]
+# Pings on a silent connection with calls open (auraed.keepalive); auraed accepts one every
+# keepalive_client_min_interval (10 s) or more.
+DEFAULT_KEEPALIVE_TIME = 30.0
+DEFAULT_KEEPALIVE_TIMEOUT = 20.0
+
+
+def channel_options(
+    keepalive_time: float = DEFAULT_KEEPALIVE_TIME, keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
+) -> list[tuple[str, int]]:
+    """The grpc arguments of every channel auraed's clients open, the host's to its guests too."""
+    return [
+        ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+        ("grpc.min_reconnect_backoff_ms", CONNECT_ATTEMPT_TIMEOUT_MS),
+        *keepalive_options(keepalive_time, keepalive_timeout),
+    ]
 
 
 class ClientError(AuraeError):
@@ -65,6 +77,8 @@ class ClientConfig:
     # "unix:/path" or "host:port"
     address: str
     server_name: str = DEFAULT_SERVER_NAME
+    keepalive_time: float = DEFAULT_KEEPALIVE_TIME  # 0: never ping
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
 
 
 def _config_file(explicit: Path | None) -> Path | None:
@@ -81,7 +95,8 @@ def _config_file(explicit: Path | None) -> Path | None:
 
 
 def load_client_config(path: Path | None = None, address: str | None = None) -> ClientConfig:
-    """Read an Aurae-style client config: [auth] ca_crt, client_crt, client_key; [system] socket."""
+    """Read an Aurae-style client config: [auth] ca_crt, client_crt, client_key; [system] socket or
+    address, server_name, keepalive_time and keepalive_timeout (seconds; 0 time: never ping)."""
     config_path = _config_file(path)
     if config_path is None:
         raise ClientError(
@@ -105,11 +120,24 @@ def load_client_config(path: Path | None = None, address: str | None = None) -> 
             client_key=resolve(auth["client_key"]),
             address=target if ":" in target else f"unix:{target}",
             server_name=system.get("server_name", DEFAULT_SERVER_NAME),
+            keepalive_time=_seconds(system, "keepalive_time", DEFAULT_KEEPALIVE_TIME, config_path),
+            keepalive_timeout=_seconds(
+                system, "keepalive_timeout", DEFAULT_KEEPALIVE_TIMEOUT, config_path, zero=False
+            ),
         )
     except KeyError as exc:
         raise ClientError("FAILED_PRECONDITION", f"{config_path}: missing [auth] {exc.args[0]}") from exc
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ClientError("FAILED_PRECONDITION", f"{config_path}: {exc}") from exc
+
+
+def _seconds(system: dict[str, Any], key: str, default: float, config_path: Path, zero: bool = True) -> float:
+    value = system.get(key, default)
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or value < 0 or (value == 0 and not zero):
+        least = ">= 0" if zero else "> 0"
+        raise ClientError("FAILED_PRECONDITION", f"{config_path}: [system] {key} must be seconds ({least})")
+    return float(value)
 
 
 def _read(path: Path, what: str) -> bytes:
@@ -126,7 +154,7 @@ def channel_for(config: ClientConfig) -> grpc.aio.Channel:
         certificate_chain=_read(config.client_crt, "client certificate"),
     )
     options = [
-        *CHANNEL_OPTIONS,
+        *channel_options(config.keepalive_time, config.keepalive_timeout),
         ("grpc.ssl_target_name_override", config.server_name),
         ("grpc.default_authority", config.server_name),
     ]

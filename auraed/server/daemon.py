@@ -36,6 +36,7 @@ from auraed.server.listeners import (
     prepare_unix_socket,
     remove_unix_socket,
     server_credentials,
+    server_options,
 )
 from auraed.server.rpc import CollectedHandlers, generic_handler
 from auraed.state.store import Store
@@ -54,7 +55,6 @@ VMS = "aurae.vms.v0.VmService"
 HEALTH = "grpc.health.v1.Health"
 REFLECTION = reflection.SERVICE_NAME
 SERVER_STOP_GRACE = 2.0  # seconds in-flight calls get once shutdown begins
-SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
 
 
 def setup_logging(config: DaemonConfig, hub: ObserveHub) -> None:
@@ -177,7 +177,7 @@ class Daemon:
         services = self.services()
         handlers = await self._handlers(self.cells, services, capabilities)
         # Authorization wraps every service, health and reflection too; no server interceptors.
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        server = grpc.aio.server(options=server_options(config))
         self._server = server
         server.add_generic_rpc_handlers([AuthorizedHandlers(config.authorization, handlers)])
         credentials = server_credentials(config.ca_crt, config.server_crt, config.server_key)

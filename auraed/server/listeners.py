@@ -12,7 +12,9 @@ from pathlib import Path
 
 import grpc
 
+from auraed.config import DaemonConfig
 from auraed.errors import ConfigError
+from auraed.keepalive import keepalive_options, milliseconds
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,15 @@ def server_credentials(ca_crt: Path, server_crt: Path, server_key: Path) -> grpc
         root_certificates=_read(ca_crt, "CA certificate"),
         require_client_auth=True,
     )
+
+
+def server_options(config: DaemonConfig) -> list[tuple[str, int]]:
+    """grpc server arguments: one daemon per port, and keepalive both ways (see DaemonConfig)."""
+    options = [
+        ("grpc.so_reuseport", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", milliseconds(config.keepalive_client_min_interval)),
+    ]
+    return options + keepalive_options(config.keepalive_time, config.keepalive_timeout)
 
 
 def _serving_already(path: Path) -> bool:

@@ -3,8 +3,9 @@
 The host CA (``ca_crt`` + ``ca_key``) issues each guest a server certificate on its config disk
 (guest_config.py) and the host a client certificate with the identity ``aurae-host``, the only
 identity a guest lets in. Channels to guests use the client's options (auraed.client.client): a
-short reconnect backoff, so a booting guest is reached the moment it listens, and grpc's full
-connect timeout, so a guest slow to finish a handshake is still reached.
+short reconnect backoff, so a booting guest is reached the moment it listens, grpc's full
+connect timeout, so a guest slow to finish a handshake is still reached, and keepalive pings, so
+calls to a guest that stopped answering end.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import grpc
 
 from auraed.api.aurae.vms import v0 as vms_pb
-from auraed.client.client import CHANNEL_OPTIONS
+from auraed.client.client import channel_options
 from auraed.errors import AuraeError, ErrorKind
 from auraed.pki import (
     CertificateAuthority,
@@ -90,7 +91,7 @@ class GuestTrust:
     def endpoint(self, name: str, identity: GuestIdentity, booted_at: float) -> GuestEndpoint:
         link = self._links.get(name)
         if link is None:
-            options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", identity.server_name)]
+            options = [*channel_options(), ("grpc.ssl_target_name_override", identity.server_name)]
             channel = grpc.aio.secure_channel(identity.endpoint, self.credentials(), options=options)
             link = self._links[name] = _Link(channel)
         return GuestEndpoint(

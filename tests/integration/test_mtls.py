@@ -7,7 +7,6 @@ import contextlib
 import datetime as dt
 import socket
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -16,12 +15,14 @@ import pytest
 from auraed.api.aurae.cells import v0 as cells
 from auraed.api.aurae.containers import v0 as containers
 from auraed.api.aurae.discovery import v0 as discovery
+from auraed.api.aurae.observe import v0 as observe
 from auraed.client import AuraeClient, ClientConfig, ClientError
 from auraed.pki import create_ca, issue_client_cert, write_pem_files
 from auraed.pki.certs import load_ca
 from tests.conftest import DaemonFactory, DaemonProcess
 
 CONTAINERS = "aurae.containers.v0.ContainerService"
+OBSERVE = "aurae.observe.v0.ObserveService"
 
 DISCOVER = ("aurae.discovery.v0.DiscoveryService", "Discover", discovery.DiscoveryServiceDiscoverRequest())
 
@@ -67,35 +68,48 @@ async def test_valid_client_is_served_on_unix_and_tcp(tcp_daemon: tuple[DaemonPr
         assert await _discover(config) == "host"
 
 
-async def _carry(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
-    try:
-        while chunk := await reader.read(65536):
-            await asyncio.sleep(delay)
-            writer.write(chunk)
-            await writer.drain()
-    except ConnectionError:
-        pass
-    finally:
-        writer.close()
+class _Relay:
+    """A TCP relay to ``target`` that can hold every chunk ``delay`` seconds each way (a far client)
+    and can swallow everything while keeping both connections open (a peer gone without a word)."""
 
+    def __init__(self, target: str, delay: float = 0.0) -> None:
+        self.target, self.delay = target, delay
+        self.swallowing = False
+        self.server_hung_up = asyncio.Event()
+        self._listener: asyncio.Server | None = None
 
-@contextlib.asynccontextmanager
-async def _long_link(target: str, delay: float) -> AsyncIterator[str]:
-    """A TCP relay to ``target`` holding every chunk ``delay`` seconds each way: a far client."""
-    host, port = target.rsplit(":", 1)
+    async def __aenter__(self) -> str:
+        self._listener = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return f"127.0.0.1:{self._listener.sockets[0].getsockname()[1]}"
 
-    async def relay(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._listener is not None
+        self._listener.close()
+        await self._listener.wait_closed()
+
+    async def _relay(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        host, port = self.target.rsplit(":", 1)
         server_reader, server_writer = await asyncio.open_connection(host, int(port))
         await asyncio.gather(
-            _carry(client_reader, server_writer, delay), _carry(server_reader, client_writer, delay)
+            self._carry(client_reader, server_writer),
+            self._carry(server_reader, client_writer, from_server=True),
         )
 
-    relay_server = await asyncio.start_server(relay, "127.0.0.1", 0)
-    try:
-        yield f"127.0.0.1:{relay_server.sockets[0].getsockname()[1]}"
-    finally:
-        relay_server.close()
-        await relay_server.wait_closed()
+    async def _carry(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, from_server: bool = False
+    ) -> None:
+        try:
+            while chunk := await reader.read(65536):
+                await asyncio.sleep(self.delay)
+                if not self.swallowing:
+                    writer.write(chunk)
+                    await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            if from_server:
+                self.server_hung_up.set()
+            writer.close()
 
 
 async def test_client_is_served_over_a_long_link(tcp_daemon: tuple[DaemonProcess, str]) -> None:
@@ -106,10 +120,61 @@ async def test_client_is_served_over_a_long_link(tcp_daemon: tuple[DaemonProcess
     """
     daemon, tcp = tcp_daemon
     ours = daemon.client_config()
-    async with _long_link(tcp, delay=0.15) as far:
+    async with _Relay(tcp, delay=0.15) as far:
         started = time.monotonic()
         assert await _discover(ClientConfig(ours.ca_crt, ours.client_crt, ours.client_key, far)) == "host"
     assert time.monotonic() - started > 0.6  # the handshake really crossed the slow link
+
+
+def _follow_daemon_log(client: AuraeClient) -> asyncio.Task[list[str]]:
+    """A followed stream that stays quiet: the daemon's log from now on."""
+    request = observe.ObserveServiceGetAuraeDaemonLogStreamRequest(follow=True, tail=0)
+
+    async def read() -> list[str]:
+        return [r.item.line async for r in client.stream(OBSERVE, "GetAuraeDaemonLogStream", request)]
+
+    return asyncio.create_task(read())
+
+
+async def test_a_client_notices_a_connection_gone_silent(daemon_factory: DaemonFactory) -> None:
+    """Pings on a quiet followed stream: accepted while answered, the stream's end when not."""
+    tcp = f"127.0.0.1:{_free_port()}"
+    daemon = daemon_factory("--tcp-listen", tcp, "--keepalive-client-min-interval", "0.2")
+    ours = daemon.client_config()
+    relay = _Relay(tcp)
+    async with relay as far:
+        config = ClientConfig(
+            ours.ca_crt, ours.client_crt, ours.client_key, far, keepalive_time=0.5, keepalive_timeout=0.5
+        )
+        async with AuraeClient.connect(config) as client:
+            following = _follow_daemon_log(client)
+            await asyncio.sleep(2.5)  # five pings answered; none refused as too many
+            assert not following.done()
+            relay.swallowing = True
+            silent = time.monotonic()
+            with pytest.raises(ClientError) as error:
+                await asyncio.wait_for(following, 15)
+            assert error.value.code == "UNAVAILABLE"
+            assert time.monotonic() - silent < 5
+
+
+async def test_the_daemon_drops_a_client_gone_silent(daemon_factory: DaemonFactory) -> None:
+    """The daemon's own pings end the calls of a client that vanished (a client that never pings)."""
+    tcp = f"127.0.0.1:{_free_port()}"
+    daemon = daemon_factory("--tcp-listen", tcp, "--keepalive-time", "0.5", "--keepalive-timeout", "0.5")
+    ours = daemon.client_config()
+    relay = _Relay(tcp)
+    async with relay as far:
+        config = ClientConfig(ours.ca_crt, ours.client_crt, ours.client_key, far, keepalive_time=0)
+        async with AuraeClient.connect(config) as client:
+            following = _follow_daemon_log(client)
+            await asyncio.sleep(1.5)  # the daemon's pings answered meanwhile
+            assert not following.done() and not relay.server_hung_up.is_set()
+            relay.swallowing = True
+            await asyncio.wait_for(relay.server_hung_up.wait(), 5)
+            following.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ClientError):
+                await following
 
 
 async def test_client_without_certificate_is_refused(tcp_daemon: tuple[DaemonProcess, str]) -> None:

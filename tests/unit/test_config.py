@@ -1,4 +1,5 @@
-"""auraed.config: where each setting comes from, and how relative paths in the file are read."""
+"""auraed.config: where each setting comes from, and how relative paths in the file are read; and
+the client's config file."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from auraed.client.client import DEFAULT_KEEPALIVE_TIME, ClientError, load_client_config
 from auraed.config import load_config
 from auraed.errors import ConfigError
 
@@ -75,3 +77,20 @@ def test_values_are_checked_whatever_their_source(tmp_path: Path) -> None:
         load_config([*empty, "--stop-grace-period", "-1"], {})
     with pytest.raises(ConfigError, match="AURAED_LOG_BUFFER_LINES: log_buffer_lines"):
         load_config(empty, {"AURAED_LOG_BUFFER_LINES": "many"})
+    with pytest.raises(ConfigError, match="keepalive_time: must not be negative"):
+        load_config([*empty, "--keepalive-time", "-1"], {})
+    with pytest.raises(ConfigError, match="keepalive_timeout: must be positive"):
+        load_config(empty, {"AURAED_KEEPALIVE_TIMEOUT": "0"})
+
+
+def test_the_client_config_reads_keepalive_and_refuses_nonsense(tmp_path: Path) -> None:
+    text = '[auth]\nca_crt = "ca.crt"\nclient_crt = "c.crt"\nclient_key = "c.key"\n[system]\n'
+    (tmp_path / "default").write_text(text)
+    assert load_client_config(tmp_path / "default").keepalive_time == DEFAULT_KEEPALIVE_TIME
+    (tmp_path / "set").write_text(text + "keepalive_time = 0\nkeepalive_timeout = 2.5\n")
+    config = load_client_config(tmp_path / "set")
+    assert (config.keepalive_time, config.keepalive_timeout) == (0.0, 2.5)
+    for bad in ("keepalive_time = -1", 'keepalive_time = "soon"', "keepalive_timeout = 0"):
+        (tmp_path / "bad").write_text(text + bad + "\n")
+        with pytest.raises(ClientError, match=r"\[system\] keepalive_time"):
+            load_client_config(tmp_path / "bad")
