@@ -127,12 +127,8 @@ class GuestRouter(grpc.GenericRpcHandler):  # type: ignore[misc]
         async def unary_stream(request: bytes, context: Context) -> AsyncIterator[bytes]:
             guest = await router._guest(context)
             call = guest.channel.unary_stream(method)(request, metadata=_forwarded(context))
-            async with _while_guest_open(guest, context):
-                try:
-                    async for reply in call:
-                        yield reply
-                except grpc.aio.AioRpcError as exc:
-                    await context.abort(exc.code(), exc.details() or "")
+            async for reply in _relay_stream(guest, call, context):
+                yield reply
 
         async def stream_unary(requests: AsyncIterator[bytes], context: Context) -> bytes:
             guest = await router._guest(context)
@@ -143,12 +139,8 @@ class GuestRouter(grpc.GenericRpcHandler):  # type: ignore[misc]
         async def stream_stream(requests: AsyncIterator[bytes], context: Context) -> AsyncIterator[bytes]:
             guest = await router._guest(context)
             call = guest.channel.stream_stream(method)(requests, metadata=_forwarded(context))
-            async with _while_guest_open(guest, context):
-                try:
-                    async for reply in call:
-                        yield reply
-                except grpc.aio.AioRpcError as exc:
-                    await context.abort(exc.code(), exc.details() or "")
+            async for reply in _relay_stream(guest, call, context):
+                yield reply
 
         # Raw bytes in and out: the guest parses and validates; the host only relays.
         if local.unary_unary:
@@ -247,6 +239,16 @@ async def _while_guest_open(guest: GuestEndpoint, context: Context) -> AsyncIter
         if not why:
             raise  # the host's own call was cancelled
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"guest {guest.name}: {why}")
+
+
+async def _relay_stream(guest: GuestEndpoint, call: Any, context: Context) -> AsyncIterator[bytes]:
+    """The guest's replies, then its status as the host's."""
+    async with _while_guest_open(guest, context):
+        try:
+            async for reply in call:
+                yield reply
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(exc.code(), exc.details() or "")
 
 
 async def _relay(call: Any, context: Context) -> Any:

@@ -56,16 +56,21 @@ def guest_client(
     return AuraeClient.connect(config)
 
 
+async def _allocate_g1(client: AuraeClient, busybox_layout: BuiltImage) -> None:
+    """The busybox image in the host's store, and a guest VM g1 allocated (not started)."""
+    await import_layout(client, busybox_layout.layout, IMAGE)
+    await client.call(
+        VMS,
+        "Allocate",
+        vms.VmServiceAllocateRequest(vm=vms.VirtualMachine(name="g1", role="guest", memory_mib=768)),
+    )
+
+
 async def test_guest_boots_and_runs_a_placed_container(
     host: DaemonProcess, busybox_layout: BuiltImage, tmp_path: Path
 ) -> None:
     async with host.client() as client:
-        await import_layout(client, busybox_layout.layout, IMAGE)
-        await client.call(
-            VMS,
-            "Allocate",
-            vms.VmServiceAllocateRequest(vm=vms.VirtualMachine(name="g1", role="guest", memory_mib=768)),
-        )
+        await _allocate_g1(client, busybox_layout)
         sent = time.monotonic()
         started = await client.call(VMS, "Start", vms.VmServiceStartRequest(name="g1"), timeout=300)
         took_ms = (time.monotonic() - sent) * 1000
@@ -94,12 +99,7 @@ async def test_calls_to_a_guest_end_when_its_vm_dies(host: DaemonProcess, busybo
     connection, and each new call waited for its deadline.
     """
     async with host.client() as client:
-        await import_layout(client, busybox_layout.layout, IMAGE)
-        await client.call(
-            VMS,
-            "Allocate",
-            vms.VmServiceAllocateRequest(vm=vms.VirtualMachine(name="g1", role="guest", memory_mib=768)),
-        )
+        await _allocate_g1(client, busybox_layout)
 
         async def qemu_pid() -> int:
             return (await client.call(VMS, "List", vms.VmServiceListRequest(name="g1"))).vms[0].pid
