@@ -161,8 +161,37 @@ def channel_for(config: ClientConfig) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(config.address, credentials, options=options)
 
 
-def _client_error(exc: grpc.aio.AioRpcError) -> ClientError:
-    return ClientError(exc.code().name, exc.details() or "")
+def _client_error(exc: grpc.aio.AioRpcError, config: ClientConfig | None) -> ClientError:
+    details = exc.details() or ""
+    hint = connection_hint(details, config) if exc.code() == grpc.StatusCode.UNAVAILABLE else ""
+    if hint and config is not None:
+        return ClientError("UNAVAILABLE", f"cannot reach auraed at {config.address}: {hint} [{details}]")
+    return ClientError(exc.code().name, details)
+
+
+def connection_hint(details: str, config: ClientConfig | None) -> str:
+    """What a failure to connect most likely means, in the client config's terms ("" when unsure).
+
+    grpc words these for its own developers ("Socket closed" for a client certificate the server
+    refused); the original text stays in the message.
+    """
+    if config is None or not details.startswith("failed to connect to all addresses"):
+        return ""
+    if "CERTIFICATE_VERIFY_FAILED" in details:
+        return f"its certificate is not signed by the CA in {config.ca_crt}, or has expired"
+    if "Hostname Verification Check failed" in details:
+        return (
+            f"its certificate does not name {config.server_name!r} (server_name under [system] in the "
+            "client config)"
+        )
+    if "Socket closed" in details or "Connection reset" in details:
+        return (
+            "it hung up during the TLS handshake: it may not accept the client certificate "
+            f"{config.client_crt} (from another CA, or expired)"
+        )
+    if "Connection refused" in details or "No such file or directory" in details:
+        return "nothing accepts connections there"
+    return ""
 
 
 def _decoded(response: type[betterproto2.Message], data: bytes) -> Any:
@@ -201,9 +230,9 @@ class _Requests:
                 raise
             yield data
 
-    def failure(self, exc: grpc.aio.AioRpcError) -> ClientError:
+    def failure(self, exc: grpc.aio.AioRpcError, config: ClientConfig | None) -> ClientError:
         self.raise_encoding_failure()
-        return _client_error(exc)
+        return _client_error(exc, config)
 
     def raise_encoding_failure(self) -> None:
         if self._error is not None:
@@ -232,15 +261,18 @@ class ServiceStub:
 
 
 class AuraeClient:
-    """``vm``: send every ContainerService call to that VM's guest, through the host."""
+    """``vm``: send every ContainerService call to that VM's guest, through the host. ``config``,
+    when known, words a failure to connect in its terms."""
 
-    def __init__(self, channel: grpc.aio.Channel, vm: str = "") -> None:
+    def __init__(self, channel: grpc.aio.Channel, vm: str = "", config: ClientConfig | None = None) -> None:
         self.channel = channel
+        self.config = config
         self._metadata = ((VM_METADATA_KEY, vm),) if vm else None
 
     @classmethod
     def connect(cls, config: ClientConfig | None = None, vm: str = "") -> AuraeClient:
-        return cls(channel_for(config or load_client_config()), vm)
+        config = config or load_client_config()
+        return cls(channel_for(config), vm, config)
 
     async def __aenter__(self) -> AuraeClient:
         return self
@@ -278,7 +310,7 @@ class AuraeClient:
                 requests.encoded(), timeout=timeout, metadata=self._metadata
             )
         except grpc.aio.AioRpcError as exc:
-            raise requests.failure(exc) from None
+            raise requests.failure(exc, self.config) from None
         except asyncio.CancelledError:
             requests.raise_encoding_failure()
             raise
@@ -296,7 +328,7 @@ class AuraeClient:
             async for reply in call:
                 yield _decoded(response, reply)
         except grpc.aio.AioRpcError as exc:
-            raise requests.failure(exc) from None
+            raise requests.failure(exc, self.config) from None
         except asyncio.CancelledError:
             requests.raise_encoding_failure()
             raise
@@ -341,5 +373,5 @@ class AuraeClient:
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.aio.AioRpcError as exc:
-            raise _client_error(exc) from None
+            raise _client_error(exc, self.config) from None
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))

@@ -20,7 +20,7 @@ from auraed.client.cli import size
 from auraed.pki import ensure_dev_pki
 from tests.conftest import DaemonProcess, free_all_cells
 
-AER = [sys.executable, "-m", "auraed.client.cli"]
+AER = [sys.executable, "-m", "auraed.aer"]
 
 
 def environment(home: Path | None = None) -> dict[str, str]:
@@ -245,6 +245,33 @@ def test_daemon_started_with_pki_init_files(tmp_path: Path) -> None:
     finally:
         daemon.stop()
         free_all_cells(daemon)
+
+
+def test_failures_to_connect_are_worded_in_the_client_configs_terms(tmp_path: Path) -> None:
+    """One line each, naming the file or setting to look at; grpc's own log lines stay quiet."""
+    ours, theirs, root = tmp_path / "ours", tmp_path / "theirs", tmp_path / "daemon"
+    root.mkdir()
+    socket = root / "run" / "aurae.sock"
+    for directory in (ours, theirs):
+        assert aer("pki", "init", str(directory), "--socket", str(socket)).returncode == 0
+    daemon = DaemonProcess(root, ensure_dev_pki(ours), [])
+    daemon.start()
+    try:
+        # Our CA, a client certificate from another: the daemon hangs up during the handshake.
+        mixed = tmp_path / "mixed"
+        mixed.write_text(
+            (ours / "config").read_text().replace(str(ours / "aurae-client"), str(theirs / "aurae-client"))
+        )
+        result = aer("health", config=mixed)
+        assert_one_line_error(result, f"may not accept the client certificate {theirs / 'aurae-client.crt'}")
+        # Another CA altogether: the daemon's certificate is not signed by it.
+        result = aer("health", config=theirs / "config")
+        assert_one_line_error(result, f"its certificate is not signed by the CA in {theirs / 'ca.crt'}")
+    finally:
+        daemon.stop()
+        free_all_cells(daemon)
+    result = aer("health", config=ours / "config")
+    assert_one_line_error(result, f"cannot reach auraed at unix:{socket}: nothing accepts connections there")
 
 
 def test_the_example_client_runs_a_command_in_a_cell(config: Path) -> None:
