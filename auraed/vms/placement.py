@@ -249,6 +249,8 @@ async def _relay_stream(guest: GuestEndpoint, call: Any, context: Context) -> As
                 yield reply
         except grpc.aio.AioRpcError as exc:
             await context.abort(exc.code(), exc.details() or "")
+        finally:
+            call.cancel()  # the host's caller went away: so does the guest's call (a no-op once done)
 
 
 async def _relay(call: Any, context: Context) -> Any:
