@@ -267,6 +267,12 @@ def test_failures_to_connect_are_worded_in_the_client_configs_terms(tmp_path: Pa
         # Another CA altogether: the daemon's certificate is not signed by it.
         result = aer("health", config=theirs / "config")
         assert_one_line_error(result, f"its certificate is not signed by the CA in {theirs / 'ca.crt'}")
+        # Our CA, but a server name the daemon's certificate does not carry.
+        renamed = tmp_path / "renamed"
+        renamed.write_text(
+            (ours / "config").read_text().replace("[system]", '[system]\nserver_name = "elsewhere"')
+        )
+        assert_one_line_error(aer("health", config=renamed), "its certificate does not name 'elsewhere'")
     finally:
         daemon.stop()
         free_all_cells(daemon)
