@@ -735,7 +735,10 @@ def cmd_image_inspect(args: argparse.Namespace) -> int:
 def cmd_image_remove(args: argparse.Namespace) -> int:
     request = containers_pb.ContainerServiceRemoveImageRequest(image=args.image)
     reply = _call(args, CONTAINERS, "RemoveImage", request)
-    _report(args, reply, f"removed {args.image}, freed {_size(reply.freed_bytes)}")
+    if reply.collection_deferred:
+        _report(args, reply, f"removed {args.image}; its space is freed once the pulls under way end")
+    else:
+        _report(args, reply, f"removed {args.image}, freed {_size(reply.freed_bytes)}")
     return 0
 
 

@@ -257,8 +257,8 @@ class ContainerServicer:
     async def remove_image(
         self, request: pb.ContainerServiceRemoveImageRequest, context: Context
     ) -> pb.ContainerServiceRemoveImageResponse:
-        freed = await self._images.remove(_required(request.image, "image"))
-        return pb.ContainerServiceRemoveImageResponse(freed_bytes=freed)
+        freed, deferred = await self._images.remove(_required(request.image, "image"))
+        return pb.ContainerServiceRemoveImageResponse(freed_bytes=freed, collection_deferred=deferred)
 
     # -- containers ------------------------------------------------------------------------
 

@@ -154,6 +154,9 @@ class _StoreGate:
             async with self._changed:
                 self._changed.notify_all()
 
+    def storing_now(self) -> bool:
+        return self._storing > 0
+
     @contextlib.asynccontextmanager
     async def collecting(self) -> AsyncIterator[None]:
         async with self._changed:
@@ -185,6 +188,7 @@ class Images:
         self._locks_guard = threading.Lock()
         self.in_use: Callable[[str], bool] = lambda image_id: False  # set by the container service
         self._gate = _StoreGate()
+        self._deferred_collection: asyncio.Task[None] | None = None
 
     @property
     def _registry(self) -> RegistryClient:
@@ -195,6 +199,8 @@ class Images:
     def close(self) -> None:
         if self._registry_client is not None:
             self._registry_client.close()
+        if self._deferred_collection is not None:
+            self._deferred_collection.cancel()  # the next removal collects what it would have
 
     # -- records ---------------------------------------------------------------------------
 
@@ -510,23 +516,40 @@ class Images:
 
     # -- remove ----------------------------------------------------------------------------
 
-    async def remove(self, name: str) -> int:
-        """Forget the image and collect what no image names any more; the bytes freed.
+    async def remove(self, name: str) -> tuple[int, bool]:
+        """Forget the image and collect what no image names any more: (bytes freed, deferred).
 
         The check and the record's removal run on the event loop, as a container's Create finds
-        its image and records itself: one of them sees the other.
+        its image and records itself: one of them sees the other. The collection must not run
+        while a pull or an import is under way (_StoreGate); then it is deferred until they end,
+        and the removal does not wait for them (a large pull could take minutes).
         """
+        image = self.find(name)
+        if self.in_use(image.id):
+            raise ImageError.precondition(f"image {name} is used by a container; delete the container first")
+        self._store.delete(KIND, image.id)
+        if self._gate.storing_now():
+            self._collect_later()
+            return 0, True
         async with self._gate.collecting():
-            image = self.find(name)
-            if self.in_use(image.id):
-                raise ImageError.precondition(
-                    f"image {name} is used by a container; delete the container first"
-                )
-            self._store.delete(KIND, image.id)
-            return await asyncio.to_thread(self._collect)
+            return await asyncio.to_thread(self._collect), False
+
+    def _collect_later(self) -> None:
+        """One collection, run once no store is under way; removals meanwhile share it."""
+        if self._deferred_collection is None or self._deferred_collection.done():
+            self._deferred_collection = asyncio.get_running_loop().create_task(
+                self._collect_when_free(), name="image-collection"
+            )
+
+    async def _collect_when_free(self) -> None:
+        try:
+            async with self._gate.collecting():
+                await asyncio.to_thread(self._collect)
+        except Exception:
+            log.exception("the deferred garbage collection of images failed")
 
     def _collect(self) -> int:
-        """Remove what no registered image names; only under the gate's collecting() (remove)."""
+        """Remove what no registered image names; only under the gate's collecting()."""
         images = self.all()
         keep_blobs = set().union(*(i.blobs for i in images)) if images else set()
         keep_snapshots = {layer.diff_id for i in images for layer in i.layers}

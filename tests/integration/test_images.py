@@ -18,7 +18,7 @@ import pytest
 
 from auraed.api.aurae.containers import v0 as pb
 from auraed.client import AuraeClient, ClientError
-from tests.conftest import DaemonFactory, DaemonProcess
+from tests.conftest import DaemonFactory, DaemonProcess, wait_until
 from tests.integration.containers_helpers import CONTAINERS, delete, import_layout, logs, run
 from tests.support.images import (
     OCI_MANIFEST,
@@ -176,18 +176,23 @@ async def test_removing_an_image_during_a_pull_keeps_what_the_pull_stored(
     daemon: DaemonProcess, registry: LocalRegistry, busybox_layout: BuiltImage, large_layout: BuiltImage
 ) -> None:
     """RemoveImage collects what no registered image names; a pull's layers are named by none
-    until it ends. The collection waits for the pull, which then runs as a whole image."""
+    until it ends. So the collection is deferred until the pull ends, the removal does not wait
+    for it, and the pulled image runs whole."""
     push_layout(large_layout, f"{registry.host}/big:1")
+    other_config = daemon.root / "state" / "images" / "blobs" / "sha256" / busybox_layout.config_digest[7:]
     async with daemon.client() as client:
         await import_layout(client, busybox_layout.layout, "localhost/other:1")
-        removal: asyncio.Task[Any] | None = None
+        assert other_config.exists()
+        removed: Any = None
         request = pb.ContainerServicePullImageRequest(reference=f"{registry.host}/big:1")
         async for reply in client.stream(CONTAINERS, "PullImage", request, timeout=120):
-            if removal is None and reply.progress is not None and reply.progress.done > 5 << 20:
+            if removed is None and reply.progress is not None and reply.progress.done > 5 << 20:
                 remove = pb.ContainerServiceRemoveImageRequest(image="localhost/other:1")
-                removal = asyncio.create_task(client.call(CONTAINERS, "RemoveImage", remove))
-        assert removal is not None
-        await removal
+                removed = await client.call(CONTAINERS, "RemoveImage", remove)
+                assert other_config.exists()  # still there: the pull is under way
+        assert removed is not None
+        assert removed.collection_deferred and removed.freed_bytes == 0
+        await wait_until(lambda: not other_config.exists())  # collected once the pull ended
         final = await run(client, "whole", f"{registry.host}/big:1", command=["sh", "-c", "ls /data"])
         assert final.exit_code == 0 and await logs(client, "whole") == ["random", "text"]
         await delete(client, "whole")
