@@ -253,7 +253,7 @@ class Guests:
         if record.state != State.RUNNING:
             raise AuraeError(
                 ErrorKind.FAILED_PRECONDITION,
-                f"VM {name} is {_state_and_reason(record)}: its guest cannot be reached until it is "
+                f"VM {name} is {record.state_with_reason()}; its guest cannot be reached until it is "
                 "started again",
             )
         return self.trust.endpoint(name, self.identity(record), record.started_at)
@@ -261,7 +261,7 @@ class Guests:
     def _vm_ended(self, record: VmRecord) -> None:
         # Calls relayed to a guest whose VM died would wait on a dead connection: end them now.
         if self.is_guest(record.spec):
-            self.trust.forget_soon(record.name, f"its VM {_state_and_reason(record)}")
+            self.trust.forget_soon(record.name, f"its VM {record.state_with_reason()}")
 
     async def free(self, name: str, timeout: float | None) -> None:
         """Free the VM, closing the host's channel to its guest before the tap goes.
@@ -275,10 +275,3 @@ class Guests:
             await self.vms.free(name, timeout)
         finally:
             await self.trust.forget(name, "its VM was freed")
-
-
-def _state_and_reason(record: VmRecord) -> str:
-    """A VM's state with its reason, e.g. 'crashed (killed by signal 9)'; the state alone when the
-    reason only repeats it."""
-    reason = record.reason
-    return f"{record.state} ({reason})" if reason and reason != record.state else record.state

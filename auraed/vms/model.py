@@ -166,6 +166,13 @@ class VmRecord:
     def name(self) -> str:
         return self.spec.name
 
+    def state_with_reason(self) -> str:
+        """'crashed (killed by signal 9)', 'stopped: the guest powered off' (a reason that starts
+        with the state stands alone), or the state alone."""
+        if not self.reason or self.reason == self.state:
+            return self.state
+        return self.reason if self.reason.startswith(self.state) else f"{self.state} ({self.reason})"
+
     @property
     def console_path(self) -> Path:
         return Path(self.run_dir) / "console.log"

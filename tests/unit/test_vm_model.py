@@ -161,6 +161,18 @@ def test_record_round_trip(files: dict[str, str]) -> None:
     assert record.net is not None and record.net.netmask == "255.255.255.252"
 
 
+def test_a_state_is_told_with_its_reason(files: dict[str, str]) -> None:
+    record = VmRecord(spec=parse_vm(vm(files)), backend="qemu", run_dir="/run/aurae/vms/web")
+    for state, reason, told in [
+        (State.CRASHED, "killed by signal 9", "crashed (killed by signal 9)"),
+        (State.STOPPED, "stopped: the guest powered off", "stopped: the guest powered off"),
+        (State.STOPPED, "stopped", "stopped"),
+        (State.ALLOCATED, "", "allocated"),
+    ]:
+        record.state, record.reason = state, reason
+        assert record.state_with_reason() == told
+
+
 def test_status_message_and_handler(files: dict[str, str]) -> None:
     spec = parse_vm(vm(files, network=True))
     record = VmRecord(
