@@ -163,19 +163,18 @@ def channel_for(config: ClientConfig) -> grpc.aio.Channel:
 
 def _client_error(exc: grpc.aio.AioRpcError, config: ClientConfig | None) -> ClientError:
     details = exc.details() or ""
-    hint = connection_hint(details, config) if exc.code() == grpc.StatusCode.UNAVAILABLE else ""
-    if hint and config is not None:
+    if config is not None and (hint := connection_hint(exc.code(), details, config)):
         return ClientError("UNAVAILABLE", f"cannot reach auraed at {config.address}: {hint} [{details}]")
     return ClientError(exc.code().name, details)
 
 
-def connection_hint(details: str, config: ClientConfig | None) -> str:
+def connection_hint(code: grpc.StatusCode, details: str, config: ClientConfig) -> str:
     """What a failure to connect most likely means, in the client config's terms ("" when unsure).
 
     grpc words these for its own developers ("Socket closed" for a client certificate the server
     refused); the original text stays in the message.
     """
-    if config is None or not details.startswith("failed to connect to all addresses"):
+    if code != grpc.StatusCode.UNAVAILABLE or not details.startswith("failed to connect to all addresses"):
         return ""
     if "CERTIFICATE_VERIFY_FAILED" in details:
         return f"its certificate is not signed by the CA in {config.ca_crt}, or has expired"
