@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import socket
 import time
@@ -17,6 +18,7 @@ from auraed.api.aurae.containers import v0 as containers
 from auraed.api.aurae.discovery import v0 as discovery
 from auraed.api.aurae.observe import v0 as observe
 from auraed.client import AuraeClient, ClientConfig, ClientError
+from auraed.client.client import DEFAULT_KEEPALIVE_TIME, DEFAULT_KEEPALIVE_TIMEOUT
 from auraed.pki import create_ca, issue_client_cert, write_pem_files
 from auraed.pki.certs import load_ca
 from tests.conftest import DaemonFactory, DaemonProcess
@@ -37,10 +39,30 @@ def _with_client_cert(daemon: DaemonProcess, crt: Path, key: Path, address: str)
     return ClientConfig(ca_crt=daemon.pki.ca_crt, client_crt=crt, client_key=key, address=address)
 
 
+def _start_tcp_daemon(daemon_factory: DaemonFactory, *flags: str) -> tuple[DaemonProcess, str]:
+    """A daemon also serving on a free loopback port, and that host:port."""
+    tcp = f"127.0.0.1:{_free_port()}"
+    return daemon_factory("--tcp-listen", tcp, *flags), tcp
+
+
+def _ours_at(
+    daemon: DaemonProcess,
+    address: str,
+    keepalive_time: float = DEFAULT_KEEPALIVE_TIME,
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
+) -> ClientConfig:
+    """The daemon's own client config, pointed at ``address``."""
+    return dataclasses.replace(
+        daemon.client_config(),
+        address=address,
+        keepalive_time=keepalive_time,
+        keepalive_timeout=keepalive_timeout,
+    )
+
+
 @pytest.fixture
 def tcp_daemon(daemon_factory: DaemonFactory) -> tuple[DaemonProcess, str]:
-    port = _free_port()
-    return daemon_factory("--tcp-listen", f"127.0.0.1:{port}"), f"127.0.0.1:{port}"
+    return _start_tcp_daemon(daemon_factory)
 
 
 def _addresses(tcp_daemon: tuple[DaemonProcess, str]) -> list[str]:
@@ -63,9 +85,7 @@ async def _refused(config: ClientConfig) -> ClientError:
 async def test_valid_client_is_served_on_unix_and_tcp(tcp_daemon: tuple[DaemonProcess, str]) -> None:
     daemon, _ = tcp_daemon
     for address in _addresses(tcp_daemon):
-        config = daemon.client_config()
-        config = ClientConfig(config.ca_crt, config.client_crt, config.client_key, address)
-        assert await _discover(config) == "host"
+        assert await _discover(_ours_at(daemon, address)) == "host"
 
 
 class _Relay:
@@ -119,10 +139,9 @@ async def test_client_is_served_over_a_long_link(tcp_daemon: tuple[DaemonProcess
     set it to 50 ms, such a link failed at once with UNAVAILABLE.
     """
     daemon, tcp = tcp_daemon
-    ours = daemon.client_config()
     async with _Relay(tcp, delay=0.15) as far:
         started = time.monotonic()
-        assert await _discover(ClientConfig(ours.ca_crt, ours.client_crt, ours.client_key, far)) == "host"
+        assert await _discover(_ours_at(daemon, far)) == "host"
     assert time.monotonic() - started > 0.6  # the handshake really crossed the slow link
 
 
@@ -138,14 +157,10 @@ def _follow_daemon_log(client: AuraeClient) -> asyncio.Task[list[str]]:
 
 async def test_a_client_notices_a_connection_gone_silent(daemon_factory: DaemonFactory) -> None:
     """Pings on a quiet followed stream: accepted while answered, the stream's end when not."""
-    tcp = f"127.0.0.1:{_free_port()}"
-    daemon = daemon_factory("--tcp-listen", tcp, "--keepalive-client-min-interval", "0.2")
-    ours = daemon.client_config()
+    daemon, tcp = _start_tcp_daemon(daemon_factory, "--keepalive-client-min-interval", "0.2")
     relay = _Relay(tcp)
     async with relay as far:
-        config = ClientConfig(
-            ours.ca_crt, ours.client_crt, ours.client_key, far, keepalive_time=0.5, keepalive_timeout=0.5
-        )
+        config = _ours_at(daemon, far, keepalive_time=0.5, keepalive_timeout=0.5)
         async with AuraeClient.connect(config) as client:
             following = _follow_daemon_log(client)
             await asyncio.sleep(2.5)  # five pings answered; none refused as too many
@@ -160,21 +175,17 @@ async def test_a_client_notices_a_connection_gone_silent(daemon_factory: DaemonF
 
 async def test_the_daemon_drops_a_client_gone_silent(daemon_factory: DaemonFactory) -> None:
     """The daemon's own pings end the calls of a client that vanished (a client that never pings)."""
-    tcp = f"127.0.0.1:{_free_port()}"
-    daemon = daemon_factory("--tcp-listen", tcp, "--keepalive-time", "0.5", "--keepalive-timeout", "0.5")
-    ours = daemon.client_config()
+    daemon, tcp = _start_tcp_daemon(daemon_factory, "--keepalive-time", "0.5", "--keepalive-timeout", "0.5")
     relay = _Relay(tcp)
-    async with relay as far:
-        config = ClientConfig(ours.ca_crt, ours.client_crt, ours.client_key, far, keepalive_time=0)
-        async with AuraeClient.connect(config) as client:
-            following = _follow_daemon_log(client)
-            await asyncio.sleep(1.5)  # the daemon's pings answered meanwhile
-            assert not following.done() and not relay.server_hung_up.is_set()
-            relay.swallowing = True
-            await asyncio.wait_for(relay.server_hung_up.wait(), 5)
-            following.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ClientError):
-                await following
+    async with relay as far, AuraeClient.connect(_ours_at(daemon, far, keepalive_time=0)) as client:
+        following = _follow_daemon_log(client)
+        await asyncio.sleep(1.5)  # the daemon's pings answered meanwhile
+        assert not following.done() and not relay.server_hung_up.is_set()
+        relay.swallowing = True
+        await asyncio.wait_for(relay.server_hung_up.wait(), 5)
+        following.cancel()
+        with contextlib.suppress(asyncio.CancelledError, ClientError):
+            await following
 
 
 async def test_client_without_certificate_is_refused(tcp_daemon: tuple[DaemonProcess, str]) -> None:
