@@ -129,6 +129,11 @@ TAIL_BLOCK = 64 << 10
 """Bytes read at a time from a log's end, going back, to find its last lines."""
 READ_CHUNK = 1 << 20
 """Bytes read at a time going forward; a shorter read reached the end of the file."""
+FRESH_CHUNK = 64 << 10
+"""Bytes read at a time, on the event loop, by a follower that has reached the end: what it
+reads next was just written, so it is in the page cache and takes microseconds to read, against
+~0.2 ms for a worker thread's round trip. A full chunk means it has fallen behind: back to the
+thread."""
 
 
 def _blocks_backwards(file: BinaryIO, end: int) -> Iterator[tuple[int, bytes]]:
@@ -263,13 +268,20 @@ async def stream_lines(
         longest = POLL_LONGEST if changed is None else POLL_LONGEST_WATCHED
         buffer = b""
         pause = POLL_SHORTEST
+        at_end = False
         while True:
             if changed is not None:
                 changed.clear()  # before reading: a change from here on wakes the wait below
             # Read before the data, so nothing written before the end is missed; not following,
             # the end is the end of what is there now.
             done = not follow or finished()
-            chunk = await asyncio.to_thread(_read_from, path, offset)
+            if at_end:
+                size = FRESH_CHUNK
+                chunk = _read_from(path, offset, size)
+            else:
+                size = READ_CHUNK
+                chunk = await asyncio.to_thread(_read_from, path, offset, size)
+            at_end = len(chunk) < size
             offset += len(chunk)
             buffer += chunk
             *complete, buffer = buffer.split(b"\n")
@@ -277,7 +289,7 @@ async def stream_lines(
                 fed = assembler.feed(raw.decode(errors="replace"))
                 if fed is not None and fed.stream in streams and (since is None or fed.timestamp >= since):
                     yield fed
-            if done and len(chunk) < READ_CHUNK:
+            if done and at_end:
                 return  # everything written before the end (or before now) is read
             if chunk:
                 pause = POLL_SHORTEST
@@ -297,10 +309,10 @@ async def _wait(changed: asyncio.Event | None, timeout: float) -> bool:
     return changed.is_set()
 
 
-def _read_from(path: Path, offset: int) -> bytes:
+def _read_from(path: Path, offset: int, size: int = READ_CHUNK) -> bytes:
     try:
         with path.open("rb") as file:
             file.seek(offset)
-            return file.read(READ_CHUNK)
+            return file.read(size)
     except FileNotFoundError:
         return b""

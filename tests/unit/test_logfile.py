@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -185,3 +186,42 @@ async def test_reading_all_of_a_log_and_following_on(tmp_path: Path) -> None:
         "three",
         "two",
     ]
+
+
+async def test_a_follower_at_the_end_reads_on_the_loop_and_catches_up_through_a_thread(
+    tmp_path: Path, slow_polls: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lines written while a follower waits at the end are read without a worker thread; a burst
+    longer than such a read is still delivered whole and in order, the rest through the thread."""
+    threaded: list[object] = []
+    real_to_thread = asyncio.to_thread
+
+    async def counted(function: Any, *args: Any) -> Any:
+        threaded.append(function)
+        return await real_to_thread(function, *args)
+
+    monkeypatch.setattr(asyncio, "to_thread", counted)  # the module logfile calls it through
+    monkeypatch.setattr(logfile, "FRESH_CHUNK", 200)  # a burst of ~60-byte records overflows it
+    watch = LogWatch()
+    log = tmp_path / "container.log"
+    append(log, "before")
+    ended = False
+    lines = stream_lines(log, STREAMS, None, True, lambda: ended, watch=watch)
+    try:
+        assert (await anext(lines)).content == "before"
+        assert len(threaded) == 1  # the first read, from the start of the log
+        for count in range(3):
+            append(log, f"fresh {count}")
+            assert (await asyncio.wait_for(anext(lines), 2)).content == f"fresh {count}"
+        assert len(threaded) == 1
+        burst = [f"burst {index}" for index in range(40)]
+        with log.open("a") as file:
+            file.writelines(f"{format_cri_timestamp(time.time_ns())} stdout F {text}\n" for text in burst)
+        assert [(await asyncio.wait_for(anext(lines), 2)).content for _ in burst] == burst
+        assert len(threaded) > 1  # fell behind: caught up through the thread
+        ended = True
+        (tmp_path / "exit.json").write_text("{}")
+        assert [line async for line in lines] == []
+    finally:
+        await lines.aclose()
+        await watch.close()
