@@ -85,6 +85,7 @@ class Containers:
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._changing: dict[str, str] = {}  # id -> the change under way: "created", "started", ...
         self._runtime_creates: dict[str, asyncio.Task[None]] = {}  # id -> its create_ahead
+        self._runtime_created: dict[str, asyncio.Future[None]] = {}  # id -> create_ahead's outcome
         self._lock = asyncio.Lock()
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         images.in_use = lambda image_id: any(r.image_id == image_id for r in self._records.values())
@@ -159,8 +160,10 @@ class Containers:
             record.state = State.CREATED
             self._save(record)
             if self._runtime.releases_by_fifo and not spec.get("hooks", {}).get("poststart"):
-                self._runtime_creates[record.id] = asyncio.get_running_loop().create_task(
-                    self._create_ahead(record), name=f"create {record.id}"
+                loop = asyncio.get_running_loop()
+                created = self._runtime_created[record.id] = loop.create_future()
+                self._runtime_creates[record.id] = loop.create_task(
+                    self._create_ahead(record, created), name=f"create {record.id}"
                 )
                 # One turn of the loop lets the task hand its request to the spare monitor
                 # before this reply goes out rather than after it: the runtime starts 0.2-0.6 ms
@@ -231,21 +234,48 @@ class Containers:
         record.monitor_pid, record.monitor_ticks = supervised.monitor_pid, supervised.monitor_ticks
         record.pid, record.ticks = supervised.pid, supervised.ticks
 
-    async def _create_ahead(self, record: ContainerRecord) -> None:
-        """The runtime's ``create`` for a created container, after Create's reply; on any failure
-        its traces go and Start runs the container as if this had not been tried."""
+    async def _create_ahead(self, record: ContainerRecord, created: asyncio.Future[None]) -> None:
+        """The runtime's ``create`` for a created container, begun with Create's reply; on any
+        failure its traces go and Start runs the container as if this had not been tried.
+
+        ``created`` is resolved once the container is created (its init waits at the exec fifo)
+        or once a failure's traces are gone. A Start waiting for it releases the init before
+        the record is saved here: the save is for a restart, and off the path to the output.
+        """
         try:
-            await self._launch(record, start=False)
-            if record.id in self._records:
-                self._save(record)  # a restart finds its monitor and init
+            try:
+                await self._launch(record, start=False)
+            except BaseException as exc:
+                await self._forget_runtime_create(record)
+                if not isinstance(exc, Exception):
+                    raise
+                log.info("container %s: create ahead of Start failed, Start runs it: %s", record.name, exc)
+                return
+            finally:
+                created.set_result(None)
+            await asyncio.sleep(0)  # a Start waiting on `created` releases the init first
+            if self._records.get(record.id) is record and record.state == State.CREATED:
+                self._save_created(record)
                 self._watch(record)
-        except BaseException as exc:
-            await self._forget_runtime_create(record)
-            if not isinstance(exc, Exception):
-                raise
-            log.info("container %s: create ahead of Start failed, Start runs it: %s", record.name, exc)
         finally:
             self._runtime_creates.pop(record.id, None)
+            self._runtime_created.pop(record.id, None)
+
+    def _save_created(self, record: ContainerRecord) -> None:
+        """Save the monitor and init the runtime's create made, so that a restart finds them.
+        Should that fail (a full disk), the container goes on: Start may have released it
+        already. Only a restart before its next save would take the create as lost and undo it."""
+        try:
+            self._save(record)
+        except StoreError as exc:
+            log.warning("container %s: its monitor could not be recorded: %s", record.name, exc)
+
+    async def _runtime_create_settled(self, record: ContainerRecord) -> None:
+        """Until the container's create ahead, if one runs, has created it or failed and left
+        nothing behind (it is never cancelled)."""
+        created = self._runtime_created.get(record.id)
+        if created is not None:
+            await asyncio.shield(created)
 
     async def _create_ahead_done(self, record: ContainerRecord) -> None:
         """Until the container's create ahead, if one runs, has ended (it is never cancelled)."""
@@ -299,7 +329,7 @@ class Containers:
         with self._changing_now(record, "started"):
             if record.state != State.CREATED:
                 raise ContainerError.precondition(f"container {record.name} is {record.state}, not created")
-            await self._create_ahead_done(record)
+            await self._runtime_create_settled(record)
             try:
                 if record.pid:  # the runtime created it: its init waits at the exec fifo
                     await self._release(record)
