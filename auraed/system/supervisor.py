@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import select
 import socket
 import subprocess
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from auraed.system.monitor_launcher import DESCRIPTORS, REPLY_MAX, launcher_comm
 START_TIMEOUT = 30.0  # seconds; generous because guests run under slow emulation
 _APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
 LAUNCHER_STOP_TIMEOUT = 5.0  # seconds for the launcher to leave after its socket closed
+REQUEST_ATTEMPTS = 2
+"""Times a request is sent: one lost with a spare that died as it took it goes once more."""
 ORPHANED = (
     "unsupervised: its monitor ended, so its output is no longer logged and its exit status will not be known"
 )
@@ -38,6 +41,10 @@ class MonitorStartError(Exception):
     def __init__(self, message: str, timed_out: bool = False) -> None:
         super().__init__(message)
         self.timed_out = timed_out
+
+
+class _RequestLost(MonitorStartError):
+    """The spare that took the request died before it answered: nothing was started."""
 
 
 @dataclasses.dataclass
@@ -115,15 +122,21 @@ class Supervisor:
         """
         spec_path = run_dir / "monitor.json"
         spec_path.write_text(spec.to_json())
-        read_end, write_end = os.pipe2(os.O_CLOEXEC)
-        try:
-            monitor_pid = await self._fork_monitor(spec_path, [*stdio, write_end])
-        except BaseException:
-            os.close(read_end)
-            raise
-        finally:
-            os.close(write_end)
-        return monitor_pid, processes.start_ticks(monitor_pid), read_end
+        attempt = 1
+        while True:
+            read_end, write_end = os.pipe2(os.O_CLOEXEC)
+            try:
+                monitor_pid = await self._fork_monitor(spec_path, [*stdio, write_end], read_end)
+            except _RequestLost:
+                os.close(read_end)
+                if attempt == REQUEST_ATTEMPTS:
+                    raise
+                attempt += 1
+                continue
+            except BaseException:
+                os.close(read_end)
+                raise
+            return monitor_pid, processes.start_ticks(monitor_pid), read_end
 
     async def wait(
         self, supervised: Supervised, exit_path: Path, on_orphaned: Callable[[], None] = lambda: None
@@ -150,11 +163,48 @@ class Supervisor:
             supervised.pid, supervised.ticks
         )
 
-    async def _fork_monitor(self, spec_path: Path, fds: list[int]) -> int:
-        """Ask the launcher for a monitor; its pid."""
+    async def _fork_monitor(self, spec_path: Path, fds: list[int], sync_read: int) -> int:
+        """Ask the launcher for a monitor; its pid.
+
+        The last of ``fds`` is the write end of the monitor's sync pipe, whose read end is
+        ``sync_read``; it is closed here once sent. Only the request holds it then, so a request
+        lost with the spare that took it (killed just then) shows as that pipe hanging up:
+        _RequestLost. The exchange is not cut short by a cancellation, which would leave its
+        reply to be read as the next request's: it runs on, and the monitor it brings is killed.
+        """
         assert len(fds) == DESCRIPTORS
-        loop = asyncio.get_running_loop()
-        async with self._lock:
+        try:
+            # The reply's own descriptor: a caller cancelled meanwhile closes sync_read at once.
+            own_read_end = os.dup(sync_read)
+        except BaseException:
+            os.close(fds[-1])
+            raise
+        try:
+            await self._lock.acquire()  # held until the reply is read: one request at a time
+        except BaseException:
+            os.close(fds[-1])
+            os.close(own_read_end)
+            raise
+        try:
+            control = self._send(spec_path, fds)
+        except BaseException:
+            os.close(own_read_end)
+            self._lock.release()
+            raise
+        exchange = asyncio.ensure_future(self._reply(control, own_read_end))
+        try:
+            reply = await asyncio.shield(exchange)
+        except asyncio.CancelledError:
+            exchange.add_done_callback(_kill_abandoned_monitor)
+            raise
+        text = reply.decode(errors="replace")
+        if not text.isdigit():
+            raise MonitorStartError(f"the monitor launcher could not fork: {text.removeprefix('error: ')}")
+        return int(text)
+
+    def _send(self, spec_path: Path, fds: list[int]) -> socket.socket:
+        """Send one request, then close the sync pipe's write end (the last of ``fds``)."""
+        try:
             control = self._ensure_launcher()
             try:
                 # Never blocks: one request at a time, a few hundred bytes in a fresh buffer.
@@ -163,17 +213,24 @@ class Supervisor:
                 self._forget_launcher()
                 control = self._ensure_launcher()
                 socket.send_fds(control, [os.fsencode(spec_path)], fds)
+        finally:
+            os.close(fds[-1])
+        return control
+
+    async def _reply(self, control: socket.socket, sync_read: int) -> bytes:
+        """The reply to the request just sent (``sync_read`` is closed here); then the next
+        request may go."""
+        try:
             try:
-                reply = await loop.sock_recv(control, REPLY_MAX)
-            except OSError:
-                reply = b""
+                reply = await _launcher_reply(control, sync_read)
+            finally:
+                os.close(sync_read)
             if not reply:  # it died while on our request: a monitor may or may not exist
                 self._forget_launcher()
                 raise MonitorStartError("the monitor launcher ended without answering")
-        text = reply.decode(errors="replace")
-        if not text.isdigit():
-            raise MonitorStartError(f"the monitor launcher could not fork: {text.removeprefix('error: ')}")
-        return int(text)
+            return reply
+        finally:
+            self._lock.release()
 
     def _ensure_launcher(self) -> socket.socket:
         if self._control is not None and self._launcher is not None and self._launcher.poll() is None:
@@ -208,6 +265,51 @@ class Supervisor:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._launcher.wait(0)  # reap it if it has ended; a live one leaves at EOF
             self._launcher = None
+
+
+async def _launcher_reply(control: socket.socket, sync_read: int) -> bytes:
+    """The launcher's reply on ``control`` (b"" when it is gone); _RequestLost when the sync
+    pipe hangs up first. A spare answers before its monitor writes to that pipe, so a reply
+    sent is always read before the pipe's hang-up."""
+    hung_up = select.poll()
+    hung_up.register(sync_read, 0)  # POLLHUP is reported whatever the mask
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            return control.recv(REPLY_MAX)
+        except BlockingIOError:
+            pass
+        except OSError:
+            return b""
+        if hung_up.poll(0):
+            raise _RequestLost("the monitor launcher's spare died as it took the request")
+        await _either_readable(loop, control.fileno(), sync_read)
+
+
+async def _either_readable(loop: asyncio.AbstractEventLoop, *fds: int) -> None:
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    for fd in fds:
+        loop.add_reader(fd, wake)
+    try:
+        await ready
+    finally:
+        for fd in fds:
+            loop.remove_reader(fd)
+
+
+def _kill_abandoned_monitor(exchange: asyncio.Future[bytes]) -> None:
+    """A monitor forked for a launch that was cancelled meanwhile: nobody waits for it."""
+    if exchange.cancelled() or exchange.exception() is not None:
+        return
+    text = exchange.result().decode(errors="replace")
+    if text.isdigit():
+        pid = int(text)
+        processes.kill_monitor(pid, processes.start_ticks(pid))
 
 
 async def read_report(pipe: BinaryIO) -> dict[str, Any]:

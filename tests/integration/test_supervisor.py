@@ -4,9 +4,12 @@ a launcher that died, many launches at once."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import secrets
+import select
 import signal
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,7 +19,10 @@ from auraed.system import processes
 from auraed.system.monitor import MonitorSpec, parse_cri_log_line
 from auraed.system.monitor_launcher import MONITOR_NAME, SPARE_NAME
 from auraed.system.supervisor import MonitorStartError, Supervised, Supervisor
+from tests.conftest import wait_until
 from tests.integration.test_container_runtime import children_of
+
+PIDFD_GETFD = 438  # x86_64 syscall number
 
 LAUNCHED: list[Supervised] = []
 
@@ -126,6 +132,82 @@ async def test_the_launchers_spare_is_replaced_when_it_dies_and_leaves_with_it(
             break
         await asyncio.sleep(0.02)
     assert not Path(f"/proc/{spare}").exists()
+
+
+def steal_launcher_socket(launcher: int) -> socket.socket:
+    """A duplicate of the launcher's end of its control socket (pidfd_getfd), to take a request
+    off it as a spare would."""
+    control_fd = int(cmdline(launcher).split(b"\0")[5])  # python -I -S -c CODE CONTROL_FD LABEL
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = os.pidfd_open(launcher)
+    try:
+        fd = libc.syscall(PIDFD_GETFD, pidfd, control_fd, 0)
+    finally:
+        os.close(pidfd)
+    if fd < 0:
+        raise OSError(ctypes.get_errno(), "pidfd_getfd")
+    return socket.socket(fileno=fd)
+
+
+async def test_a_request_lost_with_a_spare_killed_as_it_took_it_is_sent_again(
+    supervisor: Supervisor, tmp_path: Path
+) -> None:
+    # A spare SIGKILLed just as it dequeued a request dies holding it: nothing answers. Made
+    # here by stopping the launcher (no new spare), killing its spare and taking the next
+    # request off the socket in its place, then dropping it.
+    await supervisor.wait(await launch(supervisor, tmp_path / "a", ["true"]), tmp_path / "a" / "exit.json")
+    launcher = supervisor.launcher_pid
+    assert launcher is not None
+    (spare,) = child_pids(launcher)
+    os.kill(launcher, signal.SIGSTOP)
+    try:
+        os.kill(spare, signal.SIGKILL)
+        await wait_until(lambda: not Path(f"/proc/{spare}").exists(), 5)  # reaped by the kernel
+        with steal_launcher_socket(launcher) as stolen:
+            launching = asyncio.ensure_future(launch(supervisor, tmp_path / "b", ["sh", "-c", "echo on"]))
+            # Not made non-blocking: that would be the launcher's socket too (one open file).
+            await wait_until(lambda: select.select([stolen], [], [], 0)[0], 5)
+            taken = socket.recv_fds(stolen, 4096, 4)
+            for fd in taken[1]:
+                os.close(fd)  # what dies with the spare that took it
+            await asyncio.sleep(0.2)
+            assert not launching.done()  # sent again, waiting for a spare
+    finally:
+        os.kill(launcher, signal.SIGCONT)
+    handle = await asyncio.wait_for(launching, 10)
+    record = await supervisor.wait(handle, tmp_path / "b" / "exit.json")
+    assert record is not None and record.exit_code == 0 and logged(tmp_path / "b") == ["on"]
+    assert supervisor.launcher_pid == launcher
+
+
+async def test_a_launch_cancelled_while_waiting_for_its_monitor_leaves_the_next_launch_its_own(
+    supervisor: Supervisor, tmp_path: Path
+) -> None:
+    # Cancelled after its request went: the launcher's answer must not be taken for the next
+    # request's, and the monitor it brings, which nobody waits for, is killed.
+    await supervisor.wait(await launch(supervisor, tmp_path / "a", ["true"]), tmp_path / "a" / "exit.json")
+    launcher = supervisor.launcher_pid
+    assert launcher is not None
+    (spare,) = child_pids(launcher)
+    os.kill(spare, signal.SIGSTOP)  # the request waits on the socket
+    try:
+        abandoned = asyncio.ensure_future(launch(supervisor, tmp_path / "b", ["sleep", "1"]))
+        await asyncio.sleep(0.2)
+        abandoned.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await abandoned
+    finally:
+        os.kill(spare, signal.SIGCONT)
+    handle = await asyncio.wait_for(
+        launch(supervisor, tmp_path / "c", ["sh", "-c", "echo mine; sleep 30"]), 10
+    )
+    assert handle.monitor_pid != spare  # the spare took the abandoned request: its monitor
+    assert Supervisor.alive(handle)
+    await wait_until(lambda: logged(tmp_path / "c") == ["mine"], 5)
+    await wait_until(lambda: not Path(f"/proc/{spare}").exists(), 5)  # killed, reaped by the kernel
+    processes.send_signal(handle.pid, signal.SIGKILL, handle.ticks)
+    record = await supervisor.wait(handle, tmp_path / "c" / "exit.json")
+    assert record is not None and record.signal == signal.SIGKILL
 
 
 async def test_start_errors_come_from_the_monitor(supervisor: Supervisor, tmp_path: Path) -> None:
