@@ -116,9 +116,10 @@ class Containers:
         """Create a container: its rootfs and bundle, and with ``start`` its process.
 
         With ``start``, one ``run --detach``. Without, the reply does not wait for the runtime:
-        ``create`` starts as it goes (create_ahead) and runs while the client sends Start, and Start then only
-        releases the init at its exec fifo. A Start that finds no runtime-created container (the
-        create failed, or a reboot came between) runs ``run --detach`` instead.
+        its ``create`` is handed to a monitor before the reply goes (create_ahead) and runs while
+        the client sends Start, and Start then only releases the init at its exec fifo. A Start
+        that finds no runtime-created container (the create failed, or a reboot came between)
+        runs ``run --detach`` instead.
         """
         async with self._lock:
             if any(r.name == request.name for r in self._records.values()):

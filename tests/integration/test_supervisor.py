@@ -134,6 +134,15 @@ async def test_the_launchers_spare_is_replaced_when_it_dies_and_leaves_with_it(
     assert not Path(f"/proc/{spare}").exists()
 
 
+async def launcher_and_spare(supervisor: Supervisor, run_dir: Path) -> tuple[int, int]:
+    """The launcher's pid and its spare's, once a first launch (in ``run_dir``) has ended."""
+    await supervisor.wait(await launch(supervisor, run_dir, ["true"]), run_dir / "exit.json")
+    launcher = supervisor.launcher_pid
+    assert launcher is not None
+    (spare,) = child_pids(launcher)
+    return launcher, spare
+
+
 def steal_launcher_socket(launcher: int) -> socket.socket:
     """A duplicate of the launcher's end of its control socket (pidfd_getfd), to take a request
     off it as a spare would."""
@@ -155,10 +164,7 @@ async def test_a_request_lost_with_a_spare_killed_as_it_took_it_is_sent_again(
     # A spare SIGKILLed just as it dequeued a request dies holding it: nothing answers. Made
     # here by stopping the launcher (no new spare), killing its spare and taking the next
     # request off the socket in its place, then dropping it.
-    await supervisor.wait(await launch(supervisor, tmp_path / "a", ["true"]), tmp_path / "a" / "exit.json")
-    launcher = supervisor.launcher_pid
-    assert launcher is not None
-    (spare,) = child_pids(launcher)
+    launcher, spare = await launcher_and_spare(supervisor, tmp_path / "a")
     os.kill(launcher, signal.SIGSTOP)
     try:
         os.kill(spare, signal.SIGKILL)
@@ -185,10 +191,7 @@ async def test_a_launch_cancelled_while_waiting_for_its_monitor_leaves_the_next_
 ) -> None:
     # Cancelled after its request went: the launcher's answer must not be taken for the next
     # request's, and the monitor it brings, which nobody waits for, is killed.
-    await supervisor.wait(await launch(supervisor, tmp_path / "a", ["true"]), tmp_path / "a" / "exit.json")
-    launcher = supervisor.launcher_pid
-    assert launcher is not None
-    (spare,) = child_pids(launcher)
+    _launcher, spare = await launcher_and_spare(supervisor, tmp_path / "a")
     os.kill(spare, signal.SIGSTOP)  # the request waits on the socket
     try:
         abandoned = asyncio.ensure_future(launch(supervisor, tmp_path / "b", ["sleep", "1"]))
