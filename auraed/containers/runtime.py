@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from auraed.system import processes
+
 if TYPE_CHECKING:
     from auraed.containers.exec import ExecSession
     from auraed.system.supervisor import Supervisor
@@ -372,26 +374,10 @@ async def _read_exec_fifo(fifo: Path, alive: Callable[[], bool], timeout: float)
                 raise OciRuntimeError("failed", "the container's process ended before it was started")
             if loop.time() > deadline:
                 raise OciRuntimeError("failed", f"its process did not reach {fifo} in {timeout:g}s")
-            await _readable(loop, fd, _FIFO_CHECK_INTERVAL)
+            await processes.until_readable(fd, timeout=_FIFO_CHECK_INTERVAL)
     finally:
         os.close(fd)
     os.unlink(fifo)
-
-
-async def _readable(loop: asyncio.AbstractEventLoop, fd: int, timeout: float) -> None:
-    """Until ``fd`` is readable (or hung up), at most ``timeout`` seconds."""
-    ready: asyncio.Future[None] = loop.create_future()
-
-    def wake() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    loop.add_reader(fd, wake)
-    try:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ready, timeout)
-    finally:
-        loop.remove_reader(fd)
 
 
 async def _kill_group(proc: asyncio.subprocess.Process) -> None:

@@ -62,6 +62,21 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
+async def until_readable(*fds: int, timeout: float | None = None) -> None:
+    """Until one of ``fds`` is readable or hung up (a pidfd: its process has exited), or
+    ``timeout`` seconds have passed (None: no limit)."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+    for fd in fds:
+        loop.add_reader(fd, _resolve, ready)
+    try:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ready, timeout)
+    finally:
+        for fd in fds:
+            loop.remove_reader(fd)
+
+
 async def wait_for_exit(pid: int, ticks: int | None) -> None:
     """Return once the process has exited; works for processes that are not our children."""
     try:
@@ -72,13 +87,7 @@ async def wait_for_exit(pid: int, ticks: int | None) -> None:
         # The pidfd was opened after the identity check could race a pid reuse: check again.
         if not is_alive(pid, ticks):
             return
-        loop = asyncio.get_running_loop()
-        exited = loop.create_future()
-        loop.add_reader(fd, _resolve, exited)
-        try:
-            await exited
-        finally:
-            loop.remove_reader(fd)
+        await until_readable(fd)
     finally:
         with contextlib.suppress(OSError):
             os.close(fd)

@@ -174,47 +174,41 @@ class Supervisor:
         """
         assert len(fds) == DESCRIPTORS
         try:
-            # The reply's own descriptor: a caller cancelled meanwhile closes sync_read at once.
-            own_read_end = os.dup(sync_read)
-        except BaseException:
-            os.close(fds[-1])
-            raise
-        try:
             await self._lock.acquire()  # held until the reply is read: one request at a time
-        except BaseException:
-            os.close(fds[-1])
-            os.close(own_read_end)
-            raise
-        try:
-            control = self._send(spec_path, fds)
-        except BaseException:
-            os.close(own_read_end)
-            self._lock.release()
-            raise
+            own_read_end = -1
+            try:
+                # The reply's own descriptor: a caller cancelled meanwhile closes sync_read at once.
+                own_read_end = os.dup(sync_read)
+                control = self._send(spec_path, fds)
+            except BaseException:
+                if own_read_end >= 0:
+                    os.close(own_read_end)
+                self._lock.release()
+                raise
+        finally:
+            os.close(fds[-1])  # sent or not: from here on only the request may hold it
         exchange = asyncio.ensure_future(self._reply(control, own_read_end))
         try:
             reply = await asyncio.shield(exchange)
         except asyncio.CancelledError:
             exchange.add_done_callback(_kill_abandoned_monitor)
             raise
-        text = reply.decode(errors="replace")
-        if not text.isdigit():
-            raise MonitorStartError(f"the monitor launcher could not fork: {text.removeprefix('error: ')}")
-        return int(text)
+        pid = _pid_in(reply)
+        if pid is None:
+            why = reply.decode(errors="replace").removeprefix("error: ")
+            raise MonitorStartError(f"the monitor launcher could not fork: {why}")
+        return pid
 
     def _send(self, spec_path: Path, fds: list[int]) -> socket.socket:
-        """Send one request, then close the sync pipe's write end (the last of ``fds``)."""
+        """Send one request; the socket it went on."""
+        control = self._ensure_launcher()
         try:
+            # Never blocks: one request at a time, a few hundred bytes in a fresh buffer.
+            socket.send_fds(control, [os.fsencode(spec_path)], fds)
+        except OSError:  # the launcher is gone (EPIPE): nothing was forked, start another
+            self._forget_launcher()
             control = self._ensure_launcher()
-            try:
-                # Never blocks: one request at a time, a few hundred bytes in a fresh buffer.
-                socket.send_fds(control, [os.fsencode(spec_path)], fds)
-            except OSError:  # the launcher is gone (EPIPE): nothing was forked, start another
-                self._forget_launcher()
-                control = self._ensure_launcher()
-                socket.send_fds(control, [os.fsencode(spec_path)], fds)
-        finally:
-            os.close(fds[-1])
+            socket.send_fds(control, [os.fsencode(spec_path)], fds)
         return control
 
     async def _reply(self, control: socket.socket, sync_read: int) -> bytes:
@@ -273,7 +267,6 @@ async def _launcher_reply(control: socket.socket, sync_read: int) -> bytes:
     sent is always read before the pipe's hang-up."""
     hung_up = select.poll()
     hung_up.register(sync_read, 0)  # POLLHUP is reported whatever the mask
-    loop = asyncio.get_running_loop()
     while True:
         try:
             return control.recv(REPLY_MAX)
@@ -283,32 +276,20 @@ async def _launcher_reply(control: socket.socket, sync_read: int) -> bytes:
             return b""
         if hung_up.poll(0):
             raise _RequestLost("the monitor launcher's spare died as it took the request")
-        await _either_readable(loop, control.fileno(), sync_read)
+        await processes.until_readable(control.fileno(), sync_read)
 
 
-async def _either_readable(loop: asyncio.AbstractEventLoop, *fds: int) -> None:
-    ready: asyncio.Future[None] = loop.create_future()
-
-    def wake() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    for fd in fds:
-        loop.add_reader(fd, wake)
-    try:
-        await ready
-    finally:
-        for fd in fds:
-            loop.remove_reader(fd)
+def _pid_in(reply: bytes) -> int | None:
+    """The monitor's pid in the launcher's reply; None when it says why it could not fork."""
+    return int(reply) if reply.isdigit() else None
 
 
 def _kill_abandoned_monitor(exchange: asyncio.Future[bytes]) -> None:
     """A monitor forked for a launch that was cancelled meanwhile: nobody waits for it."""
     if exchange.cancelled() or exchange.exception() is not None:
         return
-    text = exchange.result().decode(errors="replace")
-    if text.isdigit():
-        pid = int(text)
+    pid = _pid_in(exchange.result())
+    if pid is not None:
         processes.kill_monitor(pid, processes.start_ticks(pid))
 
 
