@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import os
 import tomllib
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import field
 from pathlib import Path
@@ -226,12 +227,22 @@ def _beside(config_file: Path, value: Any) -> Any:
 
 
 def _parse_registries(table: Any, config_file: Path) -> dict[str, RegistryHost]:
+    """``[registries."<host>"]`` tables, checked here so that a mistake stops the daemon at start
+    rather than failing every pull later. Hosts are keyed as lookups spell them (lowercase)."""
+    from auraed.images.reference import ReferenceError, registry_name
+
     source = str(config_file)
     if not isinstance(table, dict):
         raise ConfigError(f"{source}: [registries] must be a table of registry hosts")
     hosts = {}
     for host, settings in table.items():
         where = f"{source}: [registries.{host!r}]"
+        try:
+            name = registry_name(host)
+        except ReferenceError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        if name in hosts:
+            raise ConfigError(f"{where}: {name} is configured twice")
         if not isinstance(settings, dict):
             raise ConfigError(f"{where} must be a table")
         unknown = set(settings) - {"mirrors", "insecure", "skip_verify", "ca_file"}
@@ -240,19 +251,41 @@ def _parse_registries(table: Any, config_file: Path) -> dict[str, RegistryHost]:
         mirrors = settings.get("mirrors", [])
         if not isinstance(mirrors, list) or not all(isinstance(m, str) for m in mirrors):
             raise ConfigError(f"{where} mirrors must be a list of URLs")
+        for mirror in mirrors:
+            problem = _mirror_problem(mirror)
+            if problem:
+                raise ConfigError(f"{where}: mirror {mirror!r} {problem}")
         flags = {key: settings.get(key, False) for key in ("insecure", "skip_verify")}
         if not all(isinstance(v, bool) for v in flags.values()) or not isinstance(
             settings.get("ca_file", ""), str
         ):
             raise ConfigError(f"{where}: insecure and skip_verify are booleans, ca_file a path")
-        ca_file = settings.get("ca_file", "")
-        hosts[host] = RegistryHost(
-            tuple(mirrors),
-            flags["insecure"],
-            flags["skip_verify"],
-            str(_beside(config_file, Path(ca_file))) if ca_file else "",
+        ca_file = _beside(config_file, Path(settings["ca_file"])) if settings.get("ca_file") else None
+        if ca_file is not None and not ca_file.is_file():
+            raise ConfigError(f"{where}: ca_file {ca_file} does not exist")
+        hosts[name] = RegistryHost(
+            tuple(mirrors), flags["insecure"], flags["skip_verify"], str(ca_file or "")
         )
     return hosts
+
+
+def _mirror_problem(mirror: str) -> str:
+    """Why a mirror URL cannot be used ("" if it can): http(s) or no scheme, a host, and no
+    credentials (they would show in logs and errors; a mirror's come from docker's config.json)."""
+    parts = urllib.parse.urlsplit(mirror if "://" in mirror else f"//{mirror}")
+    if parts.scheme not in ("", "http", "https"):
+        return "must be an http:// or https:// URL"
+    if not parts.hostname:
+        return "names no host"
+    if "@" in parts.netloc:
+        return "must not carry credentials (put them in docker's config.json)"
+    if parts.query or parts.fragment:
+        return "must not have a query or fragment"
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port out of range
+    except ValueError as exc:
+        return f"has a bad port ({exc})"
+    return ""
 
 
 def _validate(config: DaemonConfig) -> DaemonConfig:

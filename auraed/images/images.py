@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+ID_PREFIX_MIN = 12
+"""Hex digits an image id prefix needs (docker's short id length)."""
+
 KIND = "image"
 LAYER_CONCURRENCY = 3
 CHUNK = 1 << 20
@@ -208,19 +211,30 @@ class Images:
         return [ImageRecord.from_doc(doc) for _, doc in self._store.list(KIND)]
 
     def find(self, name: str) -> ImageRecord:
-        """By image id, id prefix (12+ hex), reference (normalized as a registry would) or repo digest."""
+        """By image id, id prefix (ID_PREFIX_MIN+ hex digits, "sha256:" optional), reference
+        (normalized as a registry would) or repo digest. A name that is none of these forms is
+        INVALID_ARGUMENT; a prefix more than one image starts with is too."""
+        hex_prefix = name.removeprefix("sha256:")
+        is_prefix = len(hex_prefix) >= ID_PREFIX_MIN and all(c in "0123456789abcdef" for c in hex_prefix)
         wanted = {name}
-        with contextlib.suppress(ImageError):
+        try:
             wanted.add(normalize_reference(name))
-        for image in self.all():
-            hex_id = image.id.partition(":")[2]
-            if (
-                image.id in wanted
-                or (len(name) >= 12 and hex_id.startswith(name.removeprefix("sha256:")))
-                or wanted & set(image.references)
-                or wanted & set(image.repo_digests)
-            ):
+        except ImageError:
+            if not is_prefix:
+                raise
+        images = self.all()
+        for image in images:
+            if image.id in wanted or wanted & set(image.references) or wanted & set(image.repo_digests):
                 return image
+        by_prefix = [
+            image for image in images if is_prefix and image.id.partition(":")[2].startswith(hex_prefix)
+        ]
+        if len(by_prefix) > 1:
+            raise ImageError(
+                ErrorKind.INVALID_ARGUMENT, f"image id prefix {name} is ambiguous: {len(by_prefix)} images"
+            )
+        if by_prefix:
+            return by_prefix[0]
         raise ImageError.not_found(f"image {name[:200]}")
 
     def _save(self, image: ImageRecord) -> None:
@@ -383,7 +397,16 @@ class Images:
                     raise
 
         layers = zip(manifest.layers, config.diff_ids, strict=True)
-        await asyncio.gather(*(one(b, d) for b, d in layers), return_exceptions=True)
+        every_layer = asyncio.gather(*(one(b, d) for b, d in layers), return_exceptions=True)
+        try:
+            await asyncio.shield(every_layer)
+        except asyncio.CancelledError:
+            # The client went away: the layers stop at their next chunk, and this returns only
+            # once no thread of the pull runs, so nothing is stored after the caller has left the
+            # store gate (a collection then could not know of it).
+            abandon.set()
+            await asyncio.wait({every_layer})
+            raise
         if failures:
             raise failures[0]
 
@@ -428,8 +451,12 @@ class Images:
                 return lambda: self._registry.fetch_blob(ref, layer_descriptors[blob.digest], credentials)
 
             task = asyncio.ensure_future(self._ensure_layers(manifest, config, fetch, progress))
-            async for event in _events_until(task, progress.queue):
-                yield event
+            try:
+                async for event in _events_until(task, progress.queue):
+                    yield event
+            finally:  # a consumer that stops early (cancelled) leaves the layers to be abandoned
+                task.cancel()
+                await asyncio.wait({task})
             await asyncio.to_thread(self.content.write_blob, resolved.digest, resolved.raw)
         except RegistryError as exc:
             raise registry_error(exc) from None
@@ -608,6 +635,9 @@ def registry_error(exc: Any) -> ImageError:
         "not_found": ErrorKind.NOT_FOUND,
         "unauthorized": ErrorKind.PERMISSION_DENIED,
         "unavailable": ErrorKind.UNAVAILABLE,
-        "invalid": ErrorKind.FAILED_PRECONDITION,
+        # Garbage from the registry is the registry failing, like one that is down (the issue
+        # asks for UNAVAILABLE); a well-formed image this runtime cannot run is a precondition.
+        "invalid": ErrorKind.UNAVAILABLE,
+        "unsupported": ErrorKind.FAILED_PRECONDITION,
     }
     return ImageError(kinds.get(getattr(exc, "kind", ""), ErrorKind.UNAVAILABLE), str(exc))

@@ -92,7 +92,7 @@ def _invalid(what: str, problem: str) -> ImageError:
 def _json_object(raw: bytes, what: str) -> dict[str, Any]:
     try:
         value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: arrays nested thousands deep
         raise _invalid(what, f"not JSON ({exc})") from None
     if not isinstance(value, dict):
         raise _invalid(what, "not a JSON object")

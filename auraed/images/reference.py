@@ -30,6 +30,8 @@ LEGACY_DEFAULT_REGISTRY = "index.docker.io"
 OFFICIAL_NAMESPACE = "library"
 DEFAULT_TAG = "latest"
 NAME_MAX = 255
+DNS_LABEL_MAX = 63  # RFC 1035
+MAX_PORT = 65535
 
 _DOMAIN_COMPONENT = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
 _DOMAIN_NAME = rf"{_DOMAIN_COMPONENT}(?:\.{_DOMAIN_COMPONENT})*"
@@ -166,6 +168,37 @@ def parse_reference(text: str) -> ImageReference:
     return ImageReference(registry, path, tag, digest or None)
 
 
+def registry_name(text: str) -> str:
+    """A registry as configuration names it ("registry.k8s.io", "127.0.0.1:5000"), spelled as
+    lookups spell it: lowercase (host names are case-insensitive), docker.io for index.docker.io.
+    A ReferenceError when it is not a host[:port]."""
+    if not _DOMAIN_RE.fullmatch(text):
+        if "://" in text or "/" in text:
+            raise ReferenceError(f"{text!r}: name the registry as references do (host[:port]), not a URL")
+        raise ReferenceError(f"{text!r} is not a valid registry host[:port]")
+    problem = _host_problem(text)
+    if problem:
+        raise ReferenceError(f"{text!r}: {problem}")
+    name = text.lower()
+    return DEFAULT_REGISTRY if name == LEGACY_DEFAULT_REGISTRY else name
+
+
+def _host_problem(domain: str) -> str:
+    """What DNS or TCP forbids in a host[:port] the grammar allows (it bounds neither), or ""."""
+    host, port = domain, ""
+    if domain.startswith("["):
+        host, _, rest = domain.partition("]")
+        port = rest.removeprefix(":")
+    elif ":" in domain:
+        host, port = domain.rsplit(":", 1)
+    if port and int(port) > MAX_PORT:
+        return f"port {port} is over {MAX_PORT}"
+    # (A whole name is at most NAME_MAX, within DNS's 253 for a host name.)
+    if not host.startswith("[") and any(len(label) > DNS_LABEL_MAX for label in host.split(".")):
+        return f"each dot-separated part of a host name is at most {DNS_LABEL_MAX} characters"
+    return ""
+
+
 def _split_domain(name: str) -> tuple[str, str]:
     first, slash, rest = name.partition("/")
     if not slash or ("." not in first and ":" not in first and first != "localhost"):
@@ -174,6 +207,9 @@ def _split_domain(name: str) -> tuple[str, str]:
         return DEFAULT_REGISTRY, path
     if not _DOMAIN_RE.fullmatch(first):
         raise ReferenceError(f"invalid reference {name!r}: {first!r} is not a valid registry host[:port]")
+    problem = _host_problem(first)
+    if problem:
+        raise ReferenceError(f"invalid reference {name!r}: registry {first!r}: {problem}")
     if first == LEGACY_DEFAULT_REGISTRY:
         first = DEFAULT_REGISTRY
     if first == DEFAULT_REGISTRY and "/" not in rest:

@@ -33,12 +33,18 @@ and it never verifies what it downloads):
   given without a scheme; ``skip_verify`` means HTTPS without certificate verification; ``ca_file``
   adds a CA bundle. A loopback registry (localhost, 127.x, ::1) without a host config is spoken to
   over plain HTTP, as docker does by default.
-- Bounded failure: connect timeout 5 s, read timeout ``timeout`` (30 s); a refused or reset
+- Credentials go only to the registry itself (and the token service its challenge names): a 401
+  from a host the registry redirected to is final, since its challenge could name any service.
+- Bounded failure: connect timeout 5 s, read timeout ``timeout`` (30 s), and ``timeout`` for a
+  whole manifest or token answer; at most MAX_REDIRECTS redirects; only the first ERROR_BODY_MAX
+  bytes of an error answer are read. A refused or reset
   connection is retried once per endpoint, timeouts are not retried; then the next mirror, then a
   ``RegistryError`` naming the registry, repository, what was fetched and what each endpoint said.
   No HTTP status is retried. Kinds: "not_found" (404, or no manifest for the platform),
   "unauthorized" (401/403 after authenticating), "unavailable" (connection failure, timeout, 5xx,
-  429, TLS failure), "invalid" (junk JSON, unsupported media type, digest or size mismatch).
+  429, TLS failure), "invalid" (the registry answered garbage: junk JSON, a malformed
+  descriptor, a digest or size mismatch, an unexpected status), "unsupported" (a well-formed
+  answer that is not a container image this client runs: schema 1, an artifact, a media type).
   With mirrors, the kind is the upstream's (the last endpoint's).
 """
 
@@ -100,6 +106,9 @@ ATTESTATION_ANNOTATION = "vnd.docker.reference.type"
 
 MAX_MANIFEST_BYTES = 4 << 20
 MAX_CONFIG_BYTES = 8 << 20
+MAX_TOKEN_BYTES = 1 << 20  # a token answer: JWTs are a few KiB
+ERROR_BODY_MAX = 64 << 10  # what is read of an error answer, for its message
+MAX_REDIRECTS = 5  # requests' default, 30, would let a slow redirect loop run for minutes
 MAX_INDEX_DEPTH = 2
 CONNECT_TIMEOUT = 5.0
 CONNECTION_RETRY_DELAY = 0.2
@@ -108,12 +117,13 @@ TOKEN_DEFAULT_LIFETIME = 60  # seconds; the token spec's minimum and default
 TOKEN_EXPIRY_MARGIN = 5.0
 CLIENT_ID = "auraed"
 
-Kind = Literal["not_found", "unauthorized", "unavailable", "invalid"]
+Kind = Literal["not_found", "unauthorized", "unavailable", "invalid", "unsupported"]
 T = TypeVar("T")
 
 
 class RegistryError(Exception):
-    """A pull step that failed; ``kind`` is one of not_found, unauthorized, unavailable, invalid."""
+    """A pull step that failed; ``kind`` is one of not_found, unauthorized, unavailable, invalid,
+    unsupported (see the module docstring)."""
 
     def __init__(self, kind: Kind, message: str, registry: str = "", repository: str = "") -> None:
         super().__init__(message)
@@ -188,14 +198,6 @@ class RegistryHostConfig:
     insecure: bool = False
     skip_verify: bool = False
     ca_file: Path | None = None
-
-    def __post_init__(self) -> None:
-        for mirror in self.mirrors:
-            scheme = urllib.parse.urlsplit(mirror).scheme if "://" in mirror else ""
-            if scheme not in ("", "http", "https"):
-                raise ValueError(
-                    f"registry {self.host}: mirror {mirror!r} must be an http:// or https:// URL"
-                )
 
 
 @dataclass(frozen=True)
@@ -293,19 +295,28 @@ def _normalize_config_key(key: str) -> str:
     return host
 
 
+def _origin(url: str) -> tuple[str, str]:
+    """Scheme and host[:port] of ``url``, lowercase: what decides where credentials may go."""
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme.lower(), parts.netloc.lower()
+
+
 def _digest_of(data: bytes, algorithm: str = "sha256") -> str:
     return f"{algorithm}:{hashlib.new(algorithm, data).hexdigest()}"
 
 
 def _error_detail(response: requests.Response) -> str:
-    """The registry's error codes and messages from the body, or the start of the body."""
+    """The registry's error codes and messages from the body, or the start of the body.
+
+    Reads at most ERROR_BODY_MAX bytes: an error answer may be endless (a hostile registry)."""
     try:
-        text = response.text[:2000]
+        head = next(response.iter_content(ERROR_BODY_MAX), b"")
     except (requests.RequestException, urllib3.exceptions.HTTPError, OSError):
         return f"HTTP {response.status_code}"
+    text = head.decode(response.encoding or "utf-8", errors="replace") if head else ""
     try:
         doc = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         doc = None
     if isinstance(doc, dict) and isinstance(doc.get("errors"), list):
         parts = []
@@ -595,15 +606,21 @@ class RegistryClient:
 
         return self._on_endpoints(ref, what, attempt)
 
-    @staticmethod
-    def _read_limited(response: requests.Response, limit: int, what: str) -> bytes:
+    def _read_limited(self, response: requests.Response, limit: int, what: str) -> bytes:
+        """A small answer (a manifest, a token) whole: at most ``limit`` bytes, within the
+        client's timeout overall (the socket's timeout alone lets a byte at a time go on)."""
         parts: list[bytes] = []
         total = 0
+        deadline = time.monotonic() + self._timeout
         try:
             for chunk in response.iter_content(65536):
                 total += len(chunk)
                 if total > limit:
                     raise _EndpointError("invalid", f"{what}: larger than {limit} bytes")
+                if time.monotonic() > deadline:
+                    raise _EndpointError(
+                        "unavailable", f"{what}: not received within {self._timeout:g}s ({total} bytes)"
+                    )
                 parts.append(chunk)
         except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
             raise _EndpointError("unavailable", f"{what}: download broke off: {exc}") from None
@@ -613,7 +630,7 @@ class RegistryClient:
     def _manifest_media_type(raw: bytes, content_type: str, what: str) -> str:
         try:
             doc = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: arrays nested thousands deep
             raise _EndpointError("invalid", f"{what}: not JSON ({exc})") from None
         if not isinstance(doc, dict):
             raise _EndpointError("invalid", f"{what}: not a JSON object")
@@ -621,7 +638,7 @@ class RegistryClient:
         body = doc.get("mediaType")
         media_type = body if isinstance(body, str) and body else header
         if media_type in DOCKER_SCHEMA1 or doc.get("schemaVersion") == 1:
-            raise _EndpointError("invalid", f"{what}: Docker schema 1 manifests are not supported")
+            raise _EndpointError("unsupported", f"{what}: Docker schema 1 manifests are not supported")
         if media_type not in MANIFEST_TYPES | INDEX_TYPES:
             if media_type in ("", "application/json", "application/octet-stream", "text/plain"):
                 # OCI allows mediaType to be absent: tell by the shape.
@@ -632,7 +649,7 @@ class RegistryClient:
                 else:
                     raise _EndpointError("invalid", f"{what}: neither an image manifest nor an index")
             else:
-                raise _EndpointError("invalid", f"{what}: unsupported media type {media_type!r}")
+                raise _EndpointError("unsupported", f"{what}: unsupported media type {media_type!r}")
         if doc.get("schemaVersion") != 2:
             raise _EndpointError(
                 "invalid", f"{what}: schemaVersion must be 2, not {doc.get('schemaVersion')!r}"
@@ -689,7 +706,7 @@ class RegistryClient:
             config = self._descriptor(doc.get("config"), f"{what}.config")
             if config.media_type not in CONFIG_TYPES:
                 raise _EndpointError(
-                    "invalid",
+                    "unsupported",
                     f"{what}: config media type {config.media_type!r} is not a container image config "
                     "(an OCI artifact?)",
                 )
@@ -700,7 +717,7 @@ class RegistryClient:
             for i, layer in enumerate(layers):
                 if layer.media_type not in LAYER_TYPES:
                     raise _EndpointError(
-                        "invalid", f"{what}.layers[{i}]: unsupported media type {layer.media_type!r}"
+                        "unsupported", f"{what}.layers[{i}]: unsupported media type {layer.media_type!r}"
                     )
         except _EndpointError as exc:
             raise self._error(ref, exc.kind, exc.message) from None
@@ -733,7 +750,8 @@ class RegistryClient:
 
     # -- endpoints, errors ------------------------------------------------------------------------
     def _endpoints(self, ref: ImageReference) -> list[_Endpoint]:
-        config = self._hosts.get(ref.registry) or self._hosts.get(ref.registry_host)
+        # Keys are lowercase (auraed.config checks them); a reference keeps the case it was given.
+        config = self._hosts.get(ref.registry.lower()) or self._hosts.get(ref.registry_host.lower())
         if config is None:
             scheme = "http" if _is_loopback(ref.registry_host) else "https"
             return [_Endpoint(f"{scheme}://{ref.registry_host}", ref.registry_host, True, False)]
@@ -788,21 +806,34 @@ class RegistryClient:
             # Some registries set cookies and then act as if talking to a browser (as oras notes).
             session.cookies.set_policy(DefaultCookiePolicy(allowed_domains=[]))
             session.headers["User-Agent"] = "auraed"
+            session.max_redirects = MAX_REDIRECTS
             self._local.session = session
             with self._lock:
                 self._sessions.append(session)
         return session
 
     def _send(
-        self, endpoint: _Endpoint, url: str, *, headers: Mapping[str, str], stream: bool, what: str
+        self,
+        endpoint: _Endpoint,
+        url: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        form: Mapping[str, str] | None = None,
+        what: str,
     ) -> requests.Response:
+        """One streamed GET (or POST of ``form``); the caller reads and closes the response.
+
+        Every failure to get an answer is an _EndpointError "unavailable": requests' own, and what
+        urllib3 and the standard library raise unwrapped for a malformed URL or redirect target."""
         session = self._session()
         for attempt in (1, 2):
             try:
-                return session.get(
+                return session.request(
+                    "POST" if form is not None else "GET",
                     url,
-                    headers=dict(headers),
-                    stream=stream,
+                    headers=dict(headers or {}),
+                    data=dict(form) if form is not None else None,
+                    stream=True,
                     timeout=(self._connect_timeout, self._timeout),
                     verify=endpoint.verify,
                     allow_redirects=True,
@@ -828,7 +859,7 @@ class RegistryClient:
                 raise _EndpointError(
                     "unavailable", f"{what}: cannot connect to {endpoint.host}: {_reason(exc)}"
                 ) from None
-            except requests.RequestException as exc:
+            except (requests.RequestException, urllib3.exceptions.HTTPError, ValueError, OSError) as exc:
                 raise _EndpointError(
                     "unavailable", f"{what}: request to {endpoint.host} failed: {exc}"
                 ) from None
@@ -849,9 +880,18 @@ class RegistryClient:
         creds = self._credentials_for(endpoint, ref, creds)
         key = (endpoint.base, ref.repository, creds.fingerprint() if creds else "")
         sent = self._cached_authorization(endpoint, key, creds)
-        response = self._send(endpoint, url, headers={**headers, **sent}, stream=True, what=what)
+        response = self._send(endpoint, url, headers={**headers, **sent}, what=what)
         if response.status_code != 401:
             return response
+        if response.history and _origin(response.url) != _origin(url):
+            # A host we were redirected to (a CDN, say) is not the registry: its challenge could
+            # name any token service, which would then be sent the registry's credentials.
+            response.close()
+            raise _EndpointError(
+                "unauthorized",
+                f"{what}: {_origin(response.url)[1]}, where {endpoint.host} redirected the request, "
+                "refused it (HTTP 401); credentials are only ever sent to the registry itself",
+            )
         challenge = parse_challenge(response.headers.get("WWW-Authenticate", ""))
         detail = _error_detail(response)
         response.close()
@@ -880,7 +920,7 @@ class RegistryClient:
                 "unauthorized", f"{what}: unsupported authentication scheme {challenge.scheme!r}"
             )
         retry_headers = {**headers, "Authorization": authorization}
-        response = self._send(endpoint, url, headers=retry_headers, stream=True, what=what)
+        response = self._send(endpoint, url, headers=retry_headers, what=what)
         if response.status_code == 401:
             detail = _error_detail(response)
             response.close()
@@ -942,7 +982,7 @@ class RegistryClient:
                 "scope": " ".join(scopes),
                 "client_id": CLIENT_ID,
             }
-            response = self._send_form(token_endpoint, realm, form, token_what)
+            response = self._send(token_endpoint, realm, form=form, what=token_what)
         else:
             params = [("service", service)] if service else []
             params += [("scope", scope) for scope in scopes]
@@ -950,7 +990,7 @@ class RegistryClient:
             headers = {"Accept": "application/json"}
             if creds is not None and creds.has_basic:
                 headers["Authorization"] = creds.basic_header()
-            response = self._send(token_endpoint, url, headers=headers, stream=False, what=token_what)
+            response = self._send(token_endpoint, url, headers=headers, what=token_what)
         with contextlib.closing(response):
             if response.status_code in (401, 403):
                 who = f"user {creds.username!r}" if creds and creds.username else "anonymous access"
@@ -958,11 +998,13 @@ class RegistryClient:
                     "unauthorized", f"{what}: the token service refused {who}: {_error_detail(response)}"
                 )
             if response.status_code != 200:
-                raise _status_error(response, token_what)
-            try:
-                doc = response.json()
-            except ValueError:
-                raise _EndpointError("invalid", f"{token_what}: the answer is not JSON") from None
+                # Not the image's absence (a 404 here would read as NOT_FOUND): the service failed.
+                raise _EndpointError("unavailable", f"{token_what}: {_error_detail(response)}")
+            body = self._read_limited(response, MAX_TOKEN_BYTES, token_what)
+        try:
+            doc = json.loads(body)
+        except (ValueError, RecursionError):
+            raise _EndpointError("invalid", f"{token_what}: the answer is not JSON") from None
         token = doc.get("token") or doc.get("access_token") if isinstance(doc, dict) else None
         if not isinstance(token, str) or not token:
             raise _EndpointError("invalid", f"{token_what}: the answer carries no token")
@@ -973,21 +1015,6 @@ class RegistryClient:
         with self._lock:
             self._tokens[key] = _Token(token, time.monotonic() + lifetime - TOKEN_EXPIRY_MARGIN)
         return token
-
-    def _send_form(
-        self, endpoint: _Endpoint, url: str, form: Mapping[str, str], what: str
-    ) -> requests.Response:
-        try:
-            return self._session().post(
-                url,
-                data=dict(form),
-                timeout=(self._connect_timeout, self._timeout),
-                verify=endpoint.verify,
-            )
-        except requests.exceptions.ConnectionError as exc:
-            raise _EndpointError("unavailable", f"{what}: cannot connect: {_reason(exc)}") from None
-        except requests.RequestException as exc:
-            raise _EndpointError("unavailable", f"{what}: {exc}") from None
 
     # -- credentials --------------------------------------------------------------------------------
     def _credentials_for(
@@ -1031,7 +1058,7 @@ class RegistryClient:
     def _read_docker_config(self, path: Path) -> dict[str, Credentials]:
         try:
             doc = json.loads(path.read_bytes())
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             log.warning("ignoring docker config %s: %s", path, exc)
             return {}
         if not isinstance(doc, dict):

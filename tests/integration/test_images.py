@@ -10,9 +10,9 @@ import os
 import socket
 import tarfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -77,6 +77,27 @@ async def test_pull_shows_progress_and_runs(
         assert again.id == image.id
 
 
+async def test_images_are_found_by_id_prefix_and_bad_names_are_refused(
+    daemon: DaemonProcess, busybox_layout: BuiltImage
+) -> None:
+    async with daemon.client() as client:
+        await import_layout(client, busybox_layout.layout, "localhost/found:1")
+        hex_id = busybox_layout.config_digest.removeprefix("sha256:")
+
+        async def status(name: str) -> Any:
+            request = pb.ContainerServiceImageStatusRequest(image=name)
+            return (await client.call(CONTAINERS, "ImageStatus", request)).image
+
+        for name in (hex_id[:12], f"sha256:{hex_id[:12]}", "localhost/found:1", busybox_layout.config_digest):
+            assert (await status(name)).id == busybox_layout.config_digest
+        with pytest.raises(ClientError) as error:
+            await status(f"sha256:{hex_id[:5]}")  # 12 characters, but 5 digits: too short a prefix
+        assert error.value.code == "NOT_FOUND"
+        with pytest.raises(ClientError) as error:
+            await status("Not A::Reference")
+        assert error.value.code == "INVALID_ARGUMENT" and "reference" in error.value.message
+
+
 async def test_mirror_serves_another_registry(
     daemon_factory: DaemonFactory, registry: LocalRegistry, busybox_layout: BuiltImage
 ) -> None:
@@ -131,7 +152,7 @@ async def test_registry_down_or_garbage_fails_fast_and_clearly(daemon: DaemonPro
         )
         with FakeRegistry({("GET", "/v2/app/manifests/1"): garbage}) as fake:
             error = await pull_error(client, f"{fake.host}/app:1")
-        assert error.code == "FAILED_PRECONDITION"
+        assert error.code == "UNAVAILABLE" and "not JSON" in error.message
         error = await pull_error(client, "Not A Reference")
         assert error.code == "INVALID_ARGUMENT"
         # Nothing half-made: no image, no blobs beyond what verified, an empty ingest area.
@@ -163,13 +184,46 @@ async def test_a_failing_layer_stops_the_others_before_the_error_is_reported(
     with FakeRegistry(routes) as fake:
         async with daemon.client() as client:
             error = await pull_error(client, f"{fake.host}/app:1")
-        assert error.code == "FAILED_PRECONDITION" and corrupt_layer.digest in error.message
+        assert error.code == "UNAVAILABLE" and corrupt_layer.digest in error.message
         # Reported once the slow layer's download had stopped and its work was gone.
         assert list((daemon.root / "state" / "images" / "ingest").iterdir()) == []
         sent = fake.sent[f"{base}/blobs/{slow_layer.digest}"]
         await asyncio.sleep(0.5)
         assert fake.sent[f"{base}/blobs/{slow_layer.digest}"] <= sent + 2 * PACE_CHUNK
         assert sent < slow_layer.size
+
+
+async def test_a_pull_its_client_gives_up_on_stores_nothing_after(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    """The client hangs up during a slow download: the daemon stops the download and removes its
+    work before it lets go of the store (nothing lands later, when a collection could not know)."""
+    image = build_layout(tmp_path / "layout", [{"data/noise.bin": os.urandom(4 << 20)}])
+    (layer,) = image.layers
+    base, blob_path = "/v2/app", f"/v2/app/blobs/{layer.digest}"
+    routes = {
+        ("GET", f"{base}/manifests/1"): FakeResponse(200, image.manifest, {"Content-Type": OCI_MANIFEST}),
+        ("GET", f"{base}/blobs/{image.config_digest}"): FakeResponse(200, image.config),
+        ("GET", blob_path): FakeResponse(200, image.blob(layer.digest), pace_s=0.05),
+    }
+    images = daemon.root / "state" / "images"
+    with FakeRegistry(routes) as fake:
+        async with daemon.client() as client:
+            request = pb.ContainerServicePullImageRequest(reference=f"{fake.host}/app:1")
+            # AuraeClient.stream is an async generator: closing it cancels the call.
+            replies = cast(AsyncGenerator[Any, None], client.stream(CONTAINERS, "PullImage", request))
+            async for reply in replies:
+                if reply.progress is not None and reply.progress.done > 0:
+                    break
+            await replies.aclose()
+            await wait_until(lambda: list((images / "ingest").iterdir()) == [])
+            sent = fake.sent[blob_path]
+            await asyncio.sleep(1.0)
+            assert fake.sent[blob_path] <= sent + 2 * PACE_CHUNK < layer.size
+            assert not (images / "blobs" / "sha256" / layer.digest[7:]).exists()
+            assert (
+                await client.call(CONTAINERS, "ListImages", pb.ContainerServiceListImagesRequest())
+            ).images == []
 
 
 async def test_removing_an_image_during_a_pull_keeps_what_the_pull_stored(

@@ -32,6 +32,7 @@ from tests.support.images import (
     sha256_digest,
 )
 from tests.support.registry import (
+    PACE_CHUNK,
     FakeRegistry,
     FakeResponse,
     LocalRegistry,
@@ -437,11 +438,6 @@ def test_corrupt_mirror_falls_back_to_upstream(registry: LocalRegistry, images: 
     assert resolved.endpoint == registry.url
 
 
-def test_mirror_config_validation() -> None:
-    with pytest.raises(ValueError, match="http:// or https://"):
-        RegistryHostConfig("docker.io", mirrors=["ftp://mirror"])
-
-
 # -- failures: bounded and classified --------------------------------------------------------------
 
 
@@ -475,14 +471,15 @@ MANIFEST_PATH = f"/v2/{REPO}/manifests/1"
         (FakeResponse(200, b"[1, 2]", {"Content-Type": OCI_MANIFEST}), "invalid", "not a JSON object"),
         (
             FakeResponse(200, b'{"schemaVersion": 2, "mediaType": "application/x-foo"}', {}),
-            "invalid",
+            "unsupported",
             "unsupported media type 'application/x-foo'",
         ),
         (
             FakeResponse(200, b'{"schemaVersion": 1, "name": "x", "fsLayers": []}', {}),
-            "invalid",
+            "unsupported",
             "schema 1",
         ),
+        (FakeResponse(200, b"[" * 200_000, {"Content-Type": OCI_MANIFEST}), "invalid", "not JSON"),
         (
             FakeResponse(
                 200, b'{"schemaVersion": 2, "mediaType": "' + OCI_MANIFEST.encode() + b'", "layers": []}', {}
@@ -522,7 +519,7 @@ def _artifact_manifest(config_type: str) -> bytes:
     )
 
 
-def test_artifact_and_digest_mismatches_are_invalid(images: Images) -> None:
+def test_an_artifact_is_unsupported_and_digest_mismatches_are_invalid(images: Images) -> None:
     manifest = images.busybox.manifest
     wrong_digest = sha256_digest(b"something else")
     routes = {
@@ -538,14 +535,14 @@ def test_artifact_and_digest_mismatches_are_invalid(images: Images) -> None:
     }
     client = RegistryClient()
     with FakeRegistry(routes) as fake:
-        for text, problem in [
-            (f"{fake.host}/{REPO}:1", "not a container image config"),
-            (f"{fake.host}/{REPO}:lying", "Docker-Content-Digest"),
-            (f"{fake.host}/{REPO}@{wrong_digest}", "digest mismatch"),
+        for text, problem, kind in [
+            (f"{fake.host}/{REPO}:1", "not a container image config", "unsupported"),
+            (f"{fake.host}/{REPO}:lying", "Docker-Content-Digest", "invalid"),
+            (f"{fake.host}/{REPO}@{wrong_digest}", "digest mismatch", "invalid"),
         ]:
             with pytest.raises(RegistryError, match=problem) as caught:
                 client.resolve(parse_reference(text))
-            assert caught.value.kind == "invalid"
+            assert caught.value.kind == kind
 
 
 def _blob_registry(served: bytes, declared: bytes, send_length: bool = True) -> FakeRegistry:
@@ -605,6 +602,91 @@ def test_blob_size_mismatches() -> None:
         pytest.raises(RegistryError, match="size mismatch: got 5000 bytes"),
     ):
         RegistryClient().fetch_blob_bytes(parse_reference(f"{fake.host}/{REPO}:1"), short)
+
+
+@pytest.mark.parametrize("status", [500, 404, 401])
+def test_an_endless_error_answer_is_read_only_in_part(status: int) -> None:
+    """A hostile registry's error body never ends: only its start is read, for the message."""
+    endless = FakeResponse(status, b'{"errors": [' * 4096, endless=True)
+    with FakeRegistry({("GET", MANIFEST_PATH): endless}) as fake:
+        started = time.monotonic()
+        with pytest.raises(RegistryError) as caught:
+            RegistryClient().resolve(parse_reference(f"{fake.host}/{REPO}:1"))
+        assert time.monotonic() - started < 5
+        assert f"HTTP {status}" in str(caught.value)
+        assert fake.sent[MANIFEST_PATH] < 64 << 20  # what the socket buffers took before the hang-up
+
+
+def _bearer_challenge(realm: str) -> dict[str, str]:
+    return {"WWW-Authenticate": f'Bearer realm="{realm}",service="fake"'}
+
+
+def test_an_endless_or_failing_token_service_is_the_registry_failing() -> None:
+    with FakeRegistry() as tokens:
+        routes = {("GET", MANIFEST_PATH): FakeResponse(401, b"", _bearer_challenge(f"{tokens.url}/token"))}
+        with FakeRegistry(routes) as fake:
+            reference = parse_reference(f"{fake.host}/{REPO}:1")
+            tokens.routes[("GET", "/token")] = FakeResponse(200, b'{"token": "' * 4096, endless=True)
+            with pytest.raises(RegistryError, match="larger than") as caught:
+                RegistryClient().resolve(reference)
+            assert caught.value.kind == "invalid"
+            # A 404 from the token service is not the image missing (NOT_FOUND): the service failed.
+            tokens.routes[("GET", "/token")] = FakeResponse(404, b"no such service")
+            with pytest.raises(RegistryError, match="HTTP 404") as caught:
+                RegistryClient().resolve(reference)
+            assert caught.value.kind == "unavailable"
+
+
+def test_credentials_never_follow_a_redirect_to_the_host_it_names() -> None:
+    """The registry redirects a blob to storage that challenges: its token service must not get
+    the user's password (requests drops Authorization on the redirect; the challenge is ours)."""
+    data = b"layer bytes"
+    layer = _layer(data)
+    with FakeRegistry() as storage:
+        storage.routes[("GET", "/storage/blob")] = FakeResponse(
+            401, b"", _bearer_challenge(f"{storage.url}/token")
+        )
+        storage.routes[("GET", "/token")] = FakeResponse(200, b'{"token": "t"}')
+        redirect = FakeResponse(307, b"", {"Location": f"{storage.url}/storage/blob"})
+        with (
+            FakeRegistry({("GET", f"/v2/{REPO}/blobs/{layer.digest}"): redirect}) as fake,
+            pytest.raises(RegistryError, match="redirected the request") as caught,
+        ):
+            RegistryClient().fetch_blob(
+                parse_reference(f"{fake.host}/{REPO}:1"), layer, Credentials("alice", "s3cret")
+            )
+        assert caught.value.kind == "unauthorized"
+        assert [seen.path for seen in storage.requests] == ["/storage/blob"]
+        assert "Authorization" not in storage.requests[0].headers
+
+
+@pytest.mark.parametrize(
+    "location", ["http://[zz]/x", "http://" + "a" * 64 + ".example/x", "http://127.0.0.1:99999/x"]
+)
+def test_a_redirect_to_nowhere_is_the_registry_failing(location: str) -> None:
+    """urllib3 and the standard library raise their own errors for these, not requests': each is
+    still an answer from the registry that cannot be followed."""
+    with FakeRegistry({("GET", MANIFEST_PATH): FakeResponse(302, b"", {"Location": location})}) as fake:
+        with pytest.raises(RegistryError, match="request to") as caught:
+            RegistryClient().resolve(parse_reference(f"{fake.host}/{REPO}:1"))
+        assert caught.value.kind == "unavailable"
+
+
+def test_redirect_loops_and_slow_drips_are_cut_short() -> None:
+    loop = FakeResponse(302, b"", {"Location": MANIFEST_PATH})
+    with FakeRegistry({("GET", MANIFEST_PATH): loop}) as fake:
+        with pytest.raises(RegistryError, match="redirects") as caught:
+            RegistryClient().resolve(parse_reference(f"{fake.host}/{REPO}:1"))
+        assert caught.value.kind == "unavailable"
+        assert len(fake.requests) <= 1 + 5 + 1  # /v2/ is not asked; at most the redirect limit
+    # A byte now and then keeps each read within the timeout, but not the whole answer.
+    drip = FakeResponse(200, b" " * (6 * PACE_CHUNK), {"Content-Type": OCI_MANIFEST}, pace_s=0.4)
+    with FakeRegistry({("GET", MANIFEST_PATH): drip}) as fake:
+        started = time.monotonic()
+        with pytest.raises(RegistryError, match="not received within 1s") as caught:
+            RegistryClient(timeout=1.0).resolve(parse_reference(f"{fake.host}/{REPO}:1"))
+        assert caught.value.kind == "unavailable"
+        assert time.monotonic() - started < 2.0
 
 
 def test_config_limit(registry: LocalRegistry) -> None:

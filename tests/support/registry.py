@@ -444,13 +444,19 @@ class LocalRegistry:
 @dataclass
 class FakeResponse:
     """``send_length=False`` omits Content-Length: the body ends when the connection closes.
-    ``pace_s``: a slow link, the body sent PACE_CHUNK bytes at a time, pace_s apart."""
+    ``pace_s``: a slow link, the body sent PACE_CHUNK bytes at a time, pace_s apart.
+    ``endless``: the body sent again and again (no Content-Length) until the client hangs up,
+    or ENDLESS_MAX bytes, so that a client that never stops reading fails its test, not the machine."""
 
     status: int = 200
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
     send_length: bool = True
     pace_s: float = 0.0
+    endless: bool = False
+
+
+ENDLESS_MAX = 256 << 20
 
 
 PACE_CHUNK = 64 << 10
@@ -538,10 +544,13 @@ class FakeRegistry:
                 sent = {k.lower() for k in answer.headers}
                 for key, value in answer.headers.items():
                     self.send_header(key, value)
-                if "content-length" not in sent and answer.send_length:
+                if "content-length" not in sent and answer.send_length and not answer.endless:
                     self.send_header("Content-Length", str(len(answer.body)))
                 self.end_headers()
                 if self.command == "HEAD":
+                    return
+                if answer.endless:
+                    self._send_endless(path, answer.body)
                     return
                 step = PACE_CHUNK if answer.pace_s else max(len(answer.body), 1)
                 with contextlib.suppress(BrokenPipeError, ConnectionResetError):
@@ -550,6 +559,13 @@ class FakeRegistry:
                         self.wfile.flush()
                         fake.sent[path] = offset + len(answer.body[offset : offset + step])
                         time.sleep(answer.pace_s)
+
+            def _send_endless(self, path: str, body: bytes) -> None:
+                fake.sent[path] = 0
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    while fake.sent[path] < ENDLESS_MAX:
+                        self.wfile.write(body)
+                        fake.sent[path] += len(body)
 
             do_GET = _serve
             do_HEAD = _serve

@@ -37,6 +37,8 @@ def test_relative_paths_in_the_file_are_beside_it(tmp_path: Path) -> None:
         '[registries."registry.internal:5000"]\n'
         'ca_file = "pki/registry.pem"\n',
     )
+    (tmp_path / "etc" / "pki").mkdir()
+    (tmp_path / "etc" / "pki" / "registry.pem").write_text("")
     config = load_config(["--config", str(config_file), "--server-crt", "here/server.crt"], {})
     assert config.ca_crt == tmp_path / "etc" / "pki" / "ca.crt"
     assert config.state_dir == Path("/var/lib/elsewhere")  # absolute: as written
@@ -61,6 +63,14 @@ def test_a_relative_config_file_still_puts_its_paths_beside_it(
         ("no_such_setting = 1\n", "unknown setting 'no_such_setting'"),
         ('free_cells_on_shutdown = "maybe"\n', "free_cells_on_shutdown: not a boolean"),
         ('[registries."r"]\nca_file = 3\n', "ca_file a path"),
+        ('[registries."r"]\nca_file = "missing.pem"\n', "missing.pem does not exist"),
+        ('[registries."https://registry.k8s.io"]\n', "not a URL"),
+        ('[registries."r_1"]\n', "not a valid registry host"),
+        ('[registries."docker.io"]\n[registries."Index.Docker.io"]\n', "docker.io is configured twice"),
+        ('[registries."r"]\nmirrors = ["ftp://m"]\n', "must be an http:// or https:// URL"),
+        ('[registries."r"]\nmirrors = ["http://"]\n', "names no host"),
+        ('[registries."r"]\nmirrors = ["https://u:secret@m"]\n', "must not carry credentials"),
+        ('[registries."r"]\nmirrors = ["http://m:99999"]\n', "bad port"),
         ("not toml [\n", "auraed.toml"),
     ],
 )
@@ -69,6 +79,19 @@ def test_bad_files_are_refused_with_where_and_why(tmp_path: Path, text: str, mes
     with pytest.raises(ConfigError) as error:
         load_config(["--config", str(config_file)], {})
     assert message in str(error.value) and str(config_file) in str(error.value)
+
+
+def test_registry_hosts_are_keyed_as_lookups_spell_them(tmp_path: Path) -> None:
+    """Host names are case-insensitive and index.docker.io is docker.io: a table for either
+    spelling applies to the references that name it (the client looks up lowercase names)."""
+    config_file = write_config(
+        tmp_path,
+        '[registries."Index.Docker.io"]\nmirrors = ["mirror.example:5000"]\n'
+        '[registries."Registry.Example:5000"]\ninsecure = true\n',
+    )
+    config = load_config(["--config", str(config_file)], {})
+    assert set(config.registries) == {"docker.io", "registry.example:5000"}
+    assert config.registries["docker.io"].mirrors == ("mirror.example:5000",)
 
 
 def test_values_are_checked_whatever_their_source(tmp_path: Path) -> None:

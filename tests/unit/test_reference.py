@@ -93,6 +93,9 @@ def test_names() -> None:
         (" busybox", "whitespace"),
         ("a" * 64, "image id"),
         ("x" * 256, "longer than 255"),
+        # The grammar bounds neither; urllib3 would refuse them later with an unwrapped error.
+        ("a" * 64 + ".example/app", "at most 63 characters"),
+        ("registry.example:65536/app", "port 65536 is over 65535"),
     ],
 )
 def test_invalid(text: str, problem: str) -> None:
