@@ -7,25 +7,33 @@ Layout under the store root:
 
 Nothing becomes visible under blobs/ or snapshots/ before it is complete and verified (temp +
 rename), so a crash or kill mid-pull corrupts nothing, and a retry starts from what is there.
+
+Trees (snapshots, unpacks under way) are walked by ``_bottom_up``, one walk for removing and
+measuring them: iterative and fd based, since a layer or a container can make them deeper than
+Python's recursion limit, and removing them is what keeps the store working.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
+import logging
 import os
-import shutil
 import tempfile
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from auraed.errors import ErrorKind
 from auraed.images.errors import ImageError
 
+log = logging.getLogger(__name__)
+
 DIGEST_ALGORITHM = "sha256"
 HEX_LENGTH = 64
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def split_digest(digest: str) -> str:
@@ -98,7 +106,8 @@ class ContentStore:
         self.ingest_dir = root / "ingest"
         for directory in (self.blobs_dir, self.snapshots_dir, self.ingest_dir):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        # Leftovers of an interrupted pull: never valid, always safe to drop.
+        # Leftovers of an interrupted pull: never valid, always safe to drop. One that cannot be
+        # removed is logged and left (remove_tree): it must not keep the daemon from starting.
         for leftover in self.ingest_dir.iterdir():
             remove_tree(leftover)
 
@@ -120,10 +129,10 @@ class ContentStore:
         writer = self.writer(digest, len(data))
         try:
             writer.write(data)
+            return writer.commit()
         except BaseException:
             writer.abort()
             raise
-        return writer.commit()
 
     def read_blob(self, digest: str, limit: int) -> bytes:
         path = self.blob_path(digest)
@@ -165,42 +174,143 @@ class ContentStore:
     # -- garbage collection ----------------------------------------------------------------
 
     def collect(self, keep_blobs: set[str], keep_snapshots: set[str]) -> int:
-        """Remove every blob and snapshot not kept; the bytes freed."""
+        """Remove every blob and snapshot not kept; the bytes freed. What cannot be removed is
+        logged and left for the next collection: one stuck entry must not stop the others."""
         freed = 0
         for digest in list(self.blob_digests()):
             if digest not in keep_blobs:
-                path = self.blob_path(digest)
-                freed += path.stat().st_size
-                path.unlink()
+                freed += _remove_blob(self.blob_path(digest))
         for diff_id in list(self.snapshot_ids()):
             if diff_id not in keep_snapshots:
-                freed += tree_size(self.snapshot_path(diff_id))
-                remove_tree(self.snapshot_path(diff_id))
+                path = self.snapshot_path(diff_id)
+                size = tree_size(path)
+                if remove_tree(path):
+                    freed += size
         return freed
 
 
+def _remove_blob(path: Path) -> int:
+    """The bytes freed by removing the blob at ``path``; 0, logged, if it cannot be removed."""
+    try:
+        size = path.stat().st_size
+        path.unlink()
+    except OSError as exc:
+        log.warning("cannot remove blob %s: %s", path, exc)
+        return 0
+    return size
+
+
 def tree_size(root: Path) -> int:
+    """The bytes of everything below ``root`` but directories; what cannot be read counts 0."""
     total = 0
-    for directory, _, files in os.walk(root):
-        for name in files:
+
+    def count(dir_fd: int, name: str, is_dir: bool) -> None:
+        nonlocal total
+        if not is_dir:
             with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(directory, name)).st_size
+                total += os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_size
+
+    with contextlib.suppress(OSError):
+        fd = os.open(root, _DIR_FLAGS)
+        try:
+            _bottom_up(fd, count)
+        finally:
+            os.close(fd)
     return total
 
 
-def remove_tree(path: Path) -> None:
-    """rmtree that also copes with read-only dirs and files that unpacked layers contain."""
+def remove_tree(path: Path) -> bool:
+    """Remove ``path`` and everything below it, never following a symlink; whether it is gone.
 
-    def make_writable_and_retry(function: object, target: str, exc_info: object) -> None:
-        del exc_info
-        with contextlib.suppress(OSError):
-            os.chmod(os.path.dirname(target), 0o700)
-        with contextlib.suppress(OSError):
-            if callable(function):
-                function(target)
+    Best effort: what cannot be removed is logged and left (callers clean up after failures,
+    or at start, and must not fail themselves because of it).
+    """
+    try:
+        remove_at(path)
+    except OSError as exc:
+        if os.path.lexists(path):
+            log.warning("cannot remove %s: %s", path, exc)
+            return False
+    return True
 
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, onerror=make_writable_and_retry)
+
+def remove_at(name: str | bytes | Path, dir_fd: int | None = None) -> None:
+    """Remove ``name`` (relative to the directory ``dir_fd``), a directory with everything in it.
+
+    Never follows a symlink, ``name`` itself included. Raises OSError, FileNotFoundError when
+    there is nothing to remove.
+    """
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        os.unlink(name, dir_fd=dir_fd)  # not a directory (a symlink to one is not)
+        return
+    try:
+        _bottom_up(fd, _remove_entry)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dir_fd)
+
+
+def _remove_entry(dir_fd: int, name: str, is_dir: bool) -> None:
+    if is_dir:
+        os.rmdir(name, dir_fd=dir_fd)
     else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        os.unlink(name, dir_fd=dir_fd)
+
+
+_Visit = Callable[[int, str, bool], None]  # (fd of the directory, name in it, is a directory)
+
+
+def _bottom_up(top: int, visit: _Visit) -> None:
+    """Visit everything below the directory ``top``, a directory after everything in it, so
+    that ``visit`` may remove what it is given.
+
+    Never follows a symlink. Iterative, with one directory open however deep the tree is: the
+    walk climbs back through "..", checked to be the directory it came down from, so a tree
+    moved meanwhile stops the walk rather than sending it elsewhere.
+    """
+    fd = os.open(".", _DIR_FLAGS, dir_fd=top)  # our own: the walk moves it up and down
+    # for each directory above fd: the name of the one below it on the way down to fd, its
+    # subdirectories still to walk, and its identity to check on the way back up
+    above: list[tuple[str, list[str], tuple[int, int]]] = []
+    try:
+        subdirs = _visit_all_but_subdirs(fd, visit)
+        while subdirs or above:
+            if subdirs:
+                name = subdirs.pop()
+                above.append((name, subdirs, _identity(fd)))
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = child
+                subdirs = _visit_all_but_subdirs(fd, visit)
+            else:
+                name, subdirs, identity = above.pop()
+                parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = parent
+                if _identity(fd) != identity:
+                    raise OSError(errno.ESTALE, "the tree moved while it was walked", name)
+                visit(fd, name, True)
+    finally:
+        os.close(fd)
+
+
+def _visit_all_but_subdirs(fd: int, visit: _Visit) -> list[str]:
+    """Visit what the directory ``fd`` holds but directories; the names of those."""
+    with os.scandir(fd) as scan:
+        entries = list(scan)  # listed first: ``visit`` may remove entries
+    subdirs = []
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            subdirs.append(entry.name)
+        else:
+            visit(fd, entry.name, False)
+    return subdirs
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino

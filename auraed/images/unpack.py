@@ -15,7 +15,8 @@ limit is ours: PAX and GNU long-name headers are bounded, sizes and numbers are 
 Rules for hostile input (a layer can never touch anything outside ``target``):
 
 * Names are relative to the layer root: leading ``/`` are stripped, ``.`` and empty components
-  dropped. A name with a ``..`` component or a NUL is refused (real layers never have them).
+  dropped. A name with a ``..`` component or a NUL, or more than ``MAX_DEPTH`` components, is
+  refused (real layers never have them).
   An entry naming the root itself (``./``) is ignored, as containerd does.
 * Parents are walked one component at a time with directory fds and ``O_NOFOLLOW``: a parent that
   is a symlink (wherever it points, even inside) or not a directory is refused, never followed.
@@ -28,12 +29,14 @@ Rules for hostile input (a layer can never touch anything outside ``target``):
   a hardlink to a symlink links the symlink itself; the linked inode keeps its own metadata.
 * GNU sparse files, multi-volume and other exotic member types are "unsupported" (image tools do
   not write them); PAX global headers are ignored, as containerd does.
-* Device nodes are created only with ``allow_device_nodes`` (otherwise skipped and counted); FIFOs
-  always. Whiteout devices are ours and always made. Whiteouts never hide entries of their own
-  layer (OCI spec), so a whiteout for a name the layer already has is ignored.
+* Device nodes are created only with ``allow_device_nodes`` (otherwise skipped and counted, still
+  replacing an earlier entry of their name); FIFOs always. Whiteout devices are ours and always
+  made. Whiteouts never hide entries of their own layer (OCI spec), so a whiteout for a name the
+  layer already has is ignored.
 * ``trusted.overlay.*`` / ``user.overlay.*`` xattrs from the tar are dropped: overlay metadata in
   a snapshot comes only from whiteout conversion. xattrs the filesystem refuses (ENOTSUP, EPERM,
-  e.g. ``user.*`` on a symlink) are logged and skipped, as containerd does.
+  e.g. ``user.*`` on a symlink) are logged and skipped, as containerd does; one too large or
+  with too long a name for it (ENOSPC, E2BIG, ERANGE) makes the layer "invalid".
 * The tar must end with its end-of-archive block, so a truncated stream is refused (zstd cannot
   tell a truncated frame from its end; gzip can). Callers still compare ``diff_id`` with the image
   config's ``rootfs.diff_ids``.
@@ -52,7 +55,6 @@ import io
 import logging
 import os
 import re
-import shutil
 import stat
 import zlib
 from collections.abc import Callable, Iterator, Mapping
@@ -65,6 +67,7 @@ from typing import TYPE_CHECKING, BinaryIO, Literal, Protocol, TypeVar, cast
 import zstandard
 
 from auraed.errors import RESOURCE_ERRNOS
+from auraed.images.content import remove_at
 
 if TYPE_CHECKING:
     from _typeshed import WriteableBuffer
@@ -96,6 +99,8 @@ BLOCK = 512
 CHUNK = 1 << 20
 MAX_META = 1 << 20  # PAX records and GNU long names of one entry, together
 MAX_NAME = 4096  # PATH_MAX: no tool makes longer names, and it bounds the walk
+MAX_DEPTH = 256  # components of a name: real images stay far below; it bounds the fds a walk holds
+MAX_PAX_DIGITS = 20  # no PAX number in range has more (sizes below 2**62 have 19)
 WHITEOUT = b".wh."
 WHITEOUT_META = b".wh..wh."
 OPAQUE = b".wh..wh..opq"
@@ -111,6 +116,9 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # errnos caused by what the layer says rather than by the host
 _INVALID_ERRNOS = {errno.ENAMETOOLONG, errno.ELOOP, errno.ENOTDIR, errno.EISDIR, errno.EINVAL}
+# setxattr: a value too large for the filesystem (ENOSPC on ext4, E2BIG above 64 KiB) or too long
+# a name (ERANGE); the layer's doing, not a full disk
+_XATTR_TOO_LARGE_ERRNOS = {errno.ENOSPC, errno.E2BIG, errno.ERANGE}
 
 # tar type flags
 _REGULAR = {b"0", b"\0", b"7"}
@@ -276,12 +284,19 @@ def _parse_pax(data: bytes) -> dict[bytes, bytes]:
     return records
 
 
+def _pax_decimal(digits: bytes, what: str, label: str) -> int:
+    """A PAX number's digits; too many are refused before int(), which refuses > 4300 itself."""
+    if len(digits) > MAX_PAX_DIGITS:
+        raise UnpackError("invalid", f"{label}: PAX {what} out of range ({len(digits)} digits)")
+    return int(digits)
+
+
 def _pax_time(value: bytes, label: str) -> int:
     match = _PAX_TIME.fullmatch(value)
     if not match:
-        raise UnpackError("invalid", f"{label}: bad PAX mtime {value!r}")
+        raise UnpackError("invalid", f"{label}: bad PAX mtime {value[:100]!r}")
     sign, seconds, fraction = match.groups()
-    ns = int(seconds) * 1_000_000_000 + int((fraction or b"").ljust(9, b"0")[:9])
+    ns = _pax_decimal(seconds, "mtime", label) * 1_000_000_000 + int((fraction or b"").ljust(9, b"0")[:9])
     return -ns if sign else ns
 
 
@@ -290,8 +305,8 @@ def _pax_int(pax: dict[bytes, bytes], key: bytes, default: int, label: str) -> i
     if not value:  # an empty value means "use the header field"
         return default
     if not _DECIMAL.fullmatch(value):
-        raise UnpackError("invalid", f"{label}: bad PAX {key.decode()} {value!r}")
-    return int(value)
+        raise UnpackError("invalid", f"{label}: bad PAX {key.decode()} {value[:100]!r}")
+    return _pax_decimal(value, key.decode(), label)
 
 
 def _xattrs(pax: dict[bytes, bytes], label: str) -> dict[str, bytes]:
@@ -455,6 +470,8 @@ def _clean(name: bytes, label: str) -> tuple[bytes, ...]:
     parts = tuple(part for part in name.split(b"/") if part not in (b"", b"."))
     if b".." in parts:
         raise UnpackError("invalid", f"{label}: name has a '..' component")
+    if len(parts) > MAX_DEPTH:
+        raise UnpackError("invalid", f"{label}: name has {len(parts)} components, more than {MAX_DEPTH}")
     return parts
 
 
@@ -504,13 +521,11 @@ class _Tree:
         return fd
 
     def remove(self, parent: int, base: bytes, parts: tuple[bytes, ...], label: str) -> None:
-        """Remove whatever is at ``parts`` (never following a symlink)."""
-        with _os_errors(label, "replace the existing entry"):
-            if not stat.S_ISDIR(os.stat(base, dir_fd=parent, follow_symlinks=False).st_mode):
-                os.unlink(base, dir_fd=parent)
-                return
-            self.forget(parts)
-            shutil.rmtree(base, dir_fd=parent)  # fd based: never follows symlinks inside
+        """Remove whatever is at ``parts``, if anything: a directory with its contents, by fd,
+        never following a symlink."""
+        self.forget(parts)
+        with _os_errors(label, "replace the existing entry"), contextlib.suppress(FileNotFoundError):
+            remove_at(base, parent)
 
     def forget(self, prefix: tuple[bytes, ...]) -> None:
         for key in [key for key in self._cache if key[: len(prefix)] == prefix]:
@@ -544,6 +559,7 @@ class _Writer:
         parts = _clean(entry.name, entry.label)
         if not parts:
             return  # the layer root: the snapshot directory is the caller's, as in containerd
+        self._skipped.discard(parts)  # a device skipped here before is replaced by this entry
         if parts[-1].startswith(WHITEOUT):
             self._whiteout(entry, parts)
             return
@@ -618,7 +634,7 @@ class _Writer:
         if not source:
             raise UnpackError("invalid", f"{entry.label}: hardlink to the layer root")
         if source in self._skipped:  # a link to a device node we did not make
-            self._skip_device(parts)
+            self._skip_device(parent, parts, entry.label)
             return
         if source == parts:
             return
@@ -639,7 +655,7 @@ class _Writer:
         if entry.type == _FIFO:
             make = partial(os.mkfifo, parts[-1], 0o600, dir_fd=parent)
         elif not self._allow_devices:
-            self._skip_device(parts)
+            self._skip_device(parent, parts, entry.label)
             return
         else:
             kind = stat.S_IFCHR if entry.type == _CHAR else stat.S_IFBLK
@@ -649,7 +665,9 @@ class _Writer:
             self._replacing(make, parent, parts, entry.label)
             self._metadata_at(entry, parent, parts[-1], symlink=False)
 
-    def _skip_device(self, parts: tuple[bytes, ...]) -> None:
+    def _skip_device(self, parent: int, parts: tuple[bytes, ...], label: str) -> None:
+        """A device node not made: counted, and like any entry it replaces one of its name."""
+        self._tree.remove(parent, parts[-1], parts, label)
         self.skipped_devices += 1
         self._skipped.add(parts)
 
@@ -709,6 +727,10 @@ class _Writer:
             else:
                 os.setxattr(target, name, value, follow_symlinks=False)
         except OSError as exc:
+            if exc.errno in _XATTR_TOO_LARGE_ERRNOS:
+                raise UnpackError(
+                    "invalid", f"{entry.label}: xattr {name[:100]} ({len(value)} bytes): {exc.strerror}"
+                ) from exc
             if exc.errno not in (errno.ENOTSUP, errno.EPERM):
                 raise
             log.warning("%s: xattr %s not set: %s", entry.label, name, exc.strerror)

@@ -28,7 +28,14 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from auraed.images.unpack import LAYER_MEDIA_TYPES, UnpackError, UnpackStats, decompressed, unpack_layer
+from auraed.images.unpack import (
+    LAYER_MEDIA_TYPES,
+    MAX_DEPTH,
+    UnpackError,
+    UnpackStats,
+    decompressed,
+    unpack_layer,
+)
 
 TAR = "application/vnd.oci.image.layer.v1.tar"
 GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
@@ -393,6 +400,20 @@ def test_device_nodes_when_allowed(box: Box) -> None:
     assert stat.S_ISBLK(loop.st_mode) and loop.st_rdev == os.makedev(7, 0)
 
 
+def test_a_skipped_device_replaces_and_is_replaced_like_any_entry(box: Box) -> None:
+    data = layer(
+        member("dev", tarfile.CHRTYPE, major=1, minor=3),  # skipped
+        member("dev", data=b"a file now"),
+        member("link", tarfile.LNKTYPE, link="dev"),  # links the file
+        member("x", data=b"replaced by a device"),
+        member("x", tarfile.CHRTYPE, major=1, minor=3),  # skipped, and x is gone
+    )
+    assert unpack(data, box.target).skipped_devices == 2
+    assert sorted(os.listdir(box.target)) == ["dev", "link"]
+    assert (box.target / "link").stat().st_ino == (box.target / "dev").stat().st_ino
+    box.assert_untouched()
+
+
 # --- hostile layers ------------------------------------------------------------------------------
 
 
@@ -481,6 +502,38 @@ def test_entry_replacing_an_outward_symlink_replaces_the_link(box: Box, kind: by
 @pytest.mark.parametrize("name", ["../.wh.x", "a/../../.wh.x", ".wh..", "a/.wh..."])
 def test_escaping_whiteouts_are_refused(box: Box, name: str) -> None:
     box.refuse(layer(member(name)), r"'..' component|whiteout of")
+
+
+def test_names_deeper_than_the_limit_are_refused(box: Box) -> None:
+    error = box.refuse(layer(member("/".join(["a"] * (MAX_DEPTH + 1)), data=b"x")), "components")
+    assert error.kind == "invalid"
+
+
+def test_replacing_a_deep_directory_never_follows_its_symlinks(box: Box) -> None:
+    data = layer(
+        member("/".join(["d"] * MAX_DEPTH), data=b"as deep as a layer goes"),
+        member("d/link", tarfile.SYMTYPE, link=str(box.root)),
+        member("d", data=b"now a file"),  # removes the whole tree, not what the link points to
+    )
+    unpack(data, box.target)
+    assert (box.target / "d").read_bytes() == b"now a file"
+    box.assert_untouched()
+
+
+@pytest.mark.parametrize("key", [b"mtime", b"uid", b"gid", b"size"])
+def test_pax_numbers_with_thousands_of_digits_are_refused(box: Box, key: bytes) -> None:
+    data = raw_member(tarfile.TarInfo("f"), pax={key: b"1" * 5000}) + EOF_BLOCKS
+    assert box.refuse(data, "5000 digits").kind == "invalid"
+
+
+@pytest.mark.parametrize(
+    ("name", "size"),
+    [("user.big", 8000), ("user.huge", 70_000), ("user." + "n" * 300, 1)],
+    ids=["ENOSPC on ext4", "E2BIG", "ERANGE"],
+)
+def test_xattrs_the_filesystem_cannot_hold_are_the_layers_fault(box: Box, name: str, size: int) -> None:
+    error = box.refuse(layer(member("f", data=b"f", xattrs={name: b"v" * size})), "xattr")
+    assert error.kind == "invalid"
 
 
 def test_name_with_nul_is_refused(box: Box) -> None:

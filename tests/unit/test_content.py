@@ -1,0 +1,116 @@
+"""The content store on real files: trees deeper than Python's recursion limit, entries that cannot
+be removed (made immutable with chattr), and blob writes whose commit fails."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from auraed.images.content import ContentStore, remove_tree, tree_size
+
+DEPTH = sys.getrecursionlimit() + 100  # more than a recursive walk can go through
+
+
+def sha256(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def make_deep_tree(top: Path, depth: int = DEPTH) -> int:
+    """``top`` with ``depth`` nested directories and a file at the bottom, built by fd (the path
+    is far longer than PATH_MAX); the bytes of its files."""
+    top.mkdir()
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        file = os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+        os.write(file, b"bottom")
+        os.close(file)
+    finally:
+        os.close(fd)
+    return len(b"bottom")
+
+
+@pytest.fixture
+def make_immutable() -> Iterator[Callable[[Path], None]]:
+    """chattr +i: not even root can remove the file then; undone after the test."""
+    made: list[Path] = []
+
+    def make(path: Path) -> None:
+        subprocess.run(["chattr", "+i", str(path)], check=True)
+        made.append(path)
+
+    yield make
+    for path in made:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def test_deep_trees_are_measured_and_removed_without_following_symlinks(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"keep")
+    tree = tmp_path / "tree"
+    size = make_deep_tree(tree)
+    (tree / "d" / "out").symlink_to(outside)
+    (tree / "d" / "d" / "out-file").symlink_to(outside / "keep")
+    assert tree_size(tree) == size + len(str(outside)) + len(str(outside / "keep"))
+    assert remove_tree(tree)
+    assert not tree.exists()
+    assert (outside / "keep").read_bytes() == b"keep"
+
+
+def test_the_store_starts_past_leftovers_it_cannot_remove(
+    tmp_path: Path, make_immutable: Callable[[Path], None], caplog: pytest.LogCaptureFixture
+) -> None:
+    ingest = ContentStore(tmp_path).ingest_dir
+    make_deep_tree(ingest / "snapshot-deep")
+    (ingest / "snapshot-stuck").mkdir()
+    (ingest / "snapshot-stuck" / "f").write_bytes(b"f")
+    make_immutable(ingest / "snapshot-stuck" / "f")
+    (ingest / "blob-partial").write_bytes(b"partial")
+    with caplog.at_level(logging.WARNING, logger="auraed.images.content"):
+        ContentStore(tmp_path)  # as the daemon does at every start
+    assert [p.name for p in ingest.iterdir()] == ["snapshot-stuck"]
+    assert "cannot remove" in caplog.text and "snapshot-stuck" in caplog.text
+
+
+def test_collect_carries_on_past_what_it_cannot_remove(
+    tmp_path: Path, make_immutable: Callable[[Path], None], caplog: pytest.LogCaptureFixture
+) -> None:
+    store = ContentStore(tmp_path)
+    kept, stuck, freed = b"kept blob", b"stuck blob", b"freed blob"
+    for data in (kept, stuck, freed):
+        store.write_blob(sha256(data), data)
+    make_immutable(store.blob_path(sha256(stuck)))
+    keep_snapshot, deep, stuck_snapshot, plain = (f"sha256:{c * 64}" for c in "1234")
+    store.snapshot_path(keep_snapshot).mkdir()
+    deep_size = make_deep_tree(store.snapshot_path(deep))
+    store.snapshot_path(stuck_snapshot).mkdir()
+    (store.snapshot_path(stuck_snapshot) / "f").write_bytes(b"f")
+    make_immutable(store.snapshot_path(stuck_snapshot) / "f")
+    store.snapshot_path(plain).mkdir()
+    (store.snapshot_path(plain) / "f").write_bytes(b"plain")
+    with caplog.at_level(logging.WARNING, logger="auraed.images.content"):
+        assert store.collect({sha256(kept)}, {keep_snapshot}) == len(freed) + deep_size + len(b"plain")
+    assert sorted(store.blob_digests()) == sorted([sha256(kept), sha256(stuck)])
+    assert sorted(store.snapshot_ids()) == [keep_snapshot, stuck_snapshot]
+    assert caplog.text.count("cannot remove") == 2
+
+
+def test_a_blob_whose_commit_fails_leaves_no_temporary_file(tmp_path: Path) -> None:
+    store = ContentStore(tmp_path)
+    data = b"blob"
+    (store.blob_path(sha256(data)) / "in-the-way").mkdir(parents=True)  # the rename onto it fails
+    with pytest.raises(IsADirectoryError):
+        store.write_blob(sha256(data), data)
+    assert list(store.ingest_dir.iterdir()) == []
