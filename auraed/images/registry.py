@@ -270,6 +270,16 @@ def parse_challenge(header: str) -> _Challenge | None:
     return _Challenge(scheme.lower(), params)
 
 
+def _preferred_challenge(response: requests.Response) -> _Challenge | None:
+    """The challenge to answer: Bearer when the registry offers it next to others (one
+    WWW-Authenticate header each), as docker does: it works anonymously, Basic needs a password."""
+    headers = response.raw.headers.getlist("WWW-Authenticate") if response.raw is not None else []
+    challenges = [c for c in map(parse_challenge, headers) if c is not None]
+    bearer = [c for c in challenges if c.scheme == "bearer"]
+    preferred = bearer or challenges
+    return preferred[0] if preferred else None
+
+
 def _is_loopback(host: str) -> bool:
     name = host
     if name.startswith("["):
@@ -892,7 +902,7 @@ class RegistryClient:
                 f"{what}: {_origin(response.url)[1]}, where {endpoint.host} redirected the request, "
                 "refused it (HTTP 401); credentials are only ever sent to the registry itself",
             )
-        challenge = parse_challenge(response.headers.get("WWW-Authenticate", ""))
+        challenge = _preferred_challenge(response)
         detail = _error_detail(response)
         response.close()
         if challenge is None:

@@ -6,7 +6,7 @@ import base64
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -619,6 +619,24 @@ def test_an_endless_error_answer_is_read_only_in_part(status: int) -> None:
 
 def _bearer_challenge(realm: str) -> dict[str, str]:
     return {"WWW-Authenticate": f'Bearer realm="{realm}",service="fake"'}
+
+
+def test_bearer_is_answered_when_basic_is_offered_too() -> None:
+    """A registry may send one challenge per scheme; without a password only Bearer can work."""
+    with FakeRegistry() as tokens:
+        tokens.routes[("GET", "/token")] = FakeResponse(200, b'{"token": "anonymous"}')
+
+        def manifest(method: str, path: str, headers: Mapping[str, str]) -> FakeResponse | None:
+            if path != MANIFEST_PATH or headers.get("Authorization") == "Bearer anonymous":
+                return None  # the route: not found, which says the token was taken
+            challenges = ['Basic realm="fake"', *_bearer_challenge(f"{tokens.url}/token").values()]
+            return FakeResponse(401, b"", {"WWW-Authenticate": challenges})
+
+        with FakeRegistry(handler=manifest) as fake:
+            with pytest.raises(RegistryError, match="not found") as caught:
+                RegistryClient().resolve(parse_reference(f"{fake.host}/{REPO}:1"))
+            assert caught.value.kind == "not_found"
+        assert [seen.path for seen in tokens.requests] == ["/token"]
 
 
 def test_an_endless_or_failing_token_service_is_the_registry_failing() -> None:

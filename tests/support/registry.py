@@ -450,7 +450,7 @@ class FakeResponse:
 
     status: int = 200
     body: bytes = b""
-    headers: dict[str, str] = field(default_factory=dict)
+    headers: Mapping[str, str | list[str]] = field(default_factory=dict)  # a list: one header each
     send_length: bool = True
     pace_s: float = 0.0
     endless: bool = False
@@ -543,7 +543,8 @@ class FakeRegistry:
                 self.send_response(answer.status)
                 sent = {k.lower() for k in answer.headers}
                 for key, value in answer.headers.items():
-                    self.send_header(key, value)
+                    for one in [value] if isinstance(value, str) else value:
+                        self.send_header(key, one)
                 if "content-length" not in sent and answer.send_length and not answer.endless:
                     self.send_header("Content-Length", str(len(answer.body)))
                 self.end_headers()
