@@ -11,10 +11,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import secrets
 import signal as signals
 import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,8 @@ KIND = "container"
 CGROUP_PARENT = "_containers"
 KILL_WAIT = 30.0  # seconds to wait for a SIGKILLed container to be reaped
 ENDED_BEFORE_START = "its process ended before it was started"
+ID_BYTES = 16  # a container id is this many random bytes in hex: 32 lowercase hex digits
+ID_SHAPE = re.compile(f"[0-9a-f]{{{2 * ID_BYTES}}}")
 
 SPEC_ERROR_KINDS = {
     "invalid": ErrorKind.INVALID_ARGUMENT,
@@ -55,6 +59,30 @@ def spec_error(exc: oci.SpecError) -> ContainerError:
 def runtime_error(exc: OciRuntimeError, what: str) -> ContainerError:
     kind = ErrorKind.NOT_FOUND if exc.kind == "not_found" else ErrorKind.FAILED_PRECONDITION
     return ContainerError(kind, f"{what}: {exc}")
+
+
+@dataclass
+class _Stopping:
+    """A container's Stop under way: its stop signal went (unless the grace is 0), and SIGKILL
+    goes at ``kill_at`` (loop time) unless it has exited. A later Stop may bring that forward."""
+
+    kill_at: float
+    sooner: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def hurry(self, kill_at: float) -> None:
+        if kill_at < self.kill_at:
+            self.kill_at = kill_at
+            self.sooner.set()
+
+
+async def _until_set(*events: asyncio.Event, timeout: float) -> None:
+    """Until one of ``events`` is set, or ``timeout`` seconds have passed."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
 
 
 class Containers:
@@ -86,6 +114,9 @@ class Containers:
         self._changing: dict[str, str] = {}  # id -> the change under way: "created", "started", ...
         self._runtime_creates: dict[str, asyncio.Task[None]] = {}  # id -> its create_ahead
         self._runtime_created: dict[str, asyncio.Future[None]] = {}  # id -> create_ahead's outcome
+        # id -> the Stop under way: its escalation to SIGKILL, which no caller's end may cut short
+        self._stopping: dict[str, tuple[_Stopping, asyncio.Task[None]]] = {}
+        self._closed = False  # close() has run: no Stop may begin a task nothing would await
         self._lock = asyncio.Lock()
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         images.in_use = lambda image_id: any(r.image_id == image_id for r in self._records.values())
@@ -121,11 +152,18 @@ class Containers:
         that finds no runtime-created container (the create failed, or a reboot came between)
         runs ``run --detach`` instead.
         """
+        # Lookups take an id or a name, ids first: a name shaped like an id could shadow another
+        # container (Delete by that name would delete the other one). Refusing the shape, rather
+        # than only the ids in use, keeps every name unambiguous whatever ids come later.
+        if ID_SHAPE.fullmatch(request.name):
+            raise ContainerError.invalid(
+                "config.name", f"{request.name} has the shape of a container id (32 hex digits)"
+            )
         async with self._lock:
             if any(r.name == request.name for r in self._records.values()):
                 raise ContainerError.already_exists(f"container {request.name}")
             image = self._images.find(image_name)
-            container_id = secrets.token_hex(16)
+            container_id = secrets.token_hex(ID_BYTES)
             record = ContainerRecord(
                 id=container_id,
                 name=request.name,
@@ -139,11 +177,13 @@ class Containers:
                 created_at=time.time(),
             )
             self._changing[record.id] = "created"  # claimed before the record can be seen
+            self._exited[record.id] = asyncio.Event()  # a Wait may begin as soon as it can be seen
             # Saved before any kernel object exists: a crash from here on is cleaned at start.
             try:
                 self._save(record)
             except BaseException:
                 del self._changing[record.id]
+                del self._exited[record.id]
                 raise
         try:
             spec = await asyncio.to_thread(self._prepare, record, image, request)
@@ -154,7 +194,6 @@ class Containers:
             raise
         finally:
             del self._changing[record.id]
-        self._exited[record.id] = asyncio.Event()
         if start:
             self._started(record)
         else:
@@ -377,17 +416,55 @@ class Containers:
         self._exited[record.id].set()  # still there: Delete, which drops it, waits its turn
 
     async def stop(self, record: ContainerRecord, timeout: float | None) -> ContainerRecord:
+        """The stop signal, then SIGKILL once ``timeout`` (else the default grace) has passed.
+
+        The sequence is a task of ours, one per container: a caller that goes away (its deadline,
+        a disconnect) leaves it running to the SIGKILL, rather than a container that got only its
+        stop signal. A Stop that finds one under way joins it, bringing the SIGKILL forward when
+        its own timeout ends sooner."""
         if record.state != State.RUNNING:  # a created container has no process yet
             return record
         grace = self._default_stop_timeout if timeout is None else timeout
-        if grace > 0:
+        await asyncio.shield(self._stop_task(record, grace))
+        return record
+
+    def _stop_task(self, record: ContainerRecord, grace: float) -> asyncio.Task[None]:
+        kill_at = asyncio.get_running_loop().time() + grace
+        under_way = self._stopping.get(record.id)
+        if under_way is not None and not under_way[1].done():
+            stopping, task = under_way
+            stopping.hurry(kill_at)
+            return task
+        if self._closed:
+            raise ContainerError(ErrorKind.UNAVAILABLE, "auraed is shutting down")
+        stopping = _Stopping(kill_at)
+        task = asyncio.get_running_loop().create_task(
+            self._stop_sequence(record, stopping), name=f"stop {record.id}"
+        )
+        self._stopping[record.id] = (stopping, task)
+        task.add_done_callback(lambda done: self._stop_done(record, done))
+        return task
+
+    async def _stop_sequence(self, record: ContainerRecord, stopping: _Stopping) -> None:
+        loop = asyncio.get_running_loop()
+        if stopping.kill_at > loop.time():
             await self._signal(record, record.stop_signal)
-            if await self._wait_exit(record, grace):
-                return record
+            exited = self._exited.get(record.id) or asyncio.Event()  # a running one has its own
+            while record.alive and (grace := stopping.kill_at - loop.time()) > 0:
+                stopping.sooner.clear()
+                await _until_set(exited, stopping.sooner, timeout=grace)
+            if not record.alive:
+                return
         await self._signal(record, signals.SIGKILL, all_processes=True)
         if not await self._wait_exit(record, KILL_WAIT):
             raise ContainerError(ErrorKind.UNAVAILABLE, f"container {record.name} did not die after SIGKILL")
-        return record
+
+    def _stop_done(self, record: ContainerRecord, task: asyncio.Task[None]) -> None:
+        under_way = self._stopping.get(record.id)
+        if under_way is not None and under_way[1] is task:
+            del self._stopping[record.id]
+        if not task.cancelled() and task.exception() is not None:  # retrieved: its callers may be gone
+            log.warning("container %s: stop failed: %s", record.name, task.exception())
 
     async def kill(self, record: ContainerRecord, signal: int) -> None:
         if record.state != State.RUNNING:
@@ -410,9 +487,13 @@ class Containers:
         return not record.alive
 
     async def wait(self, record: ContainerRecord) -> ContainerRecord:
+        """Until the container has exited (from Create on: a Wait may begin while it is made).
+        One removed before it ran never exits: NOT_FOUND then, as for any Wait after that."""
         event = self._exited.get(record.id)
         if event is not None:
             await event.wait()
+        if record.state in (State.CREATING, State.CREATED) and record.id not in self._records:
+            raise ContainerError(ErrorKind.NOT_FOUND, f"container {record.name} was removed before it ran")
         return record
 
     async def delete(self, record: ContainerRecord, force: bool, keep_logs: bool) -> None:
@@ -582,8 +663,16 @@ class Containers:
         log.info("recovered %d containers", len(self._records))
 
     async def close(self) -> None:
+        self._closed = True
         # Not cancelled: a runtime create cut short would leave an init nothing knows of.
         await asyncio.gather(*self._runtime_creates.values(), return_exceptions=True)
+        # Nor are Stops under way: one cut short leaves a container that got only its stop signal.
+        # Their SIGKILL goes now rather than after a grace that may be minutes; the watchers,
+        # which see the exits, are cancelled only after.
+        now = asyncio.get_running_loop().time()
+        for stopping, _ in self._stopping.values():
+            stopping.hurry(now)
+        await asyncio.gather(*(task for _, task in self._stopping.values()), return_exceptions=True)
         for task in list(self._watchers.values()):
             task.cancel()
         await asyncio.gather(*self._watchers.values(), return_exceptions=True)

@@ -45,7 +45,10 @@ UNIX_PATH_MAX = 107
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _LOGRUS_MSG_RE = re.compile(r'msg="((?:[^"\\]|\\.)*)"')
 
-_NOT_FOUND_WORDS = ("does not exist", "not found", "no such container")
+# runc 1.1's words for a container it keeps no state for (libcontainer.ErrNotExist), alone or
+# after what failed ("exec failed: container does not exist"). Only these exact words: a process
+# that is missing ("executable file not found in $PATH") is not a missing container.
+_MISSING_CONTAINER_RE = re.compile(r"(?:^|: )container does not exist$")
 _INVALID_WORDS = (
     "not running",
     "stopped",
@@ -296,13 +299,21 @@ class OciRuntime:
         """An OciRuntimeError for a failed ``what`` from the runtime's stderr."""
         message = runtime_message(stderr) or (f"exit status {code}" if code is not None else "failed")
         lowered = message.lower()
-        if any(word in lowered for word in _NOT_FOUND_WORDS) or not self.knows(container_id):
+        if self._gone(container_id, message):
             kind = "not_found"
         elif any(word in lowered for word in _INVALID_WORDS):
             kind = "invalid"
         else:
             kind = "failed"
         return OciRuntimeError(kind, f"{self.name} {what}: {message}")
+
+    def _gone(self, container_id: str, message: str) -> bool:
+        """Whether a command failed because the runtime does not know the container: decided by
+        its own state (both keep ``<root>/<id>/``; crun 1.8 words it as a missing status file),
+        or by runc's exact words for it, never by "not found" anywhere in the message."""
+        if not self.knows(container_id):
+            return True
+        return any(_MISSING_CONTAINER_RE.search(part) for part in message.split("; "))
 
     async def run(self, argv: list[str], timeout: float) -> tuple[int, bytes, bytes]:
         """Run a runtime command in its own process group; on timeout or cancellation the whole group

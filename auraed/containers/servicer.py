@@ -123,7 +123,9 @@ def _signal(value: str) -> int:
 
 
 def image_message(image: ImageRecord) -> pb.Image:
-    config = oci.image_runtime_config({"config": image.config})
+    # Lenient: the images subsystem stores configs Create would refuse (Env ["FOO"]), and one of
+    # them must not make every ListImages fail. Create still parses strictly and names the field.
+    config = oci.image_runtime_config({"config": image.config}, lenient=True)
     return pb.Image(
         id=image.id,
         references=list(image.references),
@@ -376,22 +378,14 @@ class ContainerServicer:
             await session.close()
 
     def _exec_process(self, record: ContainerRecord, start: pb.ExecStart) -> dict[str, Any]:
-        if not start.command:
-            raise ContainerError.invalid("start.command", "is required")
-        process = self._containers.process_defaults(record)
-        process["args"] = list(start.command)
-        if start.env:
-            process["env"] = [*process.get("env", []), *start.env]
-        if start.working_dir:
-            if not start.working_dir.startswith("/"):
-                raise ContainerError.invalid("start.working_dir", "must be absolute")
-            process["cwd"] = start.working_dir
-        if start.user:
-            try:
+        defaults = self._containers.process_defaults(record)
+        try:
+            process = oci.exec_process(defaults, start.command, start.env, start.working_dir)
+            if start.user:
                 uid, gid, groups = oci.resolve_user(record.rootfs, start.user, where="start.user")
-            except oci.SpecError as exc:
-                raise spec_error(exc) from None
-            process["user"] = {"uid": uid, "gid": gid, "additionalGids": groups}
+                process["user"] = {"uid": uid, "gid": gid, "additionalGids": groups}
+        except oci.SpecError as exc:
+            raise spec_error(exc) from None
         return process
 
 

@@ -24,6 +24,8 @@ Decisions worth knowing:
   (the image's content there is kept, the data lives as long as the container). With a read-only
   root filesystem each one gets an empty tmpfs so that it stays writable, as does /tmp. A request
   mount at the same destination always wins.
+* Mounts: runc's defaults (/proc, /dev and what lives in it, /sys, /sys/fs/cgroup); a request mount
+  replaces the default at its own destination only, and the list goes parents before children.
 * Namespaces: pid, ipc, uts, mount, cgroup (runc 1.1 supports it on v1 too) and network (a new
   one, the ``netns_path`` given, or the host's with ``host_network``).
 * Seccomp: see :func:`default_seccomp_profile`: allow by default, deny a list of dangerous
@@ -46,7 +48,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from auraed.system.cgroupfs import CgroupError, cpu_weight_to_shares, parse_cpu_list
+from auraed.containers.runtime import DELETE_TIMEOUT
+from auraed.system.cgroupfs import CgroupError, cpu_weight_to_shares, format_cpu_list, parse_cpu_list
+from auraed.system.supervisor import START_TIMEOUT
 
 OCI_VERSION = "1.0.2"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -57,6 +61,17 @@ MIN_MEMORY_BYTES = 6 * 1024 * 1024
 MAX_INT64 = (1 << 63) - 1
 MAX_UINT64 = (1 << 64) - 1
 MAX_ID = (1 << 32) - 2  # (uid_t)-1 means "no change" to the kernel
+# include/linux/threads.h PID_MAX_LIMIT on 64-bit kernels: pids.max refuses more (EINVAL).
+PID_MAX_LIMIT = 4 * 1024 * 1024
+# kernel/sched/core.c max_cfs_runtime: MAX_BW = 2^(64 - BW_SHIFT 20) - 1 µs; cpu.max and
+# cpu.cfs_quota_us refuse a larger quota (EINVAL).
+MAX_CFS_QUOTA_US = (1 << 44) - 1
+# Every hook runs inside a runtime command auraed waits for at most this long: create, start and
+# poststart hooks within the monitor's START_TIMEOUT, poststop hooks within `delete`'s
+# DELETE_TIMEOUT. A longer hook timeout could never fire: auraed would give up on the runtime first.
+MAX_HOOK_TIMEOUT_SECONDS = int(min(START_TIMEOUT, DELETE_TIMEOUT))
+ONLINE_CPUS = Path("/sys/devices/system/cpu/online")
+ONLINE_MEMORY_NODES = Path("/sys/devices/system/node/online")
 # /etc/passwd and /etc/group larger than this are refused rather than read into memory.
 MAX_ID_FILE_BYTES = 4 * 1024 * 1024
 HOST_NAME_MAX = 64
@@ -294,6 +309,9 @@ class HostFacts:
     # Whether auraed may raise hard rlimits (CAP_SYS_RESOURCE).
     can_raise_rlimits: bool = True
     machine: str = "x86_64"
+    # CPUs and memory nodes a cpuset may name; None: not known, not checked.
+    online_cpus: frozenset[int] | None = None
+    online_memory_nodes: frozenset[int] | None = None
 
     @classmethod
     def probe(cls) -> HostFacts:
@@ -312,7 +330,21 @@ class HostFacts:
             rlimit_hard=hard,
             can_raise_rlimits="CAP_SYS_RESOURCE" in caps,
             machine=os.uname().machine,
+            online_cpus=read_index_list(ONLINE_CPUS),
+            # A kernel without CONFIG_NUMA has no node directory in sysfs, and one node: 0.
+            online_memory_nodes=read_index_list(ONLINE_MEMORY_NODES, missing=frozenset({0})),
         )
+
+
+def read_index_list(path: Path, missing: frozenset[int] | None = None) -> frozenset[int] | None:
+    """A kernel CPU or node list file ("0-3,5"); ``missing`` when there is no such file, None
+    when it cannot be read."""
+    try:
+        return frozenset(parse_cpu_list(path.read_text()))
+    except FileNotFoundError:
+        return missing
+    except (OSError, ValueError):
+        return None
 
 
 def read_oom_score_adj(path: Path = Path("/proc/self/oom_score_adj")) -> int:
@@ -393,67 +425,110 @@ def _int(value: object, where: str, low: int, high: int) -> int:
 # -------------------------------------------------------------------------------- image config
 
 
-def _json_strings(value: object, where: str) -> tuple[str, ...]:
+def _refuse(lenient: bool, where: str, problem: str) -> None:
+    """A bad image config value: an error when strict, left out when lenient."""
+    if not lenient:
+        raise SpecError("invalid", f"{where}: {problem}")
+
+
+def _valid_utf8(text: str) -> str:
+    """``text`` as protobuf can carry it: JSON may hold lone surrogates ("\\ud800"); they become "?"."""
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _json_strings(value: object, where: str, lenient: bool) -> tuple[str, ...]:
     if value is None:
         return ()
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        raise SpecError("invalid", f"{where}: must be a list of strings")
-    return tuple(value)
+        _refuse(lenient, where, "must be a list of strings")
+    return tuple(item for item in value if isinstance(item, str)) if isinstance(value, list) else ()
 
 
-def _json_keys(value: object, where: str) -> tuple[str, ...]:
+def _json_keys(value: object, where: str, lenient: bool) -> tuple[str, ...]:
     if value is None:
         return ()
-    if isinstance(value, dict):
+    if isinstance(value, dict | list):
         keys = list(value)
-    elif isinstance(value, list):
-        keys = value
     else:
-        raise SpecError("invalid", f"{where}: must be an object or a list")
+        _refuse(lenient, where, "must be an object or a list")
+        keys = []
     if not all(isinstance(key, str) for key in keys):
-        raise SpecError("invalid", f"{where}: keys must be strings")
-    return tuple(keys)
+        _refuse(lenient, where, "keys must be strings")
+    return tuple(key for key in keys if isinstance(key, str))
 
 
-def _json_string(value: object, where: str) -> str:
+def _json_string(value: object, where: str, lenient: bool) -> str:
     if value is None:
         return ""
     if not isinstance(value, str):
-        raise SpecError("invalid", f"{where}: must be a string")
+        _refuse(lenient, where, "must be a string")
+        return ""
     return value
 
 
-def image_runtime_config(config_json: Mapping[str, Any]) -> ImageRuntimeConfig:
-    """Parse an OCI/Docker image config (the whole document, or just its "config" object)."""
+def _json_labels(value: object, where: str, lenient: bool) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        _refuse(lenient, where, "must map strings to strings")
+    if not isinstance(value, dict):
+        return {}
+    return {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def image_runtime_config(config_json: Mapping[str, Any], *, lenient: bool = False) -> ImageRuntimeConfig:
+    """Parse an OCI/Docker image config (the whole document, or just its "config" object).
+
+    Strict by default, as a container is made from it: a value of the wrong type, or an Env
+    entry that is not KEY=VALUE, raises SpecError naming the field. ``lenient`` is for describing
+    a stored image (ListImages, ImageStatus): nothing raises, values of the wrong type are left
+    out, Env entries are kept as the image has them and every string is made valid UTF-8. One
+    odd image must not break every listing; Create still refuses it, naming the field.
+    """
     if not isinstance(config_json, Mapping):
-        raise SpecError("invalid", "image config: must be a JSON object")
+        _refuse(lenient, "image config", "must be a JSON object")
+        config_json = {}
     inner: object = config_json.get("config", config_json)
     if inner is None:
         inner = {}
     if not isinstance(inner, Mapping):
-        raise SpecError("invalid", "image config.config: must be a JSON object")
-    labels_raw = inner.get("Labels")
-    if labels_raw is None:
-        labels: dict[str, str] = {}
-    elif isinstance(labels_raw, dict) and all(
-        isinstance(k, str) and isinstance(v, str) for k, v in labels_raw.items()
-    ):
-        labels = dict(labels_raw)
-    else:
-        raise SpecError("invalid", "image config.Labels: must map strings to strings")
-    env = _json_strings(inner.get("Env"), "image config.Env")
-    for index, entry in enumerate(env):
-        _env_entry(entry, f"image config.Env[{index}]")
-    return ImageRuntimeConfig(
-        entrypoint=_json_strings(inner.get("Entrypoint"), "image config.Entrypoint"),
-        cmd=_json_strings(inner.get("Cmd"), "image config.Cmd"),
+        _refuse(lenient, "image config.config", "must be a JSON object")
+        inner = {}
+    labels = _json_labels(inner.get("Labels"), "image config.Labels", lenient)
+    env = _json_strings(inner.get("Env"), "image config.Env", lenient)
+    if not lenient:
+        for index, entry in enumerate(env):
+            _env_entry(entry, f"image config.Env[{index}]")
+    config = ImageRuntimeConfig(
+        entrypoint=_json_strings(inner.get("Entrypoint"), "image config.Entrypoint", lenient),
+        cmd=_json_strings(inner.get("Cmd"), "image config.Cmd", lenient),
         env=env,
-        working_dir=_json_string(inner.get("WorkingDir"), "image config.WorkingDir"),
-        user=_json_string(inner.get("User"), "image config.User"),
-        stop_signal=_json_string(inner.get("StopSignal"), "image config.StopSignal"),
-        volumes=_json_keys(inner.get("Volumes"), "image config.Volumes"),
-        exposed_ports=_json_keys(inner.get("ExposedPorts"), "image config.ExposedPorts"),
+        working_dir=_json_string(inner.get("WorkingDir"), "image config.WorkingDir", lenient),
+        user=_json_string(inner.get("User"), "image config.User", lenient),
+        stop_signal=_json_string(inner.get("StopSignal"), "image config.StopSignal", lenient),
+        volumes=_json_keys(inner.get("Volumes"), "image config.Volumes", lenient),
+        exposed_ports=_json_keys(inner.get("ExposedPorts"), "image config.ExposedPorts", lenient),
         labels=labels,
+    )
+    return _with_valid_utf8(config) if lenient else config
+
+
+def _with_valid_utf8(config: ImageRuntimeConfig) -> ImageRuntimeConfig:
+    def each(values: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(map(_valid_utf8, values))
+
+    return ImageRuntimeConfig(
+        entrypoint=each(config.entrypoint),
+        cmd=each(config.cmd),
+        env=each(config.env),
+        working_dir=_valid_utf8(config.working_dir),
+        user=_valid_utf8(config.user),
+        stop_signal=_valid_utf8(config.stop_signal),
+        volumes=each(config.volumes),
+        exposed_ports=each(config.exposed_ports),
+        labels={_valid_utf8(k): _valid_utf8(v) for k, v in config.labels.items()},
     )
 
 
@@ -884,17 +959,40 @@ def process_args(image: ImageRuntimeConfig, request: ContainerRequest) -> list[s
 
 
 def process_env(image: ImageRuntimeConfig, request: ContainerRequest) -> list[str]:
-    merged: dict[str, str] = {}
-    for index, entry in enumerate(image.env):
-        key, value = _env_entry(entry, f"image config.Env[{index}]")
-        merged[key] = value
-    for index, entry in enumerate(request.env):
-        key, value = _env_entry(entry, f"env[{index}]")
-        merged[key] = value
+    merged = _env_by_key(image.env, "image config.Env")
+    merged.update(_env_by_key(request.env, "env"))
     merged.setdefault("PATH", DEFAULT_PATH)
     if request.tty:
         merged.setdefault("TERM", "xterm")
     return [f"{key}={value}" for key, value in merged.items()]
+
+
+def _env_by_key(entries: Sequence[str], where: str) -> dict[str, str]:
+    """KEY=VALUE entries by key, in order; a later entry overrides an earlier one in place."""
+    return dict(_env_entry(entry, f"{where}[{index}]") for index, entry in enumerate(entries))
+
+
+def exec_process(
+    defaults: Mapping[str, Any], command: Sequence[str], env: Sequence[str], working_dir: str
+) -> dict[str, Any]:
+    """The OCI process for an Exec: the container's own (``defaults``), running ``command``, its
+    env extended by ``env`` (overriding by key, as Create's env does), in ``working_dir`` when
+    given. Checked as Create checks its fields, which are named as ExecStart's ("start.env[0]")."""
+    if not command:
+        raise SpecError("invalid", "start.command: is required")
+    for index, arg in enumerate(command):
+        _text(arg, f"start.command[{index}]")
+    if not command[0]:
+        raise SpecError("invalid", "start.command[0]: the program to run is an empty string")
+    process = dict(defaults)
+    process["args"] = list(command)
+    if env:
+        merged = _env_by_key(process.get("env", ()), "the container's env")
+        merged.update(_env_by_key(env, "start.env"))
+        process["env"] = [f"{key}={value}" for key, value in merged.items()]
+    if working_dir:
+        process["cwd"] = _abs_path(working_dir, "start.working_dir")
+    return process
 
 
 def _rlimits(request: ContainerRequest, host: HostFacts) -> list[dict[str, Any]]:
@@ -1040,16 +1138,21 @@ def _mounts(image: ImageRuntimeConfig, request: ContainerRequest) -> list[dict[s
         if "/tmp" not in taken:
             taken.add("/tmp")
             extra.append(_tmpfs("/tmp", "1777"))
-    # Parents before children, so a later mount never hides an earlier one.
-    extra.sort(key=lambda m: len(m["destination"].rstrip("/").split("/")))
+    # A request mount replaces the default at its destination only. The whole list is ordered
+    # parents before children (a stable sort by depth), so that no mount hides a later one: a
+    # tmpfs asked for at /dev still gets /dev/pts, /dev/shm and /dev/mqueue mounted on it.
     defaults = [m for m in _default_mounts() if m["destination"] not in taken]
-    return defaults + extra
+    return sorted(defaults + extra, key=lambda m: _path_depth(m["destination"]))
+
+
+def _path_depth(path: str) -> int:
+    return len(path.rstrip("/").split("/"))
 
 
 # -------------------------------------------------------------------------------------- linux
 
 
-def _resources(resources: Resources) -> dict[str, Any]:
+def _resources(resources: Resources, host: HostFacts) -> dict[str, Any]:
     out: dict[str, Any] = {}
     cpu: dict[str, Any] = {}
     if resources.cpu_weight is not None:
@@ -1061,22 +1164,14 @@ def _resources(resources: Resources) -> dict[str, Any]:
     if resources.cpu_period is not None:
         cpu["period"] = _int(resources.cpu_period, "resources.cpu_period", 1_000, 1_000_000)
     if resources.cpu_max is not None:
-        cpu["quota"] = _int(resources.cpu_max, "resources.cpu_max", 1_000, MAX_INT64)
+        cpu["quota"] = _int(resources.cpu_max, "resources.cpu_max", 1_000, MAX_CFS_QUOTA_US)
         cpu.setdefault("period", DEFAULT_CPU_PERIOD_US)
-    for key, value, where in (
-        ("cpus", resources.cpuset_cpus, "resources.cpuset_cpus"),
-        ("mems", resources.cpuset_mems, "resources.cpuset_mems"),
+    for key, value, where, online in (
+        ("cpus", resources.cpuset_cpus, "resources.cpuset_cpus", host.online_cpus),
+        ("mems", resources.cpuset_mems, "resources.cpuset_mems", host.online_memory_nodes),
     ):
-        if value is None:
-            continue
-        _text(value, where)
-        try:
-            parsed = parse_cpu_list(value)
-        except ValueError as exc:
-            raise SpecError("invalid", f"{where}: {exc}") from None
-        if not parsed:
-            raise SpecError("invalid", f"{where}: must not be empty")
-        cpu[key] = value.strip()
+        if value is not None:
+            cpu[key] = _cpuset(value, where, online)
     if cpu:
         out["cpu"] = cpu
     if resources.memory_max is not None:
@@ -1084,11 +1179,30 @@ def _resources(resources: Resources) -> dict[str, Any]:
             "limit": _int(resources.memory_max, "resources.memory_max", MIN_MEMORY_BYTES, MAX_INT64)
         }
     if resources.pids_max is not None:
-        out["pids"] = {"limit": _int(resources.pids_max, "resources.pids_max", 1, MAX_INT64)}
+        out["pids"] = {"limit": _int(resources.pids_max, "resources.pids_max", 1, PID_MAX_LIMIT)}
     out["devices"] = [{"allow": False, "access": "rwm"}] + [
         _device_rule(kind, major, minor, access) for kind, major, minor, access in _DEFAULT_DEVICES
     ]
     return out
+
+
+def _cpuset(value: str, where: str, online: frozenset[int] | None) -> str:
+    """A cpuset list, every CPU or memory node in it online (when ``online`` is known): the
+    kernel refuses others only when the runtime writes the cgroup, at Start."""
+    _text(value, where)
+    try:
+        parsed = parse_cpu_list(value)
+    except ValueError as exc:
+        raise SpecError("invalid", f"{where}: {exc}") from None
+    if not parsed:
+        raise SpecError("invalid", f"{where}: must not be empty")
+    if online is not None and not parsed <= online:
+        raise SpecError(
+            "invalid",
+            f"{where}: {format_cpu_list(parsed - online)} not online on this machine (online: "
+            f"{format_cpu_list(set(online))})",
+        )
+    return value.strip()
 
 
 def _device_rule(kind: str, major: int | None, minor: int | None, access: str) -> dict[str, Any]:
@@ -1152,7 +1266,9 @@ def _hooks(hooks: Hooks) -> dict[str, list[dict[str, Any]]]:
                     for k, v in (_env_entry(e, f"{where}.env[{i}]") for i, e in enumerate(hook.env))
                 ]
             if hook.timeout_seconds is not None:
-                entry["timeout"] = _int(hook.timeout_seconds, f"{where}.timeout_seconds", 1, 2**31 - 1)
+                entry["timeout"] = _int(
+                    hook.timeout_seconds, f"{where}.timeout_seconds", 1, MAX_HOOK_TIMEOUT_SECONDS
+                )
             converted.append(entry)
         if converted:
             out[spec_key] = converted
@@ -1236,7 +1352,7 @@ def build_spec(
     linux: dict[str, Any] = {
         "namespaces": namespaces,
         "cgroupsPath": cgroups_path,
-        "resources": _resources(request.resources),
+        "resources": _resources(request.resources, host),
         "maskedPaths": _paths(security.masked_paths, DEFAULT_MASKED_PATHS, "security.masked_paths"),
         "readonlyPaths": _paths(security.readonly_paths, DEFAULT_READONLY_PATHS, "security.readonly_paths"),
     }

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from auraed.api.aurae.containers import v0 as pb
-from auraed.client import AuraeClient
+from auraed.client import AuraeClient, ClientError
 from tests.conftest import wait_until
 
 CONTAINERS = "aurae.containers.v0.ContainerService"
+BUSYBOX = "localhost/busybox:latest"
+
+
+async def refusal(call: Awaitable[object]) -> ClientError:
+    """The error of a call that must fail."""
+    with pytest.raises(ClientError) as error:
+        await call
+    return error.value
 
 
 async def import_layout(
@@ -72,6 +82,15 @@ async def wait_for_line(client: AuraeClient, container: str, text: str) -> None:
     await wait_until(seen, 20)
 
 
+async def stop(
+    client: AuraeClient, container: str, timeout_ms: int | None = None, *, deadline: float | None = None
+) -> pb.ContainerStatus:
+    """Stop with ``timeout_ms`` of grace (the daemon's default when None), the client giving up
+    after ``deadline`` seconds."""
+    request = pb.ContainerServiceStopRequest(container_id=container, timeout_ms=timeout_ms)
+    return (await client.call(CONTAINERS, "Stop", request, timeout=deadline)).status
+
+
 async def delete(client: AuraeClient, container: str, force: bool = True) -> None:
     await client.call(
         CONTAINERS, "Delete", pb.ContainerServiceDeleteRequest(container_id=container, force=force)
@@ -86,9 +105,11 @@ async def exec_in(
     *,
     tty: bool = False,
     size: tuple[int, int] | None = None,
+    **start: Any,
 ) -> tuple[bytes, bytes, int]:
-    """Run a command in a container through the Exec stream: stdout, stderr and exit code."""
-    start_message = pb.ExecStart(container_id=container, command=command, tty=tty, stdin=bool(stdin))
+    """Run a command in a container through the Exec stream: stdout, stderr and exit code.
+    ``start``: more ExecStart fields (env, working_dir, user)."""
+    start_message = pb.ExecStart(container_id=container, command=command, tty=tty, stdin=bool(stdin), **start)
     if size:
         start_message.size = pb.TerminalSize(rows=size[0], columns=size[1])
     messages = [pb.ContainerServiceExecRequest(start=start_message)]

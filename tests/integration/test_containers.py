@@ -19,6 +19,7 @@ from auraed.client import AuraeClient, ClientError
 from auraed.containers.containers import ENDED_BEFORE_START
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
 from tests.integration.containers_helpers import (
+    BUSYBOX,
     CONTAINERS,
     create,
     delete,
@@ -39,7 +40,6 @@ from tests.support.images import (
     build_multilayer_layout,
 )
 
-BUSYBOX = "localhost/busybox:latest"
 APP = "localhost/app:latest"
 
 
@@ -409,8 +409,9 @@ async def test_created_containers_run_nothing_until_start(loaded: AuraeClient) -
     await wait_running(loaded, "twice")
     await delete(loaded, "twice")
 
-    # A Wait or a following Logs on a container deleted before it ran ends too; Delete needs
-    # no force.
+    # A Wait or a following Logs on a container deleted before it ran ends too: the Wait with
+    # NOT_FOUND, since the container never exits (as any Wait after the Delete). Delete needs no
+    # force.
     await create(loaded, "never", BUSYBOX, command=["true"])
     waiting = asyncio.ensure_future(
         loaded.call(CONTAINERS, "Wait", pb.ContainerServiceWaitRequest(container_id="never"), timeout=60)
@@ -418,7 +419,12 @@ async def test_created_containers_run_nothing_until_start(loaded: AuraeClient) -
     following = asyncio.ensure_future(logs(loaded, "never", follow=True))
     await asyncio.sleep(0.2)
     await delete(loaded, "never", force=False)
-    assert (await waiting).status.state == pb.ContainerState.CREATED
+    with pytest.raises(ClientError) as error:
+        await waiting
+    assert (error.value.code, error.value.message) == (
+        "NOT_FOUND",
+        "container never was removed before it ran",
+    )
     assert await asyncio.wait_for(following, 5) == []
 
 

@@ -18,6 +18,10 @@ from auraed.containers.spec import (
     DEFAULT_MASKED_PATHS,
     DEFAULT_PATH,
     DEFAULT_READONLY_PATHS,
+    MAX_CFS_QUOTA_US,
+    MAX_HOOK_TIMEOUT_SECONDS,
+    ONLINE_CPUS,
+    PID_MAX_LIMIT,
     ContainerRequest,
     Hook,
     Hooks,
@@ -31,11 +35,12 @@ from auraed.containers.spec import (
     build_spec,
     default_seccomp_profile,
     ensure_working_dir,
+    exec_process,
     image_runtime_config,
     resolve_user,
     stop_signal,
 )
-from auraed.system.cgroupfs import cpu_weight_to_shares
+from auraed.system.cgroupfs import cpu_weight_to_shares, parse_cpu_list
 
 HOST = HostFacts(
     oom_score_adj=0,
@@ -143,6 +148,40 @@ def test_image_config_errors_name_the_field(document: dict[str, Any], field: str
     assert exc.message.startswith(field)
 
 
+@pytest.mark.parametrize(
+    "document",
+    [
+        {"config": {"Cmd": "sh"}},
+        {"config": {"Entrypoint": [1]}},
+        {"config": {"User": 0}},
+        {"config": {"Volumes": "/data"}},
+        {"config": {"Labels": {"a": 1}}},
+        {"config": []},
+        [],
+    ],
+)
+def test_a_lenient_image_config_never_raises(document: Any) -> None:
+    assert image_runtime_config(document, lenient=True) == ImageRuntimeConfig()
+
+
+def test_a_lenient_image_config_keeps_what_it_can_describe() -> None:
+    # Describing an image (ListImages) must not fail on a config Create would refuse.
+    config = {
+        "Env": ["PATH=/bin", "FOO", 3],
+        "Cmd": ["sh", None],
+        "Labels": {"good": "yes", "bad": 1},
+        "User": "app\ud800",
+        "Volumes": {"/data": {}},
+    }
+    described = image_runtime_config({"config": config}, lenient=True)
+    assert described.env == ("PATH=/bin", "FOO")
+    assert described.cmd == ("sh",)
+    assert described.labels == {"good": "yes"}
+    assert described.user == "app?"  # a lone surrogate cannot go out as a protobuf string
+    assert described.volumes == ("/data",)
+    assert error(image_runtime_config, {"config": config}).kind == "invalid"  # Create still refuses it
+
+
 # ----------------------------------------------------------------------------------- arguments
 
 
@@ -203,6 +242,39 @@ def test_bad_env_entries_name_the_field(rootfs: Path, entry: str) -> None:
     exc = error(build, rootfs, ContainerRequest(name="web", env=("OK=1", entry)))
     assert exc.kind == "invalid"
     assert exc.message.startswith("env[1]")
+
+
+def test_exec_process_overrides_the_containers_own() -> None:
+    defaults = {"args": ["sleep", "1"], "env": ["PATH=/bin", "A=1"], "cwd": "/", "terminal": False}
+    process = exec_process(defaults, ["sh", "-c", "env"], ["A=2", "B=3"], "/srv/./x/")
+    assert process == {
+        "args": ["sh", "-c", "env"],
+        "env": ["PATH=/bin", "A=2", "B=3"],
+        "cwd": "/srv/x",
+        "terminal": False,
+    }
+    assert exec_process(defaults, ["true"], [], "") == {**defaults, "args": ["true"]}
+    assert defaults["args"] == ["sleep", "1"]  # not changed in place
+
+
+@pytest.mark.parametrize(
+    ("command", "env", "working_dir", "text"),
+    [
+        ([], [], "", "start.command: is required"),
+        ([""], [], "", "start.command[0]: the program to run is an empty string"),
+        (["sh\0x"], [], "", "start.command[0]: contains a NUL character"),
+        (["sh", "a\0"], [], "", "start.command[1]: contains a NUL character"),
+        (["sh"], ["FOO"], "", "start.env[0]: 'FOO' is not KEY=VALUE"),
+        (["sh"], ["A=1", "B=\0"], "", "start.env[1]: contains a NUL character"),
+        (["sh"], [], "rel", "start.working_dir: 'rel' is not an absolute path"),
+        (["sh"], [], "/a/../b", "start.working_dir: '/a/../b' must not contain '..'"),
+    ],
+)
+def test_exec_process_errors_name_the_field(
+    command: list[str], env: list[str], working_dir: str, text: str
+) -> None:
+    exc = error(exec_process, {"env": ["PATH=/bin"]}, command, env, working_dir)
+    assert (exc.kind, exc.message) == ("invalid", text)
 
 
 # -------------------------------------------------------------------------------------- users
@@ -344,6 +416,8 @@ def test_host_facts_probe() -> None:
     assert facts.oom_score_adj == int(Path("/proc/self/oom_score_adj").read_text())
     assert facts.capabilities <= frozenset(ALL_CAPABILITIES)
     assert facts.can_raise_rlimits == ("CAP_SYS_RESOURCE" in facts.capabilities)
+    assert facts.online_cpus == frozenset(parse_cpu_list(ONLINE_CPUS.read_text()))
+    assert facts.online_memory_nodes  # node 0 at least, with or without NUMA
 
 
 def test_working_dir_errors(rootfs: Path) -> None:
@@ -545,21 +619,33 @@ def test_oom_score_adj_read_from_proc(rootfs: Path) -> None:
 # ------------------------------------------------------------------------------------- mounts
 
 
+DEFAULT_MOUNTS = ["/proc", "/dev", "/sys", "/dev/pts", "/dev/shm", "/dev/mqueue", "/sys/fs/cgroup"]
+
+
 def destinations(spec: dict[str, Any]) -> list[str]:
     return [m["destination"] for m in spec["mounts"]]
 
 
+def added_mounts(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The spec's mounts other than the defaults, in order."""
+    return [m for m in spec["mounts"] if m["destination"] not in DEFAULT_MOUNTS]
+
+
+def hidden_mounts(spec: dict[str, Any]) -> list[tuple[str, str]]:
+    """(earlier, later) pairs where the later mount is at or above the earlier one, hiding it."""
+    found = destinations(spec)
+    return [
+        (earlier, later)
+        for index, later in enumerate(found)
+        for earlier in found[:index]
+        if earlier == later or earlier.startswith(later.rstrip("/") + "/")
+    ]
+
+
 def test_default_mounts(rootfs: Path) -> None:
     spec = build(rootfs)
-    assert destinations(spec) == [
-        "/proc",
-        "/dev",
-        "/dev/pts",
-        "/dev/shm",
-        "/dev/mqueue",
-        "/sys",
-        "/sys/fs/cgroup",
-    ]
+    assert destinations(spec) == DEFAULT_MOUNTS
+    assert hidden_mounts(spec) == []
     by_destination = {m["destination"]: m for m in spec["mounts"]}
     assert "ro" in by_destination["/sys"]["options"]
     assert by_destination["/sys/fs/cgroup"]["type"] == "cgroup"
@@ -576,7 +662,7 @@ def test_bind_mounts(tmp_path: Path, rootfs: Path) -> None:
             Mount(destination="/one", source=str(tmp_path), options=("bind", "rshared")),
         ),
     )
-    mounts = build(rootfs, request)["mounts"][7:]
+    mounts = added_mounts(build(rootfs, request))
     assert mounts == [
         {
             "destination": "/data",
@@ -640,6 +726,24 @@ def test_request_mounts_replace_defaults_and_proc_files_are_allowed(rootfs: Path
     assert destinations(spec).index("/dev") < destinations(spec).index("/dev/shm")
 
 
+@pytest.mark.parametrize(
+    "mount",
+    [
+        Mount("/dev", type="tmpfs", options=("mode=755",)),
+        Mount("/sys", type="sysfs", options=("ro",)),
+        Mount("/sys/fs", type="tmpfs"),
+        Mount("/dev/shm/sub", type="tmpfs"),
+    ],
+)
+def test_a_request_mount_never_hides_a_default_beneath_it(rootfs: Path, mount: Mount) -> None:
+    # A tmpfs at /dev was mounted after /dev/pts, /dev/shm and /dev/mqueue and hid them (a
+    # container with a terminal could not even start); it replaces the default /dev only.
+    spec = build(rootfs, ContainerRequest(name="web", mounts=(mount,)))
+    assert hidden_mounts(spec) == []
+    assert sorted(destinations(spec)) == sorted({*DEFAULT_MOUNTS, mount.destination})
+    assert next(m for m in spec["mounts"] if m["destination"] == mount.destination)["type"] == mount.type
+
+
 def test_volumes_and_read_only_rootfs(rootfs: Path) -> None:
     image = ImageRuntimeConfig(cmd=("sh",), volumes=("/data", "/cache/", "/logs"))
     writable = build(rootfs, ContainerRequest(name="web"), image)
@@ -650,7 +754,7 @@ def test_volumes_and_read_only_rootfs(rootfs: Path) -> None:
     )
     spec = build(rootfs, request, image)
     assert spec["root"]["readonly"] is True
-    extra = {m["destination"]: m for m in spec["mounts"][7:]}
+    extra = {m["destination"]: m for m in added_mounts(spec)}
     assert set(extra) == {"/data", "/cache", "/logs", "/tmp"}
     assert extra["/data"]["type"] == "tmpfs"
     assert extra["/logs"]["type"] == "bind"
@@ -748,12 +852,32 @@ def test_resources(rootfs: Path) -> None:
         (Resources(memory_max=1 << 20), "resources.memory_max"),
         (Resources(memory_max=1 << 63), "resources.memory_max"),
         (Resources(pids_max=0), "resources.pids_max"),
+        (Resources(pids_max=PID_MAX_LIMIT + 1), "resources.pids_max"),
+        (Resources(cpu_max=MAX_CFS_QUOTA_US + 1), "resources.cpu_max"),
+        (Resources(cpuset_cpus="0-2"), "resources.cpuset_cpus"),
+        (Resources(cpuset_cpus="0-1000"), "resources.cpuset_cpus"),
+        (Resources(cpuset_mems="5"), "resources.cpuset_mems"),
     ],
 )
 def test_resource_errors(rootfs: Path, resources: Resources, field: str) -> None:
-    exc = error(build, rootfs, ContainerRequest(name="web", resources=resources))
+    host = HostFacts(online_cpus=frozenset({0, 1}), online_memory_nodes=frozenset({0}))
+    exc = error(build, rootfs, ContainerRequest(name="web", resources=resources), host=host)
     assert exc.kind == "invalid"
     assert exc.message.startswith(field + ": ")
+
+
+def test_resources_at_the_kernel_limits(rootfs: Path) -> None:
+    host = HostFacts(online_cpus=frozenset({0, 1, 3}), online_memory_nodes=frozenset({0}))
+    resources = Resources(
+        cpu_max=MAX_CFS_QUOTA_US, pids_max=PID_MAX_LIMIT, cpuset_cpus="0-1,3", cpuset_mems="0"
+    )
+    linux = build(rootfs, ContainerRequest(name="web", resources=resources), host=host)["linux"]
+    assert linux["resources"]["cpu"]["quota"] == MAX_CFS_QUOTA_US
+    assert linux["resources"]["pids"] == {"limit": PID_MAX_LIMIT}
+    offline = ContainerRequest(name="web", resources=Resources(cpuset_cpus="1-2"))
+    assert error(build, rootfs, offline, host=host).message == (
+        "resources.cpuset_cpus: 2 not online on this machine (online: 0-1,3)"
+    )
 
 
 # ----------------------------------------------------------------------------------- seccomp
@@ -842,6 +966,10 @@ def test_hooks(rootfs: Path) -> None:
         (Hooks(poststart=(Hook("/ok"), Hook(""))), "hooks.poststart[1].path"),
         (Hooks(create_container=(Hook("/x", env=("BAD",)),)), "hooks.create_container[0].env[0]"),
         (Hooks(create_runtime=(Hook("/x", timeout_seconds=0),)), "hooks.create_runtime[0].timeout_seconds"),
+        (
+            Hooks(poststop=(Hook("/x", timeout_seconds=MAX_HOOK_TIMEOUT_SECONDS + 1),)),
+            f"hooks.poststop[0].timeout_seconds: {MAX_HOOK_TIMEOUT_SECONDS + 1} is outside",
+        ),
     ],
 )
 def test_hook_errors(rootfs: Path, hooks: Hooks, text: str) -> None:
