@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from auraed.errors import ConfigError
+from auraed.names import MAX_WAIT_MS
 
 DEFAULT_CONFIG_FILE = Path("/etc/aurae/auraed.toml")
 ENV_PREFIX = "AURAED_"
@@ -111,7 +112,7 @@ class DaemonConfig:
     )
     cgroup_base: str = field(default="aurae", metadata=_help("cgroup under which every cell is created"))
     stop_grace_period: float = field(
-        default=10.0, metadata=_help("seconds between SIGTERM and SIGKILL when stopping")
+        default=10.0, metadata=_help("seconds between SIGTERM and SIGKILL when stopping (0 to 600)")
     )
     stop_executables_on_shutdown: bool = field(
         default=True, metadata=_help("stop every executable when auraed shuts down")
@@ -293,8 +294,9 @@ def _validate(config: DaemonConfig) -> DaemonConfig:
         raise ConfigError(f"role: must be one of {', '.join(ROLES)}, not {config.role!r}")
     if config.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise ConfigError(f"log_level: unknown level {config.log_level!r}")
-    if config.stop_grace_period < 0:
-        raise ConfigError("stop_grace_period: must not be negative")
+    if not 0 <= config.stop_grace_period <= MAX_WAIT_MS / 1000:
+        # The bound a request's own grace period has: a longer default would outlast any Stop.
+        raise ConfigError(f"stop_grace_period: must be 0 to {MAX_WAIT_MS // 1000} seconds")
     for name in ("keepalive_time", "keepalive_client_min_interval"):
         if getattr(config, name) < 0:
             raise ConfigError(f"{name}: must not be negative")

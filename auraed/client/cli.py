@@ -40,6 +40,7 @@ from auraed.api.aurae.discovery import v0 as discovery_pb
 from auraed.api.aurae.observe import v0 as observe_pb
 from auraed.api.aurae.vms import v0 as vms_pb
 from auraed.client.client import AuraeClient, ClientConfig, ClientError, load_client_config
+from auraed.names import MAX_WAIT_MS
 from auraed.pki import PkiError, PkiPaths, ensure_dev_pki, issue_client_cert, load_ca, write_pem_files
 from auraed.pki.certs import (
     CA_STEM,
@@ -59,7 +60,6 @@ DEFAULT_SOCKET = "/var/run/aurae/aurae.sock"
 EXIT_INTERRUPTED = 130
 EXIT_INTERRUPT_GRACE = 3.0  # seconds Ctrl-C leaves for tearing down before the process just ends
 STDIN_CHUNK = 1 << 16
-DEFAULT_STOP_GRACE_MS = 10_000  # the daemon's, when a stop gives none
 
 T = TypeVar("T")
 M = TypeVar("M", bound=betterproto2.Message)
@@ -811,8 +811,11 @@ def cmd_container_start(args: argparse.Namespace) -> int:
 
 def cmd_container_stop(args: argparse.Namespace) -> int:
     request = containers_pb.ContainerServiceStopRequest(container_id=args.name, timeout_ms=args.grace)
-    grace = DEFAULT_STOP_GRACE_MS if args.grace is None else args.grace
-    waiting = f"stopping container {args.name} (SIGKILL after {grace / 1000:g} s)"
+    if args.grace is None:  # the daemon's stop_grace_period, which may be up to MAX_WAIT_MS
+        grace, after = MAX_WAIT_MS, "the daemon's grace period"
+    else:
+        grace, after = args.grace, f"{args.grace / 1000:g} s"
+    waiting = f"stopping container {args.name} (SIGKILL after {after})"
     return _container_call(args, "Stop", request, "stopped", slack_ms=grace, waiting=waiting)
 
 

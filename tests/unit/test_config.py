@@ -96,8 +96,9 @@ def test_registry_hosts_are_keyed_as_lookups_spell_them(tmp_path: Path) -> None:
 
 def test_values_are_checked_whatever_their_source(tmp_path: Path) -> None:
     empty = ["--config", str(write_config(tmp_path, ""))]
-    with pytest.raises(ConfigError, match="stop_grace_period: must not be negative"):
-        load_config([*empty, "--stop-grace-period", "-1"], {})
+    for grace in ("-1", "601"):
+        with pytest.raises(ConfigError, match="stop_grace_period: must be 0 to 600 seconds"):
+            load_config([*empty, "--stop-grace-period", grace], {})
     with pytest.raises(ConfigError, match="AURAED_LOG_BUFFER_LINES: log_buffer_lines"):
         load_config(empty, {"AURAED_LOG_BUFFER_LINES": "many"})
     with pytest.raises(ConfigError, match="keepalive_time: must not be negative"):
