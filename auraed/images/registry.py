@@ -34,7 +34,8 @@ and it never verifies what it downloads):
   adds a CA bundle. A loopback registry (localhost, 127.x, ::1) without a host config is spoken to
   over plain HTTP, as docker does by default.
 - Credentials go only to the registry itself (and the token service its challenge names): a 401
-  from a host the registry redirected to is final, since its challenge could name any service.
+  from a host the registry redirected to is final, since its challenge could name any service;
+  an HTTPS registry's token service must be HTTPS too (or on loopback) to be sent credentials.
 - Bounded failure: connect timeout 5 s, read timeout ``timeout`` (30 s), and ``timeout`` for a
   whole manifest or token answer; at most MAX_REDIRECTS redirects; only the first ERROR_BODY_MAX
   bytes of an error answer are read. A refused or reset
@@ -62,6 +63,7 @@ import re
 import threading
 import time
 import urllib.parse
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.cookiejar import DefaultCookiePolicy
@@ -311,6 +313,13 @@ def _origin(url: str) -> tuple[str, str]:
     return parts.scheme.lower(), parts.netloc.lower()
 
 
+def _downgrades(registry: str, realm: str) -> bool:
+    """Whether a token service at ``realm`` would carry the registry's HTTPS traffic's secrets
+    over plain HTTP to another machine (loopback stays on this one)."""
+    scheme, netloc = _origin(realm)
+    return _origin(registry)[0] == "https" and scheme == "http" and not _is_loopback(netloc)
+
+
 def _digest_of(data: bytes, algorithm: str = "sha256") -> str:
     return f"{algorithm}:{hashlib.new(algorithm, data).hexdigest()}"
 
@@ -462,6 +471,13 @@ class RegistryClient:
         self._basic_endpoints: set[str] = set()
         self._config_cache: tuple[tuple[str, int, int], dict[str, Credentials]] | None = None
         self._warned_helpers: set[str] = set()
+        unverified = sorted(host for host, config in self._hosts.items() if config.skip_verify)
+        if unverified:
+            log.warning(
+                "registries %s: TLS certificates are not verified (skip_verify)", ", ".join(unverified)
+            )
+            # Said once, here: urllib3 would warn again on stderr at every request.
+            warnings.simplefilter("ignore", urllib3.exceptions.InsecureRequestWarning)
 
     def close(self) -> None:
         with self._lock:
@@ -978,6 +994,14 @@ class RegistryClient:
         realm = challenge.params.get("realm", "")
         if urllib.parse.urlsplit(realm).scheme not in ("http", "https"):
             raise _EndpointError("unauthorized", f"{what}: bearer challenge with an unusable realm {realm!r}")
+        if creds is not None and _downgrades(endpoint.base, realm):
+            # The registry is spoken to over TLS: its secrets must not then cross the network in
+            # the clear because a challenge says so (anonymous tokens may: they carry none).
+            raise _EndpointError(
+                "unauthorized",
+                f"{what}: {endpoint.host} is HTTPS but its token service {realm} is plain HTTP; "
+                "credentials are not sent there",
+            )
         service = challenge.params.get("service", "")
         scopes = challenge.params.get("scope", "").split() or [f"repository:{ref.repository}:pull"]
         token_endpoint = _Endpoint(

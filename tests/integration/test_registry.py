@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,7 @@ from auraed.images.registry import (
     RegistryError,
     RegistryHostConfig,
 )
+from auraed.pki import PkiPaths, ensure_dev_pki
 from tests.support.images import (
     OCI_CONFIG,
     BuiltImage,
@@ -705,6 +707,42 @@ def test_redirect_loops_and_slow_drips_are_cut_short() -> None:
             RegistryClient(timeout=1.0).resolve(parse_reference(f"{fake.host}/{REPO}:1"))
         assert caught.value.kind == "unavailable"
         assert time.monotonic() - started < 2.0
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> PkiPaths:
+    """A CA and a server certificate for 127.0.0.1: an HTTPS registry on loopback."""
+    return ensure_dev_pki(tmp_path_factory.mktemp("pki"))
+
+
+def test_an_https_registry_is_verified_against_its_configured_ca(pki: PkiPaths) -> None:
+    with FakeRegistry(tls=pki) as fake:
+        reference = parse_reference(f"{fake.host}/{REPO}:1")
+
+        def client(**settings: Any) -> RegistryClient:
+            return RegistryClient([RegistryHostConfig(fake.host, **settings)])
+
+        # Verified with the CA given: the request got through (the fake knows no such image).
+        with pytest.raises(RegistryError, match="not found") as caught:
+            client(ca_file=pki.ca_crt).resolve(reference)
+        assert caught.value.kind == "not_found"
+        with pytest.raises(RegistryError, match="TLS with") as caught:
+            client().resolve(reference)  # the system's CAs do not know ours
+        assert caught.value.kind == "unavailable"
+        with pytest.raises(RegistryError, match="not found"):
+            client(skip_verify=True).resolve(reference)
+
+
+def test_credentials_are_not_sent_in_the_clear_to_an_https_registrys_token_service(pki: PkiPaths) -> None:
+    """An HTTPS registry whose challenge names a plain-HTTP token service on another host: the
+    password would cross the network in the clear. Refused before any request is made. (0.0.0.0
+    is not a loopback address to the check, yet a connection to it stays on this machine.)"""
+    challenge = {"WWW-Authenticate": 'Bearer realm="http://0.0.0.0:1/token",service="fake"'}
+    with FakeRegistry({("GET", MANIFEST_PATH): FakeResponse(401, b"", challenge)}, tls=pki) as fake:
+        client = RegistryClient([RegistryHostConfig(fake.host, ca_file=pki.ca_crt)])
+        with pytest.raises(RegistryError, match="plain HTTP; credentials are not sent") as caught:
+            client.resolve(parse_reference(f"{fake.host}/{REPO}:1"), Credentials("alice", "s3cret"))
+        assert caught.value.kind == "unauthorized"
 
 
 def test_config_limit(registry: LocalRegistry) -> None:

@@ -34,6 +34,7 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import threading
@@ -54,6 +55,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 from cryptography.x509.oid import NameOID
+
+from auraed.pki import PkiPaths
 
 REGISTRY_BINARY = "/usr/bin/docker-registry"
 READY_TIMEOUT = 15.0
@@ -485,12 +488,19 @@ class FakeRegistry:
         self,
         routes: Mapping[tuple[str, str], FakeResponse] | None = None,
         handler: FakeHandler | None = None,
+        tls: PkiPaths | None = None,
     ) -> None:
         self.routes: dict[tuple[str, str], FakeResponse] = dict(routes or {})
         self.handler = handler
         self.requests: list[SeenRequest] = []
         self.sent: dict[str, int] = {}  # path -> body bytes written so far
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self.scheme = "http"
+        if tls is not None:  # HTTPS with the PKI's server certificate (its SAN has 127.0.0.1)
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(tls.server_crt, tls.server_key)
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+            self.scheme = "https"
         self._server.daemon_threads = True
         self._thread = threading.Thread(
             target=self._server.serve_forever, args=(POLL_INTERVAL,), name="fake-registry", daemon=True
@@ -502,7 +512,7 @@ class FakeRegistry:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}"
+        return f"{self.scheme}://{self.host}"
 
     def __enter__(self) -> Self:
         self._thread.start()
