@@ -48,6 +48,8 @@ HOST = HostFacts(
     rlimit_hard={},
     can_raise_rlimits=True,
     machine="x86_64",
+    online_cpus=frozenset({0, 1}),
+    online_memory_nodes=frozenset({0}),
 )
 IMAGE = ImageRuntimeConfig(cmd=("sh",))
 PASSWD = """root:x:0:0:root:/root:/bin/sh
@@ -416,8 +418,10 @@ def test_host_facts_probe() -> None:
     assert facts.oom_score_adj == int(Path("/proc/self/oom_score_adj").read_text())
     assert facts.capabilities <= frozenset(ALL_CAPABILITIES)
     assert facts.can_raise_rlimits == ("CAP_SYS_RESOURCE" in facts.capabilities)
-    assert facts.online_cpus == frozenset(parse_cpu_list(ONLINE_CPUS.read_text()))
-    assert facts.online_memory_nodes  # node 0 at least, with or without NUMA
+    # Read only when a cpuset asks (off Create's path otherwise), from the machine.
+    assert (facts.online_cpus, facts.online_memory_nodes) == (None, None)
+    assert facts.cpus_online() == frozenset(parse_cpu_list(ONLINE_CPUS.read_text()))
+    assert facts.memory_nodes_online()  # node 0 at least, with or without NUMA
 
 
 def test_working_dir_errors(rootfs: Path) -> None:
