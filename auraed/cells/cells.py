@@ -17,12 +17,14 @@ from auraed.names import parent_of
 from auraed.observe.events import ObserveHub
 from auraed.state.store import Store
 from auraed.system import namespaces
-from auraed.system.cgroupfs import CgroupError, Cgroupfs, CgroupLayout
+from auraed.system.cgroupfs import CgroupError, Cgroupfs, CgroupLayout, parse_cpu_list
 from auraed.system.supervisor import Supervisor
+from auraed.system.tasks import run_to_end
 
 log = logging.getLogger(__name__)
 
 KIND = "cell"
+CPUSET_FIELDS = (("cpus", "cpuset_cpus"), ("mems", "cpuset_mems"))  # request field, CgroupLimits name
 
 CGROUP_ERROR_KINDS = {
     "invalid": ErrorKind.INVALID_ARGUMENT,
@@ -69,8 +71,10 @@ class Cells:
         self.executables = Executables(store, hub, runtime_dir, supervisor)
         self._cells: dict[str, CellRecord] = {}
         self._default_grace = default_grace_period
-        # One lifecycle change at a time: allocation, start and free touch the same tree.
+        # One lifecycle change at a time: allocation, start and free touch the same tree. Never
+        # held while waiting for executables to end (Free's grace period).
         self._lock = asyncio.Lock()
+        self._freeing: set[str] = set()  # cells a Free is taking down: they take no new work
 
     @property
     def layout(self) -> CgroupLayout:
@@ -95,27 +99,55 @@ class Cells:
 
     async def allocate(self, spec: CellSpec) -> CellRecord:
         async with self._lock:
-            if spec.name in self._cells:
-                raise CellError.already_exists(f"cell {spec.name}")
-            parent = parent_of(spec.name)
-            if parent is not None:
-                self.get(parent)
-                if any(r.state in (State.RUNNING, State.STARTING) for r in self.executables.in_cell(parent)):
-                    raise CellError.precondition(
-                        f"cell {parent} runs executables; a cell holds either executables or child cells"
-                    )
+            self._check_allocatable(spec)
             record = CellRecord(spec)
             self._save(record)
             try:
-                await asyncio.to_thread(self._make, record)
+                # A caller that leaves cannot stop the thread: wait for it, then undo what it made.
+                await run_to_end(asyncio.to_thread(self._make, record))
                 record.state = "ready"
                 self._save(record)  # may fail too (a full disk): then nothing stays either
             except BaseException:
-                await asyncio.to_thread(self._unmake, record)
+                await run_to_end(asyncio.to_thread(self._unmake, record))
                 self._delete(record)
                 raise
             log.info("allocated cell %s", spec.name)
             return record
+
+    def _check_allocatable(self, spec: CellSpec) -> None:
+        if spec.name in self._cells:
+            raise CellError.already_exists(f"cell {spec.name}")
+        parent = parent_of(spec.name)
+        if parent is None:
+            return
+        self._check_usable(parent)
+        if any(r.state in (State.RUNNING, State.STARTING) for r in self.executables.in_cell(parent)):
+            raise CellError.precondition(
+                f"cell {parent} runs executables; a cell holds either executables or child cells"
+            )
+        self._check_cpuset_within(spec, [self.get(parent), *self._ancestors(parent)])
+
+    @staticmethod
+    def _check_cpuset_within(spec: CellSpec, above: list[CellRecord]) -> None:
+        """A cpuset must lie within the nearest one above it: the kernel refuses it otherwise,
+        with a bare EPERM (or EINVAL) that would reach the caller as an internal error."""
+        for field, attribute in CPUSET_FIELDS:
+            wanted = getattr(spec.limits, attribute)
+            bound_by = next((r for r in above if getattr(r.spec.limits, attribute)), None)
+            if wanted is None or bound_by is None:
+                continue
+            bound = getattr(bound_by.spec.limits, attribute)
+            if not parse_cpu_list(wanted) <= parse_cpu_list(bound):
+                raise CellError.invalid(
+                    f"cell.cpuset.{field}", f"{wanted!r} is not within cell {bound_by.spec.name}'s {bound!r}"
+                )
+
+    def _check_usable(self, name: str) -> CellRecord:
+        """The cell, unless it is missing or being freed."""
+        record = self.get(name)
+        if name in self._freeing:
+            raise CellError.precondition(f"cell {name} is being freed")
+        return record
 
     def _make(self, record: CellRecord) -> None:
         try:
@@ -140,20 +172,36 @@ class Cells:
             raise cell_error(exc) from exc
 
     async def free(self, name: str, grace_period: float) -> None:
+        """Stop the cell's executables and those of the cells below it, then remove them all.
+
+        The grace period is waited out without the lock (other cells are served meanwhile); the
+        cells are marked as being freed instead, so none takes new work. Once begun, a Free
+        runs to its end even if its caller leaves.
+        """
         async with self._lock:
-            record = self.get(name)
+            record = self._check_usable(name)
             # Children first: a cgroup directory can only be removed once it has none.
-            for child in self._subtree(name):
-                await self._free_one(child, grace_period)
-            await self._free_one(record, grace_period)
+            doomed = [*self._subtree(name), record]
+            names = {r.spec.name for r in doomed}
+            self._freeing |= names
+        try:
+            await run_to_end(self._free_all(doomed, grace_period))
+        finally:
+            self._freeing -= names
 
     def _subtree(self, name: str) -> list[CellRecord]:
         below = [r for n, r in self._cells.items() if n.startswith(name + "/")]
         return sorted(below, key=lambda r: r.spec.name.count("/"), reverse=True)
 
-    async def _free_one(self, record: CellRecord, grace_period: float) -> None:
-        executables = self.executables.in_cell(record.spec.name)
+    async def _free_all(self, doomed: list[CellRecord], grace_period: float) -> None:
+        executables = [e for r in doomed for e in self.executables.in_cell(r.spec.name)]
         await asyncio.gather(*(self.executables.stop(e, grace_period) for e in executables))
+        async with self._lock:
+            for record in doomed:
+                await self._remove(record)
+
+    async def _remove(self, record: CellRecord) -> None:
+        executables = self.executables.in_cell(record.spec.name)
         await asyncio.to_thread(self._unmake, record)
         for executable in executables:
             with contextlib.suppress(CellError):
@@ -165,18 +213,35 @@ class Cells:
 
     async def start(self, spec: ExecutableSpec) -> ExecutableRecord:
         async with self._lock:
-            record = self.get(spec.cell_name)
-            if self.children(spec.cell_name):
-                raise CellError.precondition(
-                    f"cell {spec.cell_name} has child cells; a cell holds either executables or child cells"
-                )
-            placement = Placement(
-                cell=record.spec,
-                cgroup_join_files=[str(p) for p in self._cgroups.join_files(spec.cell_name)],
-                oom_counter_file=str(self._cgroups.oom_counter_file(spec.cell_name)),
-                netns_path=record.netns_path,
+            placement = self._placement(spec.cell_name)
+            # Once launching began it ends with the executable recorded (or not started at
+            # all), even if the caller leaves: cut short, it would run on unknown to auraed.
+            return await run_to_end(self.executables.start(spec, placement))
+
+    def _placement(self, cell_name: str) -> Placement:
+        record = self._check_usable(cell_name)
+        if self.children(cell_name):
+            raise CellError.precondition(
+                f"cell {cell_name} has child cells; a cell holds either executables or child cells"
             )
-            return await self.executables.start(spec, placement)
+        # A cell is inside its ancestors' isolation: their pid and network isolation hold for it.
+        lineage = [record, *self._ancestors(cell_name)]
+        return Placement(
+            cell=record.spec,
+            cgroup_join_files=[str(p) for p in self._cgroups.join_files(cell_name)],
+            oom_counter_file=str(self._cgroups.oom_counter_file(cell_name)),
+            netns_path=next((r.netns_path for r in lineage if r.netns_path), None),
+            isolate_process=any(r.spec.isolate_process for r in lineage),
+        )
+
+    def _ancestors(self, name: str) -> list[CellRecord]:
+        """The cells above ``name``, nearest first."""
+        found = []
+        parent = parent_of(name)
+        while parent is not None:
+            found.append(self.get(parent))
+            parent = parent_of(parent)
+        return found
 
     async def stop(self, cell_name: str, executable_name: str, grace_period: float) -> ExecutableRecord:
         self.get(cell_name)
@@ -185,7 +250,8 @@ class Cells:
             raise CellError.not_found(f"executable {executable_name} in cell {cell_name}")
         if record.state not in (State.RUNNING, State.STARTING):
             raise CellError.precondition(f"executable {record.key} is not running ({record.state})")
-        return await self.executables.stop(record, grace_period)
+        # To its end even if the caller leaves during the grace period: its SIGKILL must follow.
+        return await run_to_end(self.executables.stop(record, grace_period))
 
     # -- persistence -----------------------------------------------------------------------
 

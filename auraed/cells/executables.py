@@ -30,6 +30,7 @@ from auraed.system.supervisor import ORPHANED, MonitorStartError, Supervised, Su
 log = logging.getLogger(__name__)
 
 KIND = "executable"
+KILL_WAIT = 30.0  # seconds for a SIGKILLed executable's monitor to see it end and record it
 
 
 class State:
@@ -53,6 +54,9 @@ class ExecutableRecord:
     exit_code: int | None = None
     signal: int | None = None
     oom_killed: bool = False
+    # Set (and saved) before auraed SIGKILLs it after its grace period: that kill is not an OOM
+    # kill, although the cell's OOM counter may have moved meanwhile (another process's).
+    killed_by_us: bool = False
 
     @property
     def key(self) -> str:
@@ -82,12 +86,16 @@ class ExecutableRecord:
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where an executable of a cell runs: the cgroup files to join and namespaces to use."""
+    """Where an executable of a cell runs: the cgroup files to join and namespaces to use.
+
+    ``isolate_process`` and ``netns_path`` are the cell's own or inherited from a cell above it.
+    """
 
     cell: CellSpec
     cgroup_join_files: list[str]
     oom_counter_file: str | None
     netns_path: str | None
+    isolate_process: bool
 
 
 class Executables:
@@ -138,7 +146,7 @@ class Executables:
         return record
 
     async def _spawn(self, record: ExecutableRecord, placement: Placement) -> None:
-        spec, cell = record.spec, placement.cell
+        spec, cell, isolate = record.spec, placement.cell, placement.isolate_process
         monitor_spec = MonitorSpec(
             argv=list(spec.argv),
             env=list(spec.env),
@@ -149,11 +157,11 @@ class Executables:
             oom_counter_file=placement.oom_counter_file,
             log_path=str(record.log_path),
             exit_path=str(record.exit_path),
-            new_pid_ns=cell.isolate_process,
-            new_mount_ns=cell.isolate_process,
-            new_uts_ns=cell.isolate_process,
-            new_ipc_ns=cell.isolate_process,
-            hostname=cell.hostname if cell.isolate_process else None,
+            new_pid_ns=isolate,
+            new_mount_ns=isolate,
+            new_uts_ns=isolate,
+            new_ipc_ns=isolate,
+            hostname=cell.hostname if isolate else None,
             netns_path=placement.netns_path,
         )
         try:
@@ -186,7 +194,7 @@ class Executables:
             record.state = State.EXITED
             record.exit_code = exit_record.exit_code
             record.signal = exit_record.signal
-            record.oom_killed = exit_record.oom_killed
+            record.oom_killed = exit_record.oom_killed and not record.killed_by_us
             record.finished_at = exit_record.finished_at
         if record.finished_at is None:
             record.finished_at = time.time()
@@ -210,12 +218,17 @@ class Executables:
         if watcher is not None:
             done, _ = await asyncio.wait({watcher}, timeout=grace_period)
             if not done:
+                record.killed_by_us = True
+                self._save(record)
                 self._signal(record, signals.SIGKILL)
-                await asyncio.wait({watcher}, timeout=30.0)
+                await asyncio.wait({watcher}, timeout=KILL_WAIT)
         return record
 
     def _signal(self, record: ExecutableRecord, signal: int) -> None:
-        if processes.send_signal(record.pid, signal, record.ticks):
+        """Signal the executable's process group: it leads one (the monitor makes it a session
+        leader), and what it started (a shell's commands) goes with it. Under an init of its own
+        (isolate_process) the group is the init's, which passes the signal on."""
+        if processes.send_signal(record.pid, signal, record.ticks, group=True):
             self._hub.signals.publish(SignalEvent(signal, record.pid, record.key, "sent"))
 
     def forget(self, record: ExecutableRecord) -> None:
@@ -246,8 +259,13 @@ class Executables:
                 continue
             self._records[record.key] = record
             if record.state == State.STARTING:
-                log.warning("%s was being started when auraed stopped; dropping it", record.key)
-                processes.send_signal(record.monitor_pid, signals.SIGKILL, record.monitor_ticks)
+                # Its monitor's pid was not known yet: it is found by what it writes to.
+                killed = Supervisor.kill_unreported(Path(record.run_dir))
+                log.warning(
+                    "%s was being started when auraed stopped; dropping it (killed monitors %s)",
+                    record.key,
+                    killed,
+                )
                 self._forget(record)
             elif record.state == State.RUNNING:
                 if Supervisor.alive(record.supervised):

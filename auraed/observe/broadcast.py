@@ -29,8 +29,11 @@ class Broadcast(Generic[T]):
         self._loop = loop
 
     def recent(self, tail: int | None = None) -> list[T]:
+        """The items kept, or only the last ``tail`` of them (all of them when fewer are kept)."""
         items = list(self._recent)
-        return items if tail is None else items[len(items) - tail :] if tail else []
+        if tail is None:
+            return items
+        return items[-tail:] if tail > 0 else []
 
     def publish(self, item: T) -> None:
         self._recent.append(item)

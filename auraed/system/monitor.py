@@ -6,8 +6,9 @@ calls ``main`` in a child of a process that has imported this module already (wh
 Supervisor does).
 
 The monitor makes itself a session leader, starts the executable inside the cell's cgroups
-(optionally as PID 1 of a new pid namespace, inside a network namespace, with new mount/uts/ipc
-namespaces; _Monitor.spawn_child and fork_child say which way when), reports ``{"pid": N,
+(optionally in a new pid namespace, as PID 2 under a minimal init (_be_init), inside a network
+namespace, with new mount/uts/ipc namespaces; _Monitor.spawn_child and fork_child say which way
+when), reports ``{"pid": N,
 "start_ticks": T}`` (or ``{"error": ..., "errno": N}``) as one JSON line on SYNC_FD, copies the
 child's stdout/stderr into a Kubernetes CRI format log file, and finally writes ``exit.json``
 atomically. SIGUSR1 makes it reopen the log file (log rotation, CRI ReopenContainerLog).
@@ -425,16 +426,23 @@ def _pids_limited(join_file: str) -> bool:
 
 
 def _child(  # noqa: PLR0915 - one straight line of setup steps
-    spec: dict[str, Any], ns: ModuleType | None, out_w: int, err_w: int, err_pipe: int
+    spec: dict[str, Any], ns: ModuleType | None, out_w: int, err_w: int, err_pipe: int, *, status_w: int = -1
 ) -> NoReturn:
     """Runs in the forked child: set up, then exec. Never returns; failures go to err_pipe.
 
-    ``out_w`` < 0: pass-through, the monitor's own stdin/stdout/stderr are kept.
+    ``out_w`` < 0: pass-through, the monitor's own stdin/stdout/stderr are kept. In a new pid
+    namespace this process stays as its PID 1 (_be_init) and a child of it execs argv, as PID 2;
+    ``status_w`` then carries that child's wait status back to the monitor.
     """
     step = "setup"
     try:
         step = "setsid"
         os.setsid()
+        if spec.get("new_pid_ns"):
+            # First, so the init stays out of the cell's cgroups (it takes none of the cell's
+            # pids or memory) and of every namespace but the new pid namespace.
+            step = "fork the executable under its init"
+            _be_init(err_pipe, status_w)  # returns in the child only
         for step, join, target in _join_cell_steps(spec, ns):  # noqa: B007 - step names a failure
             join(target)
         if ns is not None:
@@ -500,6 +508,73 @@ def _child(  # noqa: PLR0915 - one straight line of setup steps
         finally:
             os._exit(_START_FAILED_EXIT_CODE)
     os._exit(_START_FAILED_EXIT_CODE)  # pragma: no cover - execvpe does not return
+
+
+def _be_init(err_pipe: int, status_w: int) -> None:
+    """Stay PID 1 of the new pid namespace; return in a forked child, which execs argv as PID 2.
+
+    The kernel gives a namespace's PID 1 only the signals it has handlers for: an executable
+    there would never see Stop's SIGTERM and every Stop would wait out its grace period. This
+    PID 1 handles every signal by passing it on to the executable's process group, reaps
+    orphans, and when the executable ends writes its wait status to ``status_w`` (a PID 1
+    cannot end by a signal of its own) and leaves, which ends the namespace. Signals are
+    blocked across the fork, so none comes before a handler is in place.
+    """
+    catchable = _signal.valid_signals() - {_signal.SIGKILL, _signal.SIGSTOP, _signal.SIGCHLD}
+    _signal.pthread_sigmask(_signal.SIG_BLOCK, catchable)
+    pid = os.fork()
+    if pid == 0:
+        os.setpgid(0, 0)  # its own group: what a relayed signal reaches
+        if status_w >= 0:
+            os.close(status_w)
+        return  # signals are reset and unblocked before exec
+    try:
+        os.setpgid(pid, pid)  # also here, so no relayed signal can come before it
+    except OSError:
+        pass  # it did so itself, and may have exec'd already
+    os.close(err_pipe)  # the child's copy reports its exec (or failure) alone
+    _relay_and_reap(pid, status_w, catchable)
+
+
+def _relay_and_reap(pid: int, status_w: int, catchable: set[_signal.Signals]) -> NoReturn:
+    """PID 1's loop (see _be_init): never returns."""
+
+    def relay(signum: int, frame: object) -> None:
+        try:
+            os.killpg(pid, signum)
+        except OSError:
+            pass  # its group is gone: it is being reaped
+
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):  # the monitor's: its monitor.log names the monitor alone (kill_unreported)
+        os.dup2(null, fd)
+    # Nor anything else the monitor had when it forked us (a fork keeps them all, CLOEXEC or
+    # not), above all its sync pipe to auraed, which would never see that pipe's end.
+    keep = max(status_w, 2)
+    os.closerange(3, keep)
+    os.closerange(keep + 1, max(os.sysconf("SC_OPEN_MAX"), keep + 2))
+    _signal.set_wakeup_fd(-1)
+    for sig in catchable:
+        try:
+            _signal.signal(sig, relay)
+        except (OSError, ValueError):
+            pass  # 32/33: reserved by libc
+    _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
+    while True:
+        try:
+            ended, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            os._exit(_START_FAILED_EXIT_CODE)
+        if ended != pid:
+            continue  # an orphan
+        if status_w >= 0:
+            try:
+                _write_all(status_w, str(status).encode())
+            except OSError:
+                pass
+        if os.WIFSIGNALED(status):
+            os._exit(128 + os.WTERMSIG(status))
+        os._exit(os.WEXITSTATUS(status))
 
 
 def _environment(spec: dict[str, Any]) -> dict[str, str]:
@@ -610,6 +685,7 @@ class _Monitor:
         self.ticks: int | None = None
         self.status: int | None = None
         self.reaped = False
+        self.status_fd = -1  # the read end of an init's status pipe (see _be_init)
         self.subreaper = False
         self.foreign = False  # the supervised pid is not our child: no exit status, only its end
         self.runtime_running = False  # self.pid is a runtime command (pid_file mode) still running
@@ -685,8 +761,22 @@ class _Monitor:
 
     def ended(self, status: int | None) -> None:
         self.reaped = True
-        self.status = status
+        self.status = self.relayed_status(status)
         self.finished_at = time.time()
+
+    def relayed_status(self, status: int | None) -> int | None:
+        """The executable's own wait status when an init of ours ran it (see _be_init), else
+        ``status``. An init killed (SIGKILL, after a grace period) wrote none: its status is the
+        executable's, whose namespace ended with it."""
+        if self.status_fd < 0:
+            return status
+        try:
+            relayed = os.read(self.status_fd, 64)
+        except OSError:
+            relayed = b""
+        os.close(self.status_fd)
+        self.status_fd = -1
+        return int(relayed) if relayed.strip().isdigit() else status
 
     def check_child(self, block: bool = False) -> None:
         if self.foreign:
@@ -866,13 +956,18 @@ class _Monitor:
     ) -> tuple[int, str] | None:
         """Fork the child that sets itself up and execs argv; (errno, message) when it failed."""
         report_r, report_w = os.pipe()
+        status_w = -1
+        if spec.get("new_pid_ns"):  # the child stays as its namespace's init: see _be_init
+            self.status_fd, status_w = os.pipe()
         self.step = "fork"
         try:
             self.pid = os.fork()
             if self.pid == 0:
-                _child(spec, ns, out_w, err_w, report_w)
+                _child(spec, ns, out_w, err_w, report_w, status_w=status_w)
         finally:
             os.close(report_w)
+            if status_w >= 0:
+                os.close(status_w)
         self.step = "wait for exec"
         chunks = []
         with open(report_r, "rb", buffering=0) as report:

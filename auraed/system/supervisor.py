@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import select
+import signal
 import socket
 import subprocess
 from collections.abc import Callable
@@ -30,6 +31,9 @@ _APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
 LAUNCHER_STOP_TIMEOUT = 5.0  # seconds for the launcher to leave after its socket closed
 REQUEST_ATTEMPTS = 2
 """Times a request is sent: one lost with a spare that died as it took it goes once more."""
+MONITOR_LOG = "monitor.log"
+"""A monitor's own stdout and stderr, in its run directory: also how one is found again by a
+daemon that was killed before it learned of it (see kill_unreported)."""
 ORPHANED = (
     "unsupervised: its monitor ended, so its output is no longer logged and its exit status will not be known"
 )
@@ -97,7 +101,7 @@ class Supervisor:
         with contextlib.ExitStack() as fds:
             null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
             fds.callback(os.close, null)
-            log = os.open(run_dir / "monitor.log", _APPEND, 0o644)
+            log = os.open(run_dir / MONITOR_LOG, _APPEND, 0o644)
             fds.callback(os.close, log)
             monitor_pid, monitor_ticks, read_end = await self.spawn(spec, run_dir, (null, log, log))
         try:
@@ -162,6 +166,28 @@ class Supervisor:
         return processes.is_alive(supervised.monitor_pid, supervised.monitor_ticks) or processes.is_alive(
             supervised.pid, supervised.ticks
         )
+
+    @staticmethod
+    def kill_unreported(run_dir: Path) -> list[int]:
+        """SIGKILL what a launch into ``run_dir`` brought up without its caller learning of it
+        (auraed was killed while it waited for the report): the monitors whose output goes to
+        its monitor.log, and what they started; their pids.
+
+        The process a monitor started leads its own process group (an init's group ends its pid
+        namespace with it): the groups of the monitor's children go first, while they can still
+        be told from other processes by their parent.
+        """
+        table = _process_table()
+        log_path = str(run_dir / MONITOR_LOG)
+        monitors = [pid for pid in table if _writes_to(pid, log_path)]
+        for monitor in monitors:
+            for child, (parent, group) in table.items():
+                if parent == monitor:
+                    processes.send_signal(
+                        child, signal.SIGKILL, processes.start_ticks(child), group=child == group
+                    )
+            processes.kill_monitor(monitor, processes.start_ticks(monitor))
+        return monitors
 
     async def _fork_monitor(self, spec_path: Path, fds: list[int], sync_read: int) -> int:
         """Ask the launcher for a monitor; its pid.
@@ -277,6 +303,30 @@ async def _launcher_reply(control: socket.socket, sync_read: int) -> bytes:
         if hung_up.poll(0):
             raise _RequestLost("the monitor launcher's spare died as it took the request")
         await processes.until_readable(control.fileno(), sync_read)
+
+
+def _process_table() -> dict[int, tuple[int, int]]:
+    """Every process now: pid -> (parent pid, process group)."""
+    table: dict[int, tuple[int, int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_bytes()
+        except OSError:
+            continue  # ended meanwhile
+        fields = stat[stat.rindex(b")") + 2 :].split()  # after comm, which may hold anything
+        table[int(entry.name)] = (int(fields[1]), int(fields[2]))
+    return table
+
+
+def _writes_to(pid: int, path: str) -> bool:
+    """Whether the process's stdout or stderr is the file at ``path``."""
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == path:
+                return True
+    return False
 
 
 def _pid_in(reply: bytes) -> int | None:

@@ -287,5 +287,5 @@ def test_the_example_client_runs_a_command_in_a_cell(config: Path) -> None:
         check=False, capture_output=True, text=True, timeout=90, env=environment(),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    # isolate_process: the cell's hostname, and PID 1 of its own namespace.
-    assert result.stdout == "hello from example, pid 1\n"
+    # isolate_process: the cell's hostname, and PID 2 of its own namespace (under its init).
+    assert result.stdout == "hello from example, pid 2\n"
