@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
+import math
 import os
+import re
 import tomllib
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from auraed.errors import ConfigError
+from auraed.keepalive import MAX_KEEPALIVE_SECONDS
 from auraed.names import MAX_WAIT_MS
 
 DEFAULT_CONFIG_FILE = Path("/etc/aurae/auraed.toml")
@@ -180,22 +184,47 @@ def _settings() -> tuple[Setting, ...]:
 SETTINGS = _settings()
 
 
+# What a TOML value that is not a string may be, for each kind of setting: a string is read as
+# the environment and flags are (text). Nothing else converts: a table is no path, 1.5 no count.
+_TOML_TYPES: dict[type, tuple[type, ...]] = {bool: (bool,), int: (int,), float: (int, float)}
+_KIND_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", Path: "a path"}
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def _from_text(kind: type, text: str) -> Any:
+    # Bytes that are not UTF-8, in the environment or on the command line, arrive as surrogates,
+    # which are not printable either.
+    if not text.isprintable():
+        raise ValueError(f"not valid UTF-8 text without control characters: {text!r}")
+    if kind is bool:
+        word = text.strip().lower()
+        if word not in _TRUE_WORDS + _FALSE_WORDS:
+            raise ValueError(f"not a boolean: {text!r}")
+        return word in _TRUE_WORDS
+    if kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            raise ValueError(f"not {_KIND_NAMES[kind]}: {text!r}") from None
+    return kind(text)
+
+
 def _coerce(setting: Setting, value: Any, source: str) -> Any:
+    """``value`` of ``setting`` from ``source``: text (environment, flags, a TOML string) or a TOML
+    value, which must be of the setting's type. Numbers must be finite."""
     try:
-        if setting.kind is bool:
-            if isinstance(value, bool):
-                return value
-            text = str(value).strip().lower()
-            if text in ("1", "true", "yes", "on"):
-                return True
-            if text in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(f"not a boolean: {value!r}")
-        if setting.kind in (int, float) and isinstance(value, bool):
-            raise ValueError(f"not a number: {value!r}")
-        return setting.kind(value)
+        if isinstance(value, str):
+            result = _from_text(setting.kind, value)
+        elif type(value) in _TOML_TYPES.get(setting.kind, ()):
+            result = setting.kind(value)
+        else:
+            raise ValueError(f"must be {_KIND_NAMES[setting.kind]}, not {type(value).__name__} {value!r}")
+        if isinstance(result, float) and not math.isfinite(result):
+            raise ValueError(f"must be a finite number, not {value!r}")
+        return result
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{source}: {setting.name}: {exc}") from exc
+        raise ConfigError(f"{source}: {setting.name}: {exc}") from None
 
 
 def _parse_authorization(table: Any, source: str) -> AuthorizationPolicy:
@@ -289,6 +318,36 @@ def _mirror_problem(mirror: str) -> str:
     return ""
 
 
+# Each of auraed's own log lines Observe keeps costs a few hundred bytes: a million is ~0.5 GB.
+MAX_LOG_BUFFER_LINES = 1_000_000
+MAX_GUEST_READY_TIMEOUT = 86400.0  # a day; a guest not serving by then never will
+MAX_PORT = 65535  # TCP ports are 16 bits; grpc takes a bigger one modulo 65536, listening elsewhere
+_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+
+
+def _tcp_listen_problem(address: str) -> str:
+    """Why ``address`` is not host:port, [IPv6]:port or IPv4:port with a port 1-65535 ("" if it is).
+
+    grpc is no judge: it takes an empty port for 443 and one out of range modulo 65536.
+    """
+    host, colon, port = address.rpartition(":")
+    if not colon or not host:
+        return "expected host:port"
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= MAX_PORT:
+        return f"the port must be a number from 1 to {MAX_PORT}"
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return "expected an IPv6 address between the brackets"
+        return ""
+    if ":" in host:
+        return "an IPv6 address goes between brackets, e.g. [::1]:8080"
+    if not _HOST_NAME.fullmatch(host):
+        return "expected a host name or an IPv4 address before the port"
+    return ""
+
+
 def _validate(config: DaemonConfig) -> DaemonConfig:
     if config.role and config.role not in ROLES:
         raise ConfigError(f"role: must be one of {', '.join(ROLES)}, not {config.role!r}")
@@ -302,10 +361,20 @@ def _validate(config: DaemonConfig) -> DaemonConfig:
             raise ConfigError(f"{name}: must not be negative")
     if config.keepalive_timeout <= 0:
         raise ConfigError("keepalive_timeout: must be positive")
-    if config.log_buffer_lines < 1:
-        raise ConfigError("log_buffer_lines: must be at least 1")
-    if config.tcp_listen and ":" not in config.tcp_listen:
-        raise ConfigError(f"tcp_listen: expected host:port, got {config.tcp_listen!r}")
+    for name in ("keepalive_time", "keepalive_timeout", "keepalive_client_min_interval"):
+        if getattr(config, name) > MAX_KEEPALIVE_SECONDS:
+            raise ConfigError(f"{name}: must be at most {MAX_KEEPALIVE_SECONDS:.0f} seconds")
+    if not 0 < config.guest_ready_timeout <= MAX_GUEST_READY_TIMEOUT:
+        raise ConfigError(
+            f"guest_ready_timeout: must be more than 0 and at most {MAX_GUEST_READY_TIMEOUT:.0f} s"
+        )
+    if not 1 <= config.log_buffer_lines <= MAX_LOG_BUFFER_LINES:
+        raise ConfigError(f"log_buffer_lines: must be 1 to {MAX_LOG_BUFFER_LINES}")
+    if not 1 <= config.vm_guest_port <= MAX_PORT:
+        raise ConfigError(f"vm_guest_port: must be a port from 1 to {MAX_PORT}")
+    problem = _tcp_listen_problem(config.tcp_listen) if config.tcp_listen else ""
+    if problem:
+        raise ConfigError(f"tcp_listen: {problem}, got {config.tcp_listen!r}")
     return config
 
 
@@ -354,7 +423,9 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
     by_name = {s.name: s for s in SETTINGS}
     if config_file is not None:
         try:
-            table = tomllib.loads(config_file.read_text())
+            table = tomllib.loads(config_file.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{config_file}: not UTF-8 text (byte {exc.start})") from None
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"{config_file}: {exc}") from exc
         for key, value in table.items():

@@ -8,6 +8,10 @@ its deadline, and a followed stream, or the server's side of one, forever.
 
 from __future__ import annotations
 
+# The longest keepalive time or timeout a configuration may ask for: grpc takes milliseconds in a
+# C int (at most ~24.8 days), and a day is already far longer than any useful setting.
+MAX_KEEPALIVE_SECONDS = 86400.0
+
 
 def milliseconds(seconds: float) -> int:
     return max(1, round(seconds * 1000))

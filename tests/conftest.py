@@ -160,6 +160,18 @@ def _kill_procs(directory: Path) -> None:
 DaemonFactory = Callable[..., "DaemonProcess"]
 
 
+def start_refused(daemon: DaemonProcess) -> str:
+    """Start ``daemon``, which must refuse to start: what it logged. Everything it made is removed."""
+    try:
+        daemon.start()
+    except RuntimeError:
+        return daemon.log()
+    finally:
+        daemon.stop()
+        remove_daemon_leftovers(daemon)
+    pytest.fail("the daemon started")
+
+
 def remove_daemon_leftovers(daemon: DaemonProcess) -> None:
     """Whatever a test did: kill its monitors, delete runtime state, unmount, remove its files."""
     root = str(daemon.root).encode()

@@ -38,8 +38,9 @@ from auraed.api.aurae.cells import v0 as cells_pb
 from auraed.api.aurae.containers import v0 as containers_pb
 from auraed.api.aurae.discovery import v0 as discovery_pb
 from auraed.api.aurae.observe import v0 as observe_pb
+from auraed.api.aurae.system import v0 as system_pb
 from auraed.api.aurae.vms import v0 as vms_pb
-from auraed.client.client import AuraeClient, ClientConfig, ClientError, load_client_config
+from auraed.client.client import DEFAULT_SOCKET, AuraeClient, ClientConfig, ClientError, load_client_config
 from auraed.names import MAX_WAIT_MS
 from auraed.pki import PkiError, PkiPaths, ensure_dev_pki, issue_client_cert, load_ca, write_pem_files
 from auraed.pki.certs import (
@@ -55,8 +56,8 @@ OBSERVE = "aurae.observe.v0.ObserveService"
 DISCOVERY = "aurae.discovery.v0.DiscoveryService"
 CONTAINERS = "aurae.containers.v0.ContainerService"
 VMS = "aurae.vms.v0.VmService"
+SYSTEM = "aurae.system.v0.SystemService"
 DEFAULT_TIMEOUT = 30.0
-DEFAULT_SOCKET = "/var/run/aurae/aurae.sock"
 EXIT_INTERRUPTED = 130
 EXIT_INTERRUPT_GRACE = 3.0  # seconds Ctrl-C leaves for tearing down before the process just ends
 STDIN_CHUNK = 1 << 16
@@ -399,6 +400,13 @@ def cmd_health(args: argparse.Namespace) -> int:
     else:
         print(status)
     return 0 if status == "SERVING" else 1
+
+
+def cmd_system_shutdown(args: argparse.Namespace) -> int:
+    reply = _call(args, SYSTEM, "Shutdown", system_pb.SystemServiceShutdownRequest(reason=args.reason))
+    then = {"poweroff": "then powers the machine off", "exit": "then exits"}.get(reply.then, reply.then)
+    _report(args, reply, f"auraed is shutting down; it {then}")
+    return 0
 
 
 # --------------------------------------------------------------------------- cells
@@ -1304,6 +1312,17 @@ def _add_observe_commands(subparsers: Any) -> None:
     signals.add_argument("--past", action="store_true", help="first the signals recorded so far")
 
 
+def _add_system_commands(subparsers: Any) -> None:
+    system = _group(subparsers, "system", "the daemon itself (and the machine, where auraed is its init)")
+    shutdown = _command(
+        system,
+        "shutdown",
+        cmd_system_shutdown,
+        "stop auraed gracefully, as SIGTERM does; where it is PID 1, the machine then powers off",
+    )
+    shutdown.add_argument("--reason", default="", metavar="TEXT", help="why, for the daemon's log")
+
+
 def _add_pki_commands(subparsers: Any) -> None:
     pki = _group(subparsers, "pki", "a development PKI for auraed's mTLS")
     init = _command(pki, "init", cmd_pki_init, "create (or keep) a dev CA, server and client certificates")
@@ -1538,6 +1557,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_cell_commands(subparsers)
     _add_observe_commands(subparsers)
+    _add_system_commands(subparsers)
     _add_image_commands(subparsers)
     _add_container_commands(subparsers)
     _add_vm_commands(subparsers)

@@ -25,13 +25,14 @@ import grpc
 
 from auraed import codec
 from auraed.errors import AuraeError, ErrorKind
-from auraed.keepalive import keepalive_options
+from auraed.keepalive import MAX_KEEPALIVE_SECONDS, keepalive_options
 from auraed.server.rpc import message_class, service_descriptor, snake_case
 
 # The metadata key by which a host routes a ContainerService call to a guest (vms/placement.py).
 VM_METADATA_KEY = "aurae-vm"
 CONFIG_PATHS = (Path("~/.aurae/config"), Path("/etc/aurae/config"))
 DEFAULT_SERVER_NAME = "server.unsafe.aurae.io"
+DEFAULT_SOCKET = "/var/run/aurae/aurae.sock"
 # How long one connection attempt (TCP, TLS, HTTP/2 settings) may take. grpc reads it from
 # min_reconnect_backoff_ms; a small value there fails every link or server slower than that
 # (a far client, a guest busy booting under TCG) at once with UNAVAILABLE. 20 s is grpc's default.
@@ -105,38 +106,67 @@ def load_client_config(path: Path | None = None, address: str | None = None) -> 
             "create ~/.aurae/config (see `aer pki init`)",
         )
     try:
-        table = tomllib.loads(config_path.read_text())
-        auth, system = table.get("auth", {}), table.get("system", {})
-        base = config_path.parent
-
-        def resolve(value: str) -> Path:
-            return (base / Path(value).expanduser()).resolve()
-
-        socket = system.get("socket", "/var/run/aurae/aurae.sock")
-        target = address or system.get("address") or f"unix:{socket}"
-        return ClientConfig(
-            ca_crt=resolve(auth["ca_crt"]),
-            client_crt=resolve(auth["client_crt"]),
-            client_key=resolve(auth["client_key"]),
-            address=target if ":" in target else f"unix:{target}",
-            server_name=system.get("server_name", DEFAULT_SERVER_NAME),
-            keepalive_time=_seconds(system, "keepalive_time", DEFAULT_KEEPALIVE_TIME, config_path),
-            keepalive_timeout=_seconds(
-                system, "keepalive_timeout", DEFAULT_KEEPALIVE_TIMEOUT, config_path, zero=False
-            ),
-        )
-    except KeyError as exc:
-        raise ClientError("FAILED_PRECONDITION", f"{config_path}: missing [auth] {exc.args[0]}") from exc
+        table = tomllib.loads(config_path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise _config_error(config_path, f"not UTF-8 text (byte {exc.start})") from None
     except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ClientError("FAILED_PRECONDITION", f"{config_path}: {exc}") from exc
+        raise _config_error(config_path, str(exc)) from exc
+    auth, system = _table(table, "auth", config_path), _table(table, "system", config_path)
+    base = config_path.parent
+
+    def resolve(key: str) -> Path:
+        if key not in auth:
+            raise _config_error(config_path, f"missing [auth] {key}")
+        return (base / Path(_text(auth, "auth", key, "", config_path)).expanduser()).resolve()
+
+    socket = _text(system, "system", "socket", DEFAULT_SOCKET, config_path)
+    target = address or _text(system, "system", "address", "", config_path) or f"unix:{socket}"
+    if not _is_text(target):
+        raise _config_error(config_path, f"the address {target!r} is not valid UTF-8 text")
+    return ClientConfig(
+        ca_crt=resolve("ca_crt"),
+        client_crt=resolve("client_crt"),
+        client_key=resolve("client_key"),
+        address=target if ":" in target else f"unix:{target}",
+        server_name=_text(system, "system", "server_name", DEFAULT_SERVER_NAME, config_path),
+        keepalive_time=_seconds(system, "keepalive_time", DEFAULT_KEEPALIVE_TIME, config_path),
+        keepalive_timeout=_seconds(
+            system, "keepalive_timeout", DEFAULT_KEEPALIVE_TIMEOUT, config_path, zero=False
+        ),
+    )
+
+
+def _config_error(config_path: Path, problem: str) -> ClientError:
+    return ClientError("FAILED_PRECONDITION", f"{config_path}: {problem}")
+
+
+def _table(table: dict[str, Any], key: str, config_path: Path) -> dict[str, Any]:
+    value = table.get(key, {})
+    if not isinstance(value, dict):
+        raise _config_error(config_path, f"[{key}] must be a table")
+    return value
+
+
+def _is_text(value: str) -> bool:
+    """Printable UTF-8: an --address with bytes that are not UTF-8 arrives as surrogates."""
+    return value.isprintable()
+
+
+def _text(table: dict[str, Any], section: str, key: str, default: str, config_path: Path) -> str:
+    value = table.get(key, default)
+    if not isinstance(value, str) or not _is_text(value) or (key in table and not value):
+        raise _config_error(config_path, f"[{section}] {key} must be a non-empty string, not {value!r}")
+    return value
 
 
 def _seconds(system: dict[str, Any], key: str, default: float, config_path: Path, zero: bool = True) -> float:
     value = system.get(key, default)
     number = isinstance(value, int | float) and not isinstance(value, bool)
-    if not number or value < 0 or (value == 0 and not zero):
+    if not number or not 0 <= value <= MAX_KEEPALIVE_SECONDS or (value == 0 and not zero):
         least = ">= 0" if zero else "> 0"
-        raise ClientError("FAILED_PRECONDITION", f"{config_path}: [system] {key} must be seconds ({least})")
+        raise _config_error(
+            config_path, f"[system] {key} must be seconds ({least}, at most {MAX_KEEPALIVE_SECONDS:.0f})"
+        )
     return float(value)
 
 

@@ -269,13 +269,17 @@ def issue_client_cert(
     valid_days: int = LEAF_VALID_DAYS,
     not_before: dt.datetime | None = None,
     not_after: dt.datetime | None = None,
+    *,
+    extra_san: Sequence[x509.GeneralName] = (),
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """Issue a TLS client certificate (EKU clientAuth) whose DNS SAN is the common name.
 
     ``not_before``/``not_after`` (timezone-aware) override the validity window computed
     from ``valid_days``, e.g. to mint an already expired certificate for tests.
+    ``extra_san`` are further subject alternative names (only DNS names are identities
+    to auraed's authorization; see auraed.server.authz).
     """
-    san: list[x509.GeneralName] = [x509.DNSName(common_name)]
+    san: list[x509.GeneralName] = [x509.DNSName(common_name), *extra_san]
     return _issue_leaf(
         ca,
         common_name=common_name,
@@ -535,6 +539,30 @@ def _leaf_problem(
     return None
 
 
+def ensure_client_cert(ca: CertificateAuthority, directory: Path, name: str) -> tuple[Path, Path]:
+    """``<name>.crt``/``<name>.key`` in ``directory``: a client certificate for ``name`` from ``ca``.
+
+    Kept while it parses, matches its key, was issued by ``ca``, is not about to expire and names
+    ``name``; (re)issued otherwise. A certificate checked only for being there outlives a change
+    of CA and is refused by every peer trusting the new one (the host's certificate for guests).
+    Returns ``(cert_path, key_path)``.
+    """
+    _check_stem(name)
+    crt, key = directory / f"{name}{CERT_SUFFIX}", directory / f"{name}{KEY_SUFFIX}"
+    if not _usable_leaf(
+        ca,
+        crt,
+        key,
+        common_name=name,
+        usage=ExtendedKeyUsageOID.CLIENT_AUTH,
+        dns_names=[name],
+        ip_addresses=[],
+    ):
+        write_pem_files(directory, name, *issue_client_cert(ca, name))
+        log.info("issued client certificate %s", crt)
+    return crt, key
+
+
 def ensure_dev_pki(
     directory: Path,
     server_names: Sequence[str] = DEFAULT_SERVER_NAMES,
@@ -578,22 +606,7 @@ def ensure_dev_pki(
         write_pem_files(directory, SERVER_STEM, cert, key)
         log.info("issued dev server certificate %s", server_crt)
 
-    clients: dict[str, tuple[Path, Path]] = {}
-    for client in client_names:
-        crt, key_path = directory / f"{client}{CERT_SUFFIX}", directory / f"{client}{KEY_SUFFIX}"
-        if not _usable_leaf(
-            ca,
-            crt,
-            key_path,
-            common_name=client,
-            usage=ExtendedKeyUsageOID.CLIENT_AUTH,
-            dns_names=[client],
-            ip_addresses=[],
-        ):
-            cert, key = issue_client_cert(ca, client)
-            write_pem_files(directory, client, cert, key)
-            log.info("issued dev client certificate %s", crt)
-        clients[client] = (crt, key_path)
+    clients = {client: ensure_client_cert(ca, directory, client) for client in client_names}
 
     return PkiPaths(
         ca_crt=directory / CA_CERT_FILE,

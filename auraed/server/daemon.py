@@ -29,16 +29,20 @@ from auraed.observe.logfile import LogWatch
 from auraed.observe.servicer import SERVICE_NAME as OBSERVE
 from auraed.observe.servicer import ObserveServicer
 from auraed.server.authz import AuthorizedHandlers
+from auraed.server.gate import CallGate
 from auraed.server.listeners import (
     add_tcp_listener,
     add_unix_listener,
     lock_state_dir,
     prepare_unix_socket,
+    private_directory,
     remove_unix_socket,
     server_credentials,
     server_options,
 )
 from auraed.server.rpc import CollectedHandlers, generic_handler
+from auraed.server.system_service import SERVICE_NAME as SYSTEM
+from auraed.server.system_service import SystemServicer
 from auraed.state.store import Store
 from auraed.system.cgroupfs import Cgroupfs
 from auraed.system.supervisor import Supervisor
@@ -93,6 +97,7 @@ class Daemon:
         self._cgroups: Cgroupfs | None = None
         self._log_watch = LogWatch()
         self._server: grpc.aio.Server | None = None
+        self._gate = CallGate()
         self._stopping = asyncio.Event()
         self._serving = False
         self._state_lock: int | None = None
@@ -101,7 +106,7 @@ class Daemon:
 
     def services(self) -> list[str]:
         """The aurae services this role serves (the design's table)."""
-        services = [CELLS, DISCOVERY, OBSERVE]
+        services = [CELLS, DISCOVERY, OBSERVE, SYSTEM]
         if self.role is not Role.NESTED:
             services.append(CONTAINERS)
         if self.role is Role.HOST:
@@ -113,6 +118,10 @@ class Daemon:
         self.hub.daemon_log.bind(asyncio.get_running_loop())
         self.hub.signals.bind(asyncio.get_running_loop())
         log.info("auraed starting as %s (%s)", self.role.value, self._role_reason)
+        # Before starting, not once serving: a signal in between (a SIGHUP right after "serving
+        # on", a SIGTERM during recovery) took its default action and ended the daemon on the
+        # spot. A stop asked for during start follows as soon as the start is done.
+        self._install_signal_handlers()
         try:
             await self._start()
         except Exception as exc:
@@ -121,7 +130,6 @@ class Daemon:
             log.error("cannot start: %s", exc or type(exc).__name__, exc_info=not expected)
             await self._shutdown()
             return 1
-        self._install_signal_handlers()
         await self._stopping.wait()
         await self._shutdown()
         return 0
@@ -147,8 +155,11 @@ class Daemon:
 
     async def _start(self) -> None:
         config = self.config
-        for directory in (config.state_dir, config.runtime_dir):
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Before anything else: bad credentials would otherwise pass for a bind failure, or be
+        # served, every client then refused.
+        credentials = server_credentials(config.ca_crt, config.server_crt, config.server_key)
+        private_directory(config.state_dir, "state directory")
+        private_directory(config.runtime_dir, "runtime directory")
         # Before touching any state: two daemons on one state dir would fight over every record.
         self._state_lock = lock_state_dir(config.state_dir)
         prepare_unix_socket(config.socket)
@@ -179,8 +190,7 @@ class Daemon:
         # Authorization wraps every service, health and reflection too; no server interceptors.
         server = grpc.aio.server(options=server_options(config))
         self._server = server
-        server.add_generic_rpc_handlers([AuthorizedHandlers(config.authorization, handlers)])
-        credentials = server_credentials(config.ca_crt, config.server_crt, config.server_key)
+        server.add_generic_rpc_handlers([AuthorizedHandlers(config.authorization, handlers, self._gate)])
         add_unix_listener(server, config.socket, credentials)
         self._socket_bound = True
         if config.tcp_listen:
@@ -214,6 +224,7 @@ class Daemon:
             generic_handler(
                 DISCOVERY, DiscoveryServicer(self.role, services, capabilities, lambda: self._serving)
             ),
+            generic_handler(SYSTEM, SystemServicer(self.request_stop)),
         ]
         standard = CollectedHandlers()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, standard)
@@ -248,6 +259,8 @@ class Daemon:
             await self.health.set(name, status)
 
     async def _shutdown(self) -> None:
+        # First of all: no call may start anything while, and after, the subsystems stop.
+        self._gate.close("auraed is shutting down")
         with contextlib.suppress(Exception):
             await self._set_health([*self.services(), ""], serving=False)
         if self.cells is not None:

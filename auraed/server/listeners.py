@@ -7,6 +7,7 @@ import fcntl
 import logging
 import os
 import socket
+import ssl
 import stat
 from pathlib import Path
 
@@ -18,6 +19,10 @@ from auraed.keepalive import keepalive_options, milliseconds
 
 log = logging.getLogger(__name__)
 
+_X509_V_ERR_CERT_NOT_YET_VALID = 9  # OpenSSL's verify code for a notBefore in the future
+# Round trips a TLS 1.3 handshake takes in memory are two; more means it is stuck.
+_HANDSHAKE_MAX_ROUNDS = 10
+
 
 def _read(path: Path, what: str) -> bytes:
     try:
@@ -26,8 +31,111 @@ def _read(path: Path, what: str) -> bytes:
         raise ConfigError(f"cannot read the {what} {path}: {exc.strerror}") from exc
 
 
+def _no_password() -> bytes:
+    # An encrypted key must fail to load, not make OpenSSL prompt on a terminal for a password.
+    return b""
+
+
+def _ssl_reason(exc: ssl.SSLError) -> str:
+    return str(exc.reason or exc.strerror or exc).lower().replace("_", " ")
+
+
+def _trusting(ca_crt: Path) -> ssl.SSLContext:
+    """A client's TLS context trusting only ``ca_crt``, as auraed's clients do."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False  # names are the clients' business (server_name), not ours
+    try:
+        context.load_verify_locations(cafile=str(ca_crt))
+    except ssl.SSLError as exc:
+        raise ConfigError(
+            f"the CA certificate {ca_crt} holds no valid certificate ({_ssl_reason(exc)})"
+        ) from None
+    return context
+
+
+def _serving(server_crt: Path, server_key: Path) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:  # the certificate alone first, so that its problems are not blamed on the key
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=server_crt.read_text("ascii"))
+    except (ssl.SSLError, ValueError):
+        raise ConfigError(f"the server certificate {server_crt} holds no valid PEM certificate") from None
+    try:
+        context.load_cert_chain(str(server_crt), str(server_key), password=_no_password)
+    except ssl.SSLError as exc:
+        if "mismatch" in _ssl_reason(exc):
+            raise ConfigError(
+                f"the server key {server_key} does not belong to the server certificate {server_crt}"
+            ) from None
+        # OpenSSL's reason says nothing more ("PEM lib"), and the key's content is never echoed.
+        raise ConfigError(f"the server key {server_key} is not an unencrypted PEM private key") from None
+    return context
+
+
+def check_server_credentials(ca_crt: Path, server_crt: Path, server_key: Path) -> None:
+    """Refuse, naming the file, what grpc would take and then fail every client with.
+
+    grpc accepts an expired server certificate, or one another CA signed, and every handshake
+    fails later; a key it cannot read shows only as a failure to bind. So the daemon shakes hands
+    with itself once, in memory, through OpenSSL: a client trusting only ``ca_crt`` must accept
+    the server certificate (signature, validity dates, purpose) and the key must be its own.
+    """
+    for path, what in (
+        (ca_crt, "CA certificate"),
+        (server_crt, "server certificate"),
+        (server_key, "server key"),
+    ):
+        _read(path, what)
+    client = _Tls(_trusting(ca_crt), server_side=False)
+    server = _Tls(_serving(server_crt, server_key), server_side=True)
+    try:
+        _handshake(client, server)
+    except ssl.SSLCertVerificationError as exc:
+        if exc.verify_code == _X509_V_ERR_CERT_NOT_YET_VALID:
+            # Everything else held (OpenSSL checks the dates last). Clients judge the dates by
+            # their own clocks, and a guest's may lag the host's that issued it at boot.
+            log.warning("the server certificate %s is not valid yet by this machine's clock", server_crt)
+            return
+        raise ConfigError(
+            f"the server certificate {server_crt} is not accepted by a client trusting the CA "
+            f"certificate {ca_crt}: {exc.verify_message}"
+        ) from None
+    except ssl.SSLError as exc:
+        raise ConfigError(
+            f"the server certificate {server_crt} and key {server_key} cannot serve TLS: {_ssl_reason(exc)}"
+        ) from None
+
+
+class _Tls:
+    """One end of an in-memory TLS connection: its state and the two directions of its bytes."""
+
+    def __init__(self, context: ssl.SSLContext, server_side: bool) -> None:
+        self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.end = context.wrap_bio(self.incoming, self.outgoing, server_side=server_side)
+        self.done = False
+
+    def step(self) -> None:
+        if not self.done:
+            try:
+                self.end.do_handshake()
+                self.done = True
+            except ssl.SSLWantReadError:
+                pass
+
+
+def _handshake(client: _Tls, server: _Tls) -> None:
+    """Carry each end's bytes to the other until both finished their handshake."""
+    for _ in range(_HANDSHAKE_MAX_ROUNDS):
+        for end, peer in ((client, server), (server, client)):
+            end.step()
+            peer.incoming.write(end.outgoing.read())
+        if client.done and server.done:
+            return
+    raise ssl.SSLError("the TLS handshake did not finish")
+
+
 def server_credentials(ca_crt: Path, server_crt: Path, server_key: Path) -> grpc.ServerCredentials:
     """mTLS: a client must present a certificate signed by ``ca_crt``; nothing else is accepted."""
+    check_server_credentials(ca_crt, server_crt, server_key)
     return grpc.ssl_server_credentials(
         [(_read(server_key, "server key"), _read(server_crt, "server certificate"))],
         root_certificates=_read(ca_crt, "CA certificate"),
@@ -54,10 +162,57 @@ def _serving_already(path: Path) -> bool:
     return True
 
 
+# Directories auraed keeps its state, logs and socket in: for their owner alone.
+PRIVATE_DIR_MODE = 0o700
+# Any access by group or others to the state and runtime directories: their logs, records and
+# keys are no one else's business. (The socket's file is owner-only itself, so its directory may
+# be a shared one such as /run; there only writing is refused, which could swap the socket.)
+OTHERS_ACCESS = 0o077
+OTHERS_WRITE = 0o022
+
+
+def _make_private(path: Path) -> None:
+    """Make ``path`` and whichever of its parents are missing, each owner-only.
+
+    Not ``mkdir(parents=True)``, whose parents get the umask's mode: a guest's /run/aurae, made
+    for its state directory, would then be refused as the socket's directory.
+    """
+    missing = [path, *(p for p in path.parents if not p.exists())]
+    for directory in sorted(missing, key=lambda p: len(p.parts)):
+        with contextlib.suppress(FileExistsError):  # a race with another maker is fine: checked below
+            directory.mkdir(mode=PRIVATE_DIR_MODE)
+            directory.chmod(PRIVATE_DIR_MODE)  # mkdir's mode went through the umask
+
+
+def private_directory(path: Path, what: str, forbidden: int = OTHERS_ACCESS) -> None:
+    """Make ``path`` (owner-only) if missing; refuse one that is not ours or whose mode allows
+    group or others any of ``forbidden``."""
+    try:
+        if not path.exists():
+            _make_private(path)
+        info = path.stat()
+    except OSError as exc:
+        raise ConfigError(f"cannot create the {what} {path}: {exc.strerror}") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise ConfigError(f"the {what} {path} is not a directory")
+    if info.st_uid != os.geteuid():
+        raise ConfigError(
+            f"the {what} {path} belongs to uid {info.st_uid}, not to auraed's (uid {os.geteuid()})"
+        )
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & forbidden == 0:
+        return
+    if forbidden == OTHERS_WRITE:
+        raise ConfigError(f"the {what} {path} is writable by others (mode {mode:04o}): chmod go-w {path}")
+    raise ConfigError(
+        f"the {what} {path} is open to others (mode {mode:04o}); it must be owner-only: "
+        f"chmod {PRIVATE_DIR_MODE:o} {path}"
+    )
+
+
 def prepare_unix_socket(path: Path) -> None:
     """Make ``path`` free to bind: a stale socket is removed, a live one or any other file is refused."""
-    if not path.parent.exists():
-        path.parent.mkdir(mode=0o700, parents=True)
+    private_directory(path.parent, "socket's directory", OTHERS_WRITE)
     try:
         mode = path.lstat().st_mode
     except FileNotFoundError:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -44,8 +45,44 @@ STATUS_FOR_KIND: dict[ErrorKind, grpc.StatusCode] = {
 }
 
 
+# The most of a status's details sent, in bytes on the wire. Details travel in the trailers, which
+# grpc limits to 8 KiB with everything else in them (and between 8 and 16 KiB refuses at random):
+# a longer message (a runtime's whole stderr, a name echoed back) would reach the client as
+# RESOURCE_EXHAUSTED about metadata, its code lost.
+MAX_DETAIL_BYTES = 4096
+CUT_MARKER = " ... (cut)"  # ends a detail that was longer
+# grpc sends the details percent-encoded: printable ASCII but "%" as itself, every other byte as
+# three ("%C3").
+_PLAIN_BYTES = frozenset(range(0x20, 0x7F)) - {ord("%")}
+_ENCODED_BYTE_SIZE = 3
+
+
+def wire_size(data: bytes) -> int:
+    """Bytes ``data`` takes as a percent-encoded grpc-message."""
+    return sum(1 if byte in _PLAIN_BYTES else _ENCODED_BYTE_SIZE for byte in data)
+
+
+def capped(detail: str) -> str:
+    """``detail`` as UTF-8 text of at most MAX_DETAIL_BYTES on the wire, cut at a character's edge."""
+    data = detail.encode("utf-8", "replace")  # lone surrogates (undecodable names) become "?"
+    # No byte takes less than one on the wire: what is past the limit in bytes is past it encoded.
+    head = data[: MAX_DETAIL_BYTES + 1]
+    if wire_size(head) <= MAX_DETAIL_BYTES:
+        return data.decode()
+    budget = MAX_DETAIL_BYTES - len(CUT_MARKER)
+    # Running totals only grow: the bytes kept are those whose total is still within the budget.
+    totals = itertools.accumulate(1 if byte in _PLAIN_BYTES else _ENCODED_BYTE_SIZE for byte in head)
+    end = sum(1 for total in totals if total <= budget)
+    return head[:end].decode("utf-8", "ignore") + CUT_MARKER
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The one mapping from exceptions to what the client is told."""
+    """The one mapping from exceptions to what the client is told (details capped)."""
+    code, detail = _status_for(exc)
+    return code, capped(detail)
+
+
+def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, AuraeError):
         return STATUS_FOR_KIND[exc.kind], exc.message
     if isinstance(exc, OSError) and exc.errno in RESOURCE_ERRNOS:
@@ -108,8 +145,10 @@ async def _parse_stream(cls: type[betterproto2.Message], raw: AsyncIterator[byte
 
 
 def _is_grpc_abort(exc: BaseException) -> bool:
-    # context.abort() raises grpc's own exception, which must reach grpc to end the call.
-    return type(exc).__module__.startswith("grpc")
+    # context.abort() raises grpc's AbortError, which must reach grpc to end the call with the
+    # status given. Nothing else of grpc's does: a failed call of ours to another server
+    # (AioRpcError) that escaped would reach the client as UNKNOWN, unlogged; it is INTERNAL.
+    return isinstance(exc, grpc.aio.AbortError)
 
 
 async def _abort(context: Context, exc: BaseException, method: str) -> None:

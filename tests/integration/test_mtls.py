@@ -6,12 +6,18 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
+import ipaddress
 import socket
+import tempfile
 import time
 from pathlib import Path
 
 import grpc
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from auraed.api.aurae.cells import v0 as cells
 from auraed.api.aurae.containers import v0 as containers
@@ -19,12 +25,23 @@ from auraed.api.aurae.discovery import v0 as discovery
 from auraed.api.aurae.observe import v0 as observe
 from auraed.client import AuraeClient, ClientConfig, ClientError
 from auraed.client.client import DEFAULT_KEEPALIVE_TIME, DEFAULT_KEEPALIVE_TIMEOUT
-from auraed.pki import create_ca, issue_client_cert, write_pem_files
+from auraed.errors import ConfigError
+from auraed.pki import (
+    CertificateAuthority,
+    PkiPaths,
+    PrivateKey,
+    create_ca,
+    issue_client_cert,
+    issue_server_cert,
+    write_pem_files,
+)
 from auraed.pki.certs import load_ca
-from tests.conftest import DaemonFactory, DaemonProcess
+from auraed.server.listeners import check_server_credentials
+from tests.conftest import DaemonFactory, DaemonProcess, start_refused
 
 CONTAINERS = "aurae.containers.v0.ContainerService"
 OBSERVE = "aurae.observe.v0.ObserveService"
+SERVER_NAME = "server.unsafe.aurae.io"  # the name clients expect (ClientConfig.server_name)
 
 DISCOVER = ("aurae.discovery.v0.DiscoveryService", "Discover", discovery.DiscoveryServiceDiscoverRequest())
 
@@ -273,3 +290,111 @@ async def test_authorization_by_identity(daemon_factory: DaemonFactory) -> None:
 
 async def test_default_policy_allows_any_identity_signed_by_the_ca(daemon: DaemonProcess) -> None:
     assert await _discover(daemon.client_config("intruder")) == "host"
+
+
+def _refused_start(pki: PkiPaths, server_crt: Path, server_key: Path) -> str:
+    """Start a daemon with this server certificate and key; it must refuse: what it logged."""
+    root = Path(tempfile.mkdtemp(prefix="aurae-cred-", dir="/tmp"))
+    return start_refused(
+        DaemonProcess(root, dataclasses.replace(pki, server_crt=server_crt, server_key=server_key), [])
+    )
+
+
+def test_bad_server_credentials_are_refused_at_start_naming_the_file(pki: PkiPaths, tmp_path: Path) -> None:
+    ca = load_ca(pki.ca_crt.parent)
+    now = dt.datetime.now(dt.UTC)
+    expired = _issue(
+        ca, ExtendedKeyUsageOID.SERVER_AUTH, now - dt.timedelta(days=10), now - dt.timedelta(days=1)
+    )
+    cases = {
+        "expired": (*write_pem_files(tmp_path, "expired", *expired), "certificate has expired"),
+        "foreign": (
+            *write_pem_files(
+                tmp_path, "foreign", *issue_server_cert(create_ca("other"), SERVER_NAME, [], [])
+            ),
+            "unable to get local issuer certificate",
+        ),
+        "client-only": (
+            *write_pem_files(tmp_path, "client", *issue_client_cert(ca, SERVER_NAME)),
+            "unsuitable certificate purpose",
+        ),
+    }
+    for name, (crt, key, problem) in cases.items():
+        said = _refused_start(pki, crt, key)
+        assert f"server certificate {crt}" in said and problem in said, name
+        assert "Traceback" not in said and "cannot listen" not in said, name
+    junk = tmp_path / "junk.key"
+    junk.write_text("not a key\n")
+    said = _refused_start(pki, pki.server_crt, junk)
+    assert f"server key {junk} is not an unencrypted PEM private key" in said
+    foreign_key = cases["foreign"][1]
+    said = _refused_start(pki, pki.server_crt, foreign_key)
+    assert f"server key {foreign_key} does not belong to the server certificate {pki.server_crt}" in said
+
+
+def _issue(
+    ca: CertificateAuthority, usage: x509.ObjectIdentifier, not_before: dt.datetime, not_after: dt.datetime
+) -> tuple[x509.Certificate, PrivateKey]:
+    """A certificate for the server's name with any validity window (none of the issue_* offer it)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, SERVER_NAME)]))
+        .issuer_name(ca.cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(not_before)
+        .not_valid_after(not_after)
+        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(SERVER_NAME)]), critical=False)
+    )
+    return builder.sign(ca.key, hashes.SHA256()), key
+
+
+SAN_POLICY = """
+[authorization]
+default = []
+[authorization.identities]
+"spiffe://aurae/admin" = ["*"]
+"admin@aurae.test" = ["*"]
+"10.9.8.7" = ["*"]
+"dns-reader" = ["aurae.discovery.v0.DiscoveryService/*"]
+"""
+
+
+async def test_only_the_cn_and_dns_sans_are_identities(daemon_factory: DaemonFactory, tmp_path: Path) -> None:
+    """A URI, e-mail or IP SAN spelled like a listed identity is no such identity; a DNS SAN is."""
+    daemon = daemon_factory(config_text=SAN_POLICY)
+    ca = load_ca(daemon.pki.ca_crt.parent)
+    address = f"unix:{daemon.socket}"
+    others: list[x509.GeneralName] = [
+        x509.UniformResourceIdentifier("spiffe://aurae/admin"),
+        x509.RFC822Name("admin@aurae.test"),
+        x509.IPAddress(ipaddress.ip_address("10.9.8.7")),
+    ]
+    for san in others:
+        crt, key = write_pem_files(tmp_path, "other", *issue_client_cert(ca, "nobody", extra_san=[san]))
+        error = await _refused(_with_client_cert(daemon, crt, key, address))
+        assert error.code == "PERMISSION_DENIED", san
+    cert = issue_client_cert(ca, "nobody", extra_san=[x509.DNSName("dns-reader")])
+    crt, key = write_pem_files(tmp_path, "dns", *cert)
+    assert await _discover(_with_client_cert(daemon, crt, key, address)) == "host"
+
+
+def test_a_server_certificate_valid_only_later_is_taken_with_a_warning(
+    pki: PkiPaths, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Clients judge dates by their own clocks; a guest's may lag behind its host's at boot."""
+    ca = load_ca(pki.ca_crt.parent)
+    now = dt.datetime.now(dt.UTC)
+    later = _issue(
+        ca, ExtendedKeyUsageOID.SERVER_AUTH, now + dt.timedelta(hours=1), now + dt.timedelta(days=9)
+    )
+    crt, key = write_pem_files(tmp_path, "later", *later)
+    check_server_credentials(pki.ca_crt, crt, key)
+    assert f"server certificate {crt} is not valid yet" in caplog.text
+    # Not yet valid, and from another CA: refused for that.
+    other = issue_server_cert(create_ca("other"), SERVER_NAME, [], [])
+    crt, key = write_pem_files(tmp_path, "other", *other)
+    with pytest.raises(ConfigError, match="unable to get local issuer certificate"):
+        check_server_credentials(pki.ca_crt, crt, key)

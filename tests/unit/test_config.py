@@ -3,6 +3,8 @@ the client's config file."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,3 +120,145 @@ def test_the_client_config_reads_keepalive_and_refuses_nonsense(tmp_path: Path) 
         (tmp_path / "bad").write_text(text + bad + "\n")
         with pytest.raises(ClientError, match=r"\[system\] keepalive_time"):
             load_client_config(tmp_path / "bad")
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "127.0.0.1:70000",
+        "127.0.0.1:-1",
+        "127.0.0.1:",
+        "[::1]:65536",
+        "::1:8080",
+        "[nope]:80",
+        ":8080",
+        "h_1:80",
+    ],
+)
+def test_a_malformed_tcp_listen_address_is_refused(address: str) -> None:
+    """grpc would listen on port 70000 % 65536, 65535 for -1, 443 for none."""
+    with pytest.raises(ConfigError, match="tcp_listen"):
+        load_config(["--config", "/dev/null", "--tcp-listen", address], {})
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:8080", "[::1]:1", "localhost:65535", "0.0.0.0:443"])
+def test_tcp_listen_addresses_that_are_fine(address: str) -> None:
+    assert load_config(["--config", "/dev/null", "--tcp-listen", address], {}).tcp_listen == address
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("keepalive_time = nan\n", "keepalive_time: must be a finite number"),
+        ("keepalive_timeout = inf\n", "keepalive_timeout: must be a finite number"),
+        ("guest_ready_timeout = -nan\n", "guest_ready_timeout: must be a finite number"),
+        ("log_buffer_lines = inf\n", "log_buffer_lines: must be an integer"),
+        ("log_buffer_lines = 2.5\n", "log_buffer_lines: must be an integer"),
+        ("socket = 5\n", "socket: must be a path"),
+        ("state_dir = { a = 1 }\n", "state_dir: must be a path"),
+        ("role = 1\n", "role: must be a string"),
+        ("nested = 1\n", "nested: must be a boolean"),
+        ("stop_grace_period = [1]\n", "stop_grace_period: must be a number"),
+        ("stop_executables_on_shutdown = 2024-01-01\n", "stop_executables_on_shutdown: must be a boolean"),
+    ],
+)
+def test_values_of_the_wrong_type_or_not_finite_are_refused_naming_the_key(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    config_file = write_config(tmp_path, text)
+    with pytest.raises(ConfigError) as error:
+        load_config(["--config", str(config_file)], {})
+    assert message in str(error.value) and str(config_file) in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("log_buffer_lines = 1000000000000\n", "log_buffer_lines: must be 1 to"),
+        ("vm_guest_port = 99999\n", "vm_guest_port: must be a port"),
+        ("keepalive_time = 1e300\n", "keepalive_time: must be at most"),
+        ("guest_ready_timeout = 0\n", "guest_ready_timeout: must be more than 0"),
+    ],
+)
+def test_values_out_of_range_are_refused_naming_the_key(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(["--config", str(write_config(tmp_path, text))], {})
+
+
+def test_text_that_is_not_utf8_is_refused_naming_where(tmp_path: Path) -> None:
+    config_file = tmp_path / "auraed.toml"
+    config_file.write_bytes(b'log_level = "\xff"\n')
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(["--config", str(config_file)], {})
+    undecodable = b"base\xff".decode(errors="surrogateescape")  # as os.environ and sys.argv have it
+    with pytest.raises(ConfigError, match="AURAED_CGROUP_BASE: cgroup_base: not valid UTF-8"):
+        load_config(["--config", "/dev/null"], {"AURAED_CGROUP_BASE": undecodable})
+    with pytest.raises(ConfigError, match="--stop-grace-period: stop_grace_period: not valid UTF-8"):
+        load_config(["--config", "/dev/null", "--stop-grace-period", "nan\udcff"], {})
+    for number in ("nan", "inf", "-inf"):
+        with pytest.raises(ConfigError, match="AURAED_KEEPALIVE_TIME: keepalive_time: must be a finite"):
+            load_config(["--config", "/dev/null"], {"AURAED_KEEPALIVE_TIME": number})
+
+
+def test_a_nonsense_daemon_config_ends_without_a_traceback(tmp_path: Path) -> None:
+    config_file = write_config(tmp_path, "log_buffer_lines = inf\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "auraed", "--config", str(config_file)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and "log_buffer_lines" in result.stderr
+
+
+CLIENT_AUTH = '[auth]\nca_crt = "ca.crt"\nclient_crt = "c.crt"\nclient_key = "c.key"\n'
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('auth = "everything"\n', "[auth] must be a table"),
+        (
+            "[auth]\nca_crt = 5\nclient_crt = 'c'\nclient_key = 'k'\n",
+            "[auth] ca_crt must be a non-empty string",
+        ),
+        (
+            "[auth]\nca_crt = ''\nclient_crt = 'c'\nclient_key = 'k'\n",
+            "[auth] ca_crt must be a non-empty string",
+        ),
+        ("[auth]\nclient_crt = 'c'\nclient_key = 'k'\n", "missing [auth] ca_crt"),
+        ("system = [1]\n" + CLIENT_AUTH, "[system] must be a table"),
+        (CLIENT_AUTH + "[system]\nserver_name = 5\n", "[system] server_name must be a non-empty string"),
+        (CLIENT_AUTH + "[system]\nsocket = true\n", "[system] socket must be a non-empty string"),
+        (CLIENT_AUTH + "[system]\naddress = { a = 1 }\n", "[system] address must be a non-empty string"),
+        (CLIENT_AUTH + "[system]\nkeepalive_time = nan\n", "[system] keepalive_time must be seconds"),
+        (CLIENT_AUTH + "[system]\nkeepalive_timeout = inf\n", "[system] keepalive_timeout must be seconds"),
+    ],
+)
+def test_odd_client_configs_are_refused_naming_the_key(tmp_path: Path, text: str, message: str) -> None:
+    (tmp_path / "config").write_text(text)
+    with pytest.raises(ClientError) as error:
+        load_client_config(tmp_path / "config")
+    assert message in error.value.message and str(tmp_path / "config") in error.value.message
+
+
+def test_a_client_config_or_address_not_utf8_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config").write_bytes(CLIENT_AUTH.encode() + b'[system]\nserver_name = "\xff"\n')
+    with pytest.raises(ClientError, match="not UTF-8"):
+        load_client_config(tmp_path / "config")
+    (tmp_path / "config").write_text(CLIENT_AUTH)
+    with pytest.raises(ClientError, match="not valid UTF-8"):
+        load_client_config(tmp_path / "config", address=b"host\xff:1".decode(errors="surrogateescape"))
+
+
+def test_aer_reports_an_odd_client_config_without_a_traceback(tmp_path: Path) -> None:
+    (tmp_path / "config").write_text('auth = "everything"\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "auraed.aer", "--config", str(tmp_path / "config"), "health"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr and "[auth] must be a table" in result.stderr

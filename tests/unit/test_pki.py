@@ -29,6 +29,7 @@ from auraed.pki import (
     issue_server_cert,
     load_ca,
     load_certificate,
+    load_private_key,
     private_key_pem,
     write_pem_files,
 )
@@ -215,6 +216,30 @@ def test_ensure_dev_pki_repairs_only_what_is_broken(pki_dir: Path) -> None:
     assert new_ca.cert.serial_number != ca_serial
     load_certificate(paths.server_crt).verify_directly_issued_by(new_ca.cert)
     load_certificate(client_crt).verify_directly_issued_by(new_ca.cert)
+
+
+def test_a_client_certificate_is_reissued_when_its_ca_changes(tmp_path: Path) -> None:
+    """The host keeps its certificate for guests (aurae-host) across restarts; after a change of
+    its CA, one kept for being there is refused by every guest trusting the new CA."""
+    from auraed import pki  # here, not at the top: the other tests stand without this function
+
+    old_ca, new_ca = create_ca("old"), create_ca("new")
+    crt, key = pki.ensure_client_cert(old_ca, tmp_path, "aurae-host")
+    kept = crt.read_bytes()
+    assert pki.ensure_client_cert(old_ca, tmp_path, "aurae-host") == (crt, key)
+    assert crt.read_bytes() == kept  # still good: kept as it is
+
+    pki.ensure_client_cert(new_ca, tmp_path, "aurae-host")
+    renewed = load_certificate(crt)
+    renewed.verify_directly_issued_by(new_ca.cert)
+    assert identity_of(crt.read_bytes()) == ("aurae-host", ["aurae-host"])
+    assert renewed.public_key() == load_private_key(key).public_key()
+
+    now = dt.datetime.now(dt.UTC)
+    expired = issue_client_cert(new_ca, "aurae-host", not_before=now - dt.timedelta(days=3), not_after=now)
+    write_pem_files(tmp_path, "aurae-host", *expired)
+    pki.ensure_client_cert(new_ca, tmp_path, "aurae-host")
+    assert load_certificate(crt).not_valid_after_utc > now + dt.timedelta(days=1)
 
 
 def test_ensure_dev_pki_multiple_clients(pki_dir: Path) -> None:

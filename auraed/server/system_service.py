@@ -1,0 +1,50 @@
+"""aurae.system.v0.SystemService: the daemon itself and, where auraed is PID 1, the machine."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from auraed.api.aurae.system import v0 as pb
+from auraed.errors import AuraeError
+from auraed.server.authz import peer_identities
+from auraed.server.rpc import Context
+
+SERVICE_NAME = "aurae.system.v0.SystemService"
+MAX_REASON_CHARS = 256  # a reason is one line of the daemon's log, not a document
+
+log = logging.getLogger(__name__)
+
+
+def _reason(text: str) -> str:
+    if len(text) > MAX_REASON_CHARS:
+        raise AuraeError.invalid("reason", f"at most {MAX_REASON_CHARS} characters, got {len(text)}")
+    if not text.isprintable():
+        raise AuraeError.invalid("reason", "must be printable text on one line")
+    return text
+
+
+class SystemServicer:
+    """``request_stop`` stops the daemon gracefully (what SIGTERM does)."""
+
+    def __init__(self, request_stop: Callable[[], None]) -> None:
+        self._request_stop = request_stop
+
+    async def shutdown(
+        self, request: pb.SystemServiceShutdownRequest, context: Context
+    ) -> pb.SystemServiceShutdownResponse:
+        reason = _reason(request.reason)
+        caller = ",".join(peer_identities(context)) or "an unidentified client"
+        why = f"Shutdown called by {caller}" + (f": {reason}" if reason else "")
+        # Imported here: a daemon that is not PID 1 has nothing there, and the module is lean.
+        from auraed.init import pid1
+
+        init = pid1.Pid1.current
+        if init is None:
+            log.info("%s: stopping", why)
+            self._request_stop()
+            return pb.SystemServiceShutdownResponse(then="exit")
+        # PID 1 stops the daemon, then powers off (or exits, PID 1 of a pid namespace); refused
+        # with FAILED_PRECONDITION where it could only halt the machine.
+        await pid1.power_off(why)
+        return pb.SystemServiceShutdownResponse(then=init.final_action())
