@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from auraed.system import processes
+from auraed.system.tasks import run_to_end
 from auraed.vms import backend as common
 from auraed.vms.backend import ExitInfo, LaunchSpec, VmHandle
 from auraed.vms.errors import VmError
@@ -170,7 +171,8 @@ class CloudHypervisorBackend:
         # cloud-hypervisor appends to a File serial: start each boot on an empty log.
         console.write_bytes(b"")
         argv = [self.binary, "--api-socket", f"path={socket}"]
-        process = await asyncio.to_thread(common.spawn, argv, run_dir)
+        # To completion: a VMM spawned by a thread its caller stopped waiting for would run on.
+        process = await run_to_end(asyncio.to_thread(common.spawn, argv, run_dir))
         client = ChClient(socket)
         handle = VmHandle(
             backend=self.name,
@@ -194,7 +196,7 @@ class CloudHypervisorBackend:
             await self.kill(handle)
             raise VmError.precondition(f"{exc}; VMM log: {common.vmm_log_tail(run_dir) or 'empty'}") from None
         except BaseException:
-            await self.kill(handle)
+            await run_to_end(self.kill(handle))
             raise
         return handle
 

@@ -4,18 +4,39 @@ The VMM writes the guest's serial output to a file as it comes; these helpers re
 grows. Lines end at "\\n"; a trailing "\\r" (the guest's tty adds one) is dropped and undecodable
 bytes are replaced. A line still being written is held back until its end arrives, or until the
 VMM has ended.
+
+The log is kept to ``LOG_LIMIT`` bytes while the VMM runs (``keep_trimmed``): QEMU writes it at
+its own file offset (not O_APPEND), so it cannot be truncated or rotated under it; instead the
+head of the file is punched out (fallocate PUNCH_HOLE). The file keeps its apparent size, but
+its disk use stays bounded, and the readers here skip the hole (SEEK_DATA). Tails are read from
+the end of the file with one bounded read and lines longer than ``MAX_LINE`` are cut, so that a
+guest printing one endless line costs neither the event loop nor the replies carrying tails.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 POLL_INTERVAL = 0.05
-TAIL_CHUNK = 64 * 1024
 MAX_LINE = 64 * 1024  # a guest writing without newlines is cut into lines this long
+# The most a tail reads, whatever number of lines is asked for (a log is LOG_LIMIT at most).
+MAX_TAIL_BYTES = 8 * 1024 * 1024
+# A tail this large is read in a worker thread, not on the event loop.
+THREAD_TAIL_BYTES = 256 * 1024
+# What a VM's console log keeps while its VMM runs: enough for a boot and a panic's backtrace,
+# small enough for hundreds of VMs. (A candidate for a daemon setting, vm_console_log_limit.)
+LOG_LIMIT = 4 * 1024 * 1024
+TRIM_INTERVAL = 1.0  # seconds between checks of a running VM's log size
+FALLOC_FL_KEEP_SIZE = 0x01  # linux/falloc.h
+FALLOC_FL_PUNCH_HOLE = 0x02
 # What the Linux kernel prints as it powers off or reboots: the guest ended itself.
 POWER_OFF_LINES = ("reboot: Power down", "reboot: Restarting system", "reboot: System halted")
 
@@ -24,27 +45,106 @@ def _decode(line: bytes) -> str:
     return line.rstrip(b"\r").decode(errors="replace")
 
 
-def read_tail(path: Path, lines: int) -> list[str]:
-    """The last ``lines`` complete or partial lines of the file; empty when it does not exist."""
+def read_tail(path: Path, lines: int, max_line: int = MAX_LINE) -> list[str]:
+    """The last ``lines`` complete or partial lines of the file, each cut to ``max_line`` bytes;
+    empty when it does not exist.
+
+    One read of at most ``lines * (max_line + 1)`` bytes (and ``MAX_TAIL_BYTES``) from the end,
+    with the byte before it (to tell whether the window starts with a whole line).
+    """
     if lines <= 0:
         return []
+    window = min(lines * (max_line + 1), MAX_TAIL_BYTES)
     try:
         with path.open("rb") as f:
-            size = f.seek(0, 2)
-            start = size
-            data = b""
-            while start > 0 and data.count(b"\n") <= lines:
-                start = max(0, start - TAIL_CHUNK)
-                f.seek(start)
-                data = f.read(size - start)
+            size = f.seek(0, os.SEEK_END)
+            start = max(0, size - window - 1)
+            data_at = _data_start(f.fileno(), start)
+            if data_at is None:
+                return []
+            f.seek(data_at)
+            data = f.read(size - data_at)
     except OSError:
         return []
+    if data_at > start:
+        whole = False  # past a trimmed head (keep_trimmed), whose data starts within a line
+    elif start > 0:
+        whole, data = data[:1] == b"\n", data[1:]
+    else:
+        whole = True
     parts = data.split(b"\n")
     if parts and parts[-1] == b"":
         parts.pop()
-    if start > 0 and parts:
-        parts.pop(0)  # probably cut in the middle
-    return [_decode(p) for p in parts[-lines:]]
+    if parts and not whole and len(parts[0]) < max_line:
+        # The end of a line that began before the window: shown only when it is cut anyway.
+        parts.pop(0)
+    return [_decode(p[:max_line]) for p in parts[-lines:]]
+
+
+async def read_tail_async(path: Path, lines: int, max_line: int = MAX_LINE) -> list[str]:
+    """``read_tail`` for the event loop: a large tail is read in a worker thread."""
+    if min(lines * (max_line + 1), MAX_TAIL_BYTES) > THREAD_TAIL_BYTES:
+        return await asyncio.to_thread(read_tail, path, lines, max_line)
+    return read_tail(path, lines, max_line)
+
+
+def trim(path: Path, limit: int = LOG_LIMIT) -> int:
+    """Punch out all but (about) the last ``limit`` bytes of the log; the bytes freed.
+
+    Whole filesystem blocks only, so no byte that is kept reads as zero. 0 when there is nothing
+    to trim, the file is gone, or its filesystem cannot punch holes (then it is left to grow).
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        info = os.fstat(fd)
+        end = info.st_size - limit
+        end -= end % max(info.st_blksize, 1)
+        start = _data_start(fd, 0)
+        if start is None or end <= start:
+            return 0
+        _punch_hole(fd, start, end - start)
+        return end - start
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+        log.warning("cannot keep %s to %d bytes: its filesystem cannot punch holes", path, limit)
+        return 0
+    finally:
+        os.close(fd)
+
+
+def _punch_hole(fd: int, offset: int, length: int) -> None:
+    import ctypes  # here: only hosts running VMs need it
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    if libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+def _data_start(fd: int, offset: int) -> int | None:
+    """The first offset at or after ``offset`` holding data (past a punched hole); None at EOF."""
+    try:
+        return os.lseek(fd, offset, os.SEEK_DATA)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            return None
+        return offset  # a filesystem without SEEK_DATA: no holes to skip
+
+
+async def keep_trimmed(path: Path, limit: int = LOG_LIMIT, interval: float = TRIM_INTERVAL) -> None:
+    """Trim the log every ``interval`` seconds, until cancelled (when its VMM has ended)."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            if _size(path) > limit:
+                await asyncio.to_thread(trim, path, limit)
+        except OSError as exc:
+            log.warning("cannot trim %s: %s", path, exc)
 
 
 def powered_off(tail: list[str]) -> bool:
@@ -59,17 +159,21 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _read_from(path: Path, offset: int, limit: int = 1024 * 1024) -> tuple[bytes, bool]:
-    """Up to ``limit`` bytes from ``offset``, and whether the file shrank below it (replaced)."""
+def _read_from(path: Path, offset: int, limit: int = 1024 * 1024) -> tuple[bytes, int, bool]:
+    """Up to ``limit`` bytes from ``offset`` or, when that was punched out, from the first data
+    after it; that data's offset; whether the file shrank below ``offset`` (replaced)."""
     try:
         with path.open("rb") as f:
-            size = f.seek(0, 2)
+            size = f.seek(0, os.SEEK_END)
             if size < offset:
-                return b"", True
-            f.seek(offset)
-            return f.read(limit), False
+                return b"", offset, True
+            start = _data_start(f.fileno(), offset)
+            if start is None:
+                return b"", offset, False
+            f.seek(start)
+            return f.read(limit), start, False
     except OSError:
-        return b"", False
+        return b"", offset, False
 
 
 async def follow(
@@ -83,18 +187,20 @@ async def follow(
     """Lines of the console: the last ``tail`` (all when None), then new ones while ``alive()``."""
     offset = 0
     if tail is not None:
-        for line in read_tail(path, tail):
+        for line in await read_tail_async(path, tail):
             yield line
         # A partial last line was sent whole by read_tail; new bytes continue after it.
         offset = _size(path)
     pending = b""
     while True:
         ended = not alive()  # checked before reading: what the VMM wrote before it ended is read
-        chunk, replaced = _read_from(path, offset)
+        chunk, start, replaced = _read_from(path, offset)
         if replaced:  # a new boot replaced the file: start over
             offset, pending = 0, b""
             continue
-        offset += len(chunk)
+        if start != offset:  # the log's head was trimmed away: what was pending is cut off
+            pending = b""
+        offset = start + len(chunk)
         pending += chunk
         *complete, pending = pending.split(b"\n")
         for raw in complete:
@@ -137,9 +243,9 @@ async def wait_for_marker(
     window = b""
     while True:
         ended = not alive()
-        chunk, _ = _read_from(path, offset)
+        chunk, start, _ = _read_from(path, offset)
         if chunk:
-            offset += len(chunk)
+            offset = start + len(chunk)
             window = window[-len(needle) :] + chunk if needle else chunk
             if needle in window:
                 return time.monotonic() - started

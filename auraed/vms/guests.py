@@ -26,10 +26,10 @@ from auraed.pki import (
     CertificateAuthority,
     PkiError,
     certificate_pem,
-    issue_client_cert,
+    ensure_client_cert,
     load_ca_files,
-    write_pem_files,
 )
+from auraed.system.tasks import run_to_end
 from auraed.vms.guest_config import GuestIdentity, build_config_disk
 from auraed.vms.model import DiskSpec, State, VmRecord, VmSpec
 from auraed.vms.placement import GuestEndpoint
@@ -73,11 +73,9 @@ class GuestTrust:
     def credentials(self) -> grpc.ChannelCredentials:
         """mTLS as ``aurae-host``, trusting only the host CA; the client cert is made once."""
         if self._credentials is None:
-            crt, key = self._pki_dir / f"{HOST_IDENTITY}.crt", self._pki_dir / f"{HOST_IDENTITY}.key"
-            if not crt.exists() or not key.exists():
-                cert, private = issue_client_cert(self.ca(), HOST_IDENTITY)
-                write_pem_files(self._pki_dir, HOST_IDENTITY, cert, private)
-                log.info("issued the host's client certificate for guests: %s", crt)
+            # Reissued unless issued by the current CA and not about to expire: one kept after a
+            # change of CA would be refused by every guest.
+            crt, key = ensure_client_cert(self.ca(), self._pki_dir, HOST_IDENTITY)
             self._credentials = grpc.ssl_channel_credentials(
                 root_certificates=certificate_pem(self.ca().cert),
                 private_key=key.read_bytes(),
@@ -235,6 +233,7 @@ class Guests:
         if not self.is_guest(record.spec):
             return None
         endpoint = await self.lookup(name)
+        handle = self.vms.handle(name)
         try:
             await self.trust.wait_serving(endpoint, self._ready_timeout)
             # Counted from launching the VMM, as console_ready_ms promises (started_at is then).
@@ -244,6 +243,10 @@ class Guests:
             stopped = "; stopped it" if record.state == State.RUNNING else ""
             await self.vms.stop(name, 0.0)
             raise AuraeError(exc.kind, f"{exc.message}{stopped}. Console tail:\n" + "\n".join(tail)) from None
+        except asyncio.CancelledError:
+            # The caller went before its guest served: the boot it asked for is undone.
+            await run_to_end(self.vms.stop_boot(name, handle, "the Start was cancelled"))
+            raise
 
     async def lookup(self, name: str) -> GuestEndpoint:
         """The endpoint of a running guest (for placing work in it)."""

@@ -1,14 +1,19 @@
 """One tap device per VM and an address pair from a private pool, never overlapping the host's network.
 
-The pool (a daemon setting, e.g. 10.213.0.0/16) is cut into /30 blocks: block N is
+The pool (a daemon setting, e.g. 10.213.0.0/16) must be private address space (RFC 1918): VM
+addresses are never public ones someone else owns. It is cut into /30 blocks: block N is
 ``pool + 4 * N``; the host side of the tap gets its ``.1``, the guest its ``.2``. Taps are named
 ``atap<N>`` with the lowest N no link on the host (nor VM of ours) has. A block is used only
-when no VM of ours holds it (persisted in the VM records) and it overlaps no IPv4 address and no
-route the host has, in any routing table, checked right before the block is taken. Default routes
+when no VM of ours holds it (persisted in the VM records; compared by network, not by index: the
+pool may have changed since a VM got its block) and it overlaps no IPv4 address and no route the
+host has, in any routing table, checked right before the block is taken. Default routes
 (0.0.0.0/0) overlap everything and so are not held against a block, but their gateways are.
 
 Nothing here touches an interface that is not one of ours (``atap<N>``) or adds a route: the only
-route that appears is the kernel's connected /30 of the tap's address.
+route that appears is the kernel's connected /30 of the tap's address. The guest at the other end
+of a tap is not trusted, so every tap is hardened before it comes up (``TAP_SYSCTLS``): with the
+kernel's defaults an IPv6 router advertisement from a guest would give the host a default route
+and addresses through the guest, and its ICMP redirects would rewrite the host's routes.
 
 pyroute2 is used with a plain ``IPRoute()``; its network-namespace helpers fork and are not used.
 pyroute2 0.9's synchronous IPRoute drives an asyncio loop of its own, so it cannot be created in a
@@ -30,6 +35,7 @@ import logging
 import re
 import socket
 from collections.abc import Callable, Collection, Iterable
+from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 from auraed.errors import ErrorKind
@@ -42,6 +48,27 @@ BLOCK_PREFIX = 30
 TAP_PREFIX = "atap"
 TAP_NAME = re.compile(r"^atap[0-9]{1,10}$")
 IFNAMSIZ = 15
+
+SYSCTL_NET = Path("/proc/sys/net")
+# (family, setting, value) written for every tap before it is up; see the module's docstring.
+# IPv6 is off on a tap altogether (guests are IPv4-only), accept_ra=0 holds should it be enabled.
+# The IPv4 settings are per interface; for redirects the kernel also honours the host-wide
+# ("all") value, which is the host's own to choose and left alone.
+TAP_SYSCTLS = (
+    ("ipv6", "accept_ra", "0"),
+    ("ipv6", "accept_redirects", "0"),
+    ("ipv6", "disable_ipv6", "1"),
+    ("ipv4", "rp_filter", "1"),  # strict: drop what the guest sends from addresses not its own
+    ("ipv4", "accept_redirects", "0"),
+    ("ipv4", "send_redirects", "0"),
+    ("ipv4", "accept_source_route", "0"),
+)
+
+# RFC 1918's private ranges: the only ones a VM pool may come from. (ipaddress's is_private also
+# admits loopback, link-local, documentation and reserved ranges, none of them fit for VMs.)
+PRIVATE_RANGES = tuple(
+    ipaddress.IPv4Network(text) for text in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")
+)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -106,6 +133,12 @@ def parse_pool(text: str) -> ipaddress.IPv4Network:
         raise VmError(ErrorKind.INVALID_ARGUMENT, f"vm_address_pool: {text!r} is not an IPv4 network")
     if pool.prefixlen > BLOCK_PREFIX:
         raise VmError(ErrorKind.INVALID_ARGUMENT, f"vm_address_pool: {text!r} is smaller than one /30")
+    if not any(pool.subnet_of(private) for private in PRIVATE_RANGES):
+        ranges = ", ".join(map(str, PRIVATE_RANGES))
+        raise VmError(
+            ErrorKind.INVALID_ARGUMENT,
+            f"vm_address_pool: {text!r} is not private address space: it must lie within one of {ranges}",
+        )
     return pool
 
 
@@ -120,9 +153,18 @@ def block(pool: ipaddress.IPv4Network, index: int) -> Block:
     return Block(index, ipaddress.IPv4Network((base, BLOCK_PREFIX)))
 
 
+def block_of(net: NetInfo) -> ipaddress.IPv4Network:
+    """The /30 a VM holds, from its addresses (its index means something only in its pool)."""
+    return ipaddress.IPv4Network(f"{net.host_ip}/{net.prefixlen}", strict=False)
+
+
 def mac_for(guest_ip: ipaddress.IPv4Address) -> str:
     """A locally administered unicast MAC derived from the guest's address (unique on the host)."""
     return "02:ae:" + ":".join(f"{b:02x}" for b in guest_ip.packed)
+
+
+def _held(networks: Iterable[ipaddress.IPv4Network]) -> list[HostNet]:
+    return [HostNet(network, f"held by a VM: {network}") for network in networks]
 
 
 def conflicts(network: ipaddress.IPv4Network, host: Iterable[HostNet]) -> list[HostNet]:
@@ -137,18 +179,25 @@ def tap_name(taken: Collection[str]) -> str:
     return f"{TAP_PREFIX}{index}"
 
 
-def choose_block(pool: ipaddress.IPv4Network, held: Collection[int], host: list[HostNet]) -> Block:
-    """The first block no VM holds and no host address or route touches.
+def choose_block(
+    pool: ipaddress.IPv4Network, held: Collection[ipaddress.IPv4Network], host: list[HostNet]
+) -> Block:
+    """The first block no VM's network (``held``) and no host address or route touches.
 
     FAILED_PRECONDITION when the whole pool overlaps the host's network (a configuration
     mistake that freeing VMs will not fix), RESOURCE_EXHAUSTED when every block is taken.
     """
     pool_conflicts = conflicts(pool, host)
+    held_here = [network for network in held if network.overlaps(pool)]
+    # VMs hold /30s, aligned like every block of any pool: looked up in a set; anything else
+    # (never made by this code) is compared by overlap.
+    held_blocks = {network for network in held_here if network.prefixlen == BLOCK_PREFIX}
+    held_other = _held(network for network in held_here if network.prefixlen != BLOCK_PREFIX)
     overlapping = 0
     first_conflict: HostNet | None = None
     for index in range(block_count(pool)):
         candidate = block(pool, index)
-        if index in held:
+        if candidate.network in held_blocks or conflicts(candidate.network, held_other):
             continue
         hits = conflicts(candidate.network, pool_conflicts)
         if hits:
@@ -164,7 +213,7 @@ def choose_block(pool: ipaddress.IPv4Network, held: Collection[int], host: list[
             "without breaking the host's routing; configure vm_address_pool to a range the host does "
             "not use"
         )
-    detail = f"{len(held)} held by VMs"
+    detail = f"{len(held_here)} held by VMs"
     if overlapping:
         what = first_conflict.what if first_conflict else "?"
         detail += f", {overlapping} overlapping the host's addresses or routes (e.g. {what})"
@@ -230,9 +279,9 @@ def _check_ours(tap: str) -> None:
 
 
 @_off_loop
-def pick(pool: ipaddress.IPv4Network, held_blocks: Collection[int], held_taps: Collection[str]) -> NetInfo:
-    """A block and a tap name for a new VM, against the host as it is now."""
-    block = choose_block(pool, held_blocks, host_networks())
+def pick(pool: ipaddress.IPv4Network, held: Collection[NetInfo], held_taps: Collection[str]) -> NetInfo:
+    """A block and a tap name for a new VM, against the host as it is now and the VMs' ``held``."""
+    block = choose_block(pool, [block_of(net) for net in held], host_networks())
     return block.net_info(tap_name({*link_names(), *held_taps}))
 
 
@@ -259,6 +308,7 @@ def create_tap(net: NetInfo, owner: str) -> None:
         try:
             index = _lookup(ipr, net.tap)
             ipr.link("set", index=index, ifalias=owner)
+            harden_tap(net.tap)  # before it is up: nothing from the guest arrives earlier
             ipr.addr("add", index=index, address=net.host_ip, prefixlen=net.prefixlen)
             ipr.link("set", index=index, state="up")
         except BaseException:
@@ -266,6 +316,23 @@ def create_tap(net: NetInfo, owner: str) -> None:
                 ipr.link("del", ifname=net.tap)
             raise
     log.info("created tap %s with %s/%d (guest %s)", net.tap, net.host_ip, net.prefixlen, net.guest_ip)
+
+
+def harden_tap(tap: str) -> None:
+    """Write ``TAP_SYSCTLS`` for ``tap`` (in the calling thread's network namespace).
+
+    IPv6 settings are skipped when the kernel has no IPv6 at all (no ipv6 directory): then there
+    is nothing to accept. Any other failure is an error: a tap is not brought up half-hardened.
+    """
+    _check_ours(tap)
+    for family, setting, value in TAP_SYSCTLS:
+        if family == "ipv6" and not (SYSCTL_NET / family).is_dir():
+            continue
+        path = SYSCTL_NET / family / "conf" / tap / setting
+        try:
+            path.write_text(value)
+        except OSError as exc:
+            raise VmError.internal(f"cannot harden tap {tap}: {path}: {exc.strerror or exc}") from None
 
 
 @_off_loop

@@ -24,16 +24,19 @@ import grpc
 from auraed import codec
 from auraed.api.aurae.containers import v0 as pb
 from auraed.client.client import VM_METADATA_KEY
-from auraed.errors import AuraeError
+from auraed.errors import AuraeError, ErrorKind
 from auraed.images.content import ContentStore
 from auraed.images.images import Images
 from auraed.images.model import MAX_MANIFEST_BYTES, ImageRecord
 from auraed.server.rpc import Context, first_handler, status_for
+from auraed.vms.errors import VmError
 
 log = logging.getLogger(__name__)
 
 CONTAINERS = "aurae.containers.v0.ContainerService"
 CHUNK = 1 << 20
+MAX_NAMED = 3  # blobs named in an error message, at most
+MAX_DIGEST_CHARS = 80  # a peer's "digest" or VM name is any string; error messages keep it short
 
 
 def _never_closed() -> str:
@@ -60,32 +63,85 @@ GuestLookup = Callable[[str], Awaitable[GuestEndpoint]]
 async def send_image(
     channel: grpc.aio.Channel, image: ImageRecord, content: ContentStore, reference: str
 ) -> int:
-    """Make ``image`` exist in the guest under ``reference``; the number of blobs sent."""
+    """Make ``image`` exist in the guest under ``reference``; the number of blobs sent.
+
+    Only blobs of ``image`` ever leave the host: a guest naming any other blob as missing (it
+    could name another tenant's layers) is refused with PERMISSION_DENIED and sent nothing. A blob
+    that cannot be read ends the placement with INTERNAL naming it.
+    """
     digests = [image.id, *(layer.digest for layer in image.layers)]
     # Bytes in and out, encoded and decoded here: grpc's hooks would hide a failure.
     request = codec.encode(pb.ContainerServiceMissingBlobsRequest(digests=digests))
     reply = await channel.unary_unary(f"/{CONTAINERS}/MissingBlobs")(request)
-    missing = codec.decode(pb.ContainerServiceMissingBlobsResponse, reply).digests
-    manifest = content.read_blob(image.manifest_digest, MAX_MANIFEST_BYTES)
-
-    async def requests() -> AsyncIterator[bytes]:
-        header = pb.ImportImageHeader(
-            reference=reference, manifest=manifest, manifest_media_type=image.manifest_media_type
+    missing = list(dict.fromkeys(codec.decode(pb.ContainerServiceMissingBlobsResponse, reply).digests))
+    foreign = [d for d in missing if d not in image.blobs]
+    if foreign:
+        log.warning("a guest asked for blobs not of image %s: %s", reference, foreign[:MAX_NAMED])
+        raise VmError(
+            ErrorKind.PERMISSION_DENIED,
+            f"the guest asked for blobs that are not of image {reference}: "
+            f"{', '.join(d[:MAX_DIGEST_CHARS] for d in foreign[:MAX_NAMED])}; sent nothing",
         )
-        yield codec.encode(pb.ContainerServiceImportImageRequest(header=header))
-        for digest in missing:
-            with content.blob_path(digest).open("rb") as blob:
-                chunk = blob.read(CHUNK)
-                while True:
+    try:
+        manifest = content.read_blob(image.manifest_digest, MAX_MANIFEST_BYTES)
+    except OSError as exc:
+        raise _unreadable(image.manifest_digest, reference, exc) from None
+    header = pb.ImportImageHeader(
+        reference=reference, manifest=manifest, manifest_media_type=image.manifest_media_type
+    )
+    failed: list[VmError] = []
+    call = channel.stream_unary(f"/{CONTAINERS}/ImportImage")(
+        _import_requests(header, missing, content, failed)
+    )
+    try:
+        await call
+    except asyncio.CancelledError:
+        # grpc cancels the call when its request iterator fails; report why, unless this task
+        # itself is being cancelled.
+        task = asyncio.current_task()
+        if failed and (task is None or not task.cancelling()):
+            raise failed[0] from None
+        raise
+    if failed:
+        raise failed[0]
+    return len(missing)
+
+
+async def _import_requests(
+    header: pb.ImportImageHeader, missing: Sequence[str], content: ContentStore, failed: list[VmError]
+) -> AsyncIterator[bytes]:
+    """ImportImage's requests: the header, then each missing blob in chunks.
+
+    A blob that cannot be read is put in ``failed`` and the stream ends with an error, which
+    makes grpc cancel the call (an error raised here never reaches the caller on its own).
+    """
+    yield codec.encode(pb.ContainerServiceImportImageRequest(header=header))
+    for digest in missing:
+        try:
+            blob = content.blob_path(digest).open("rb")
+        except OSError as exc:
+            failed.append(_unreadable(digest, header.reference, exc))
+            raise failed[-1] from None
+        with blob:
+            chunk = b""
+            while True:
+                try:
                     following = blob.read(CHUNK)
+                except OSError as exc:
+                    failed.append(_unreadable(digest, header.reference, exc))
+                    raise failed[-1] from None
+                if chunk or not following:  # the last chunk says so; an empty blob is one chunk
                     blob_chunk = pb.BlobChunk(digest=digest, data=chunk, last=not following)
                     yield codec.encode(pb.ContainerServiceImportImageRequest(chunk=blob_chunk))
-                    if not following:
-                        break
-                    chunk = following
+                if not following:
+                    break
+                chunk = following
 
-    await channel.stream_unary(f"/{CONTAINERS}/ImportImage")(requests())
-    return len(missing)
+
+def _unreadable(digest: str, reference: str, exc: OSError) -> VmError:
+    return VmError.internal(
+        f"blob {digest} of image {reference} cannot be read from the host's store: {exc.strerror or exc}"
+    )
 
 
 class GuestRouter(grpc.GenericRpcHandler):  # type: ignore[misc]
@@ -102,9 +158,12 @@ class GuestRouter(grpc.GenericRpcHandler):  # type: ignore[misc]
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         local = first_handler(self._local, details)
-        if local is None or not details.method.startswith(f"/{CONTAINERS}/"):
-            return local
-        if not _vm_named(details.invocation_metadata):
+        vm = _vm_named(details.invocation_metadata)
+        if not details.method.startswith(f"/{CONTAINERS}/"):
+            # Only ContainerService calls go to guests: any other call naming a VM would be
+            # served by the host instead, with the caller believing it ran in the guest.
+            return _refusal(details.method, vm) if vm else local
+        if local is None or not vm:
             return local
         forwarder = self._forwarders.get(details.method)
         if forwarder is None:
@@ -209,6 +268,20 @@ class GuestRouter(grpc.GenericRpcHandler):  # type: ignore[misc]
     def _forget_placed(self, vm: str, keep_boot: float | None = None) -> None:
         """Forget what was placed in ``vm``, except in its boot ``keep_boot``."""
         self._placed = {key for key in self._placed if key[0] != vm or key[1] == keep_boot}
+
+
+def _refusal(method: str, vm: str) -> grpc.RpcMethodHandler:
+    """A handler refusing ``method`` for naming ``vm``; streaming both ways, so it fits any call
+    (the caller's arity does not show on the wire, and its requests are never read)."""
+    message = (
+        f"{method} names VM {vm[:MAX_DIGEST_CHARS]!r} ({VM_METADATA_KEY}), but only ContainerService "
+        "calls are placed in guests; call it without the VM"
+    )
+
+    async def refuse(requests: AsyncIterator[bytes], context: Context) -> None:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+    return grpc.stream_stream_rpc_method_handler(refuse)
 
 
 def _vm_named(metadata: Any) -> str:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from auraed.errors import ErrorKind
 from auraed.system import processes
+from auraed.system.tasks import run_to_end
 from auraed.vms import backend as common
 from auraed.vms.backend import ExitInfo, LaunchSpec, VmHandle
 from auraed.vms.errors import VmError
@@ -158,7 +159,8 @@ class QemuBackend:
             kernel_cmdline=cmdline,
         )
         log.debug("starting VM %s: %s", spec.name, " ".join(argv))
-        process = await asyncio.to_thread(common.spawn, argv, run_dir)
+        # To completion: a QEMU spawned by a thread its caller stopped waiting for would run on.
+        process = await run_to_end(asyncio.to_thread(common.spawn, argv, run_dir))
         handle = VmHandle(
             backend=self.name,
             pid=process.pid,
@@ -175,7 +177,7 @@ class QemuBackend:
             if status not in ("running", "prelaunch"):
                 raise VmError.internal(f"QEMU reports the new VM {status!r}, not running")
         except BaseException:
-            await self.kill(handle)
+            await run_to_end(self.kill(handle))
             raise
         return handle
 

@@ -10,7 +10,7 @@ from auraed.server.rpc import Context
 from auraed.vms.errors import VmError
 from auraed.vms.guests import Guests
 from auraed.vms.model import State, parse_vm
-from auraed.vms.vms import DEFAULT_START_TIMEOUT, Vms, VmView
+from auraed.vms.vms import DEFAULT_START_TIMEOUT, TAIL_LINE_MAX, Vms, VmView
 
 SERVICE_NAME = "aurae.vms.v0.VmService"
 MAX_TAIL = 1_000_000
@@ -57,7 +57,8 @@ def status_message(view: VmView) -> pb.VmStatus:
         exit_code=record.exit_code,
         signal=record.signal,
         reason=record.reason,
-        console_tail=list(record.console_tail),
+        # Cut here too: records saved before tails were cut may hold lines of any length.
+        console_tail=[line[:TAIL_LINE_MAX] for line in record.console_tail],
     )
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from auraed.errors import ErrorKind
 from auraed.state.store import Store
+from auraed.system.tasks import run_to_end
 from auraed.vms import backend as common
 from auraed.vms import console, network
 from auraed.vms.backend import Backend, ExitInfo, LaunchDisk, LaunchNet, LaunchSpec, VmHandle
@@ -45,6 +46,9 @@ log = logging.getLogger(__name__)
 
 KIND = "vm"
 TAIL_LINES = 20
+# A line of a tail kept in a record (and sent with every status, List's for each VM) is cut here:
+# one endless line from a guest would otherwise make replies too large to send.
+TAIL_LINE_MAX = 1024
 STATUS_TIMEOUT = 5.0
 DEFAULT_START_TIMEOUT = 60.0
 
@@ -57,6 +61,11 @@ class VmView:
     backend_status: str
     pid: int
     address: str
+
+
+def tail_of(console_path: Path, lines: int = TAIL_LINES) -> list[str]:
+    """A console's tail as records keep it and errors quote it: a few short lines, a small read."""
+    return console.read_tail(console_path, lines, TAIL_LINE_MAX)
 
 
 def tap_owner(record: VmRecord) -> str:
@@ -106,6 +115,7 @@ class Vms:
         pool: ipaddress.IPv4Network,
         guest_port: int = 8080,
         default_stop_timeout: float = 10.0,
+        console_log_limit: int = console.LOG_LIMIT,
     ) -> None:
         self._store = store
         self.backends = dict(backends)
@@ -113,6 +123,7 @@ class Vms:
         self.pool = pool
         self.guest_port = guest_port
         self.default_stop_timeout = default_stop_timeout
+        self.console_log_limit = console_log_limit
         self._records: dict[str, VmRecord] = {}
         self._live: dict[str, _Live] = {}
         self._vm_locks: dict[str, asyncio.Lock] = {}
@@ -165,17 +176,17 @@ class Vms:
             record = VmRecord(spec=spec, backend=backend, run_dir=str(self.run_dir(spec.name)))
             if spec.network:
                 nets = [r.net for r in self._records.values() if r.net is not None]
-                record.net = await asyncio.to_thread(
-                    network.pick, self.pool, {n.index for n in nets}, {n.tap for n in nets}
-                )
+                record.net = await asyncio.to_thread(network.pick, self.pool, nets, {n.tap for n in nets})
             # The record (with its block) exists before the tap: a crash in between is cleaned at start.
             self._save(record)
             try:
-                await asyncio.to_thread(self._make, record)
+                # Made to the end even when the caller goes (a client hanging up cancels us): the
+                # thread making the tap would go on regardless, and undoing it must follow it.
+                await run_to_end(asyncio.to_thread(self._make, record))
                 record.state = State.ALLOCATED
                 self._save(record)  # may fail too (a full disk): then nothing stays either
             except BaseException:
-                await asyncio.to_thread(self._unmake, record)
+                await run_to_end(asyncio.to_thread(self._unmake, record))
                 self._delete(record)
                 raise
         log.info(
@@ -275,10 +286,14 @@ class Vms:
             try:
                 handle = await backend.start(self._launch_spec(record, timeout))
             except BaseException as exc:
+                # A cancelled start may have left a VMM the backend never returned (spawned in a
+                # thread, or killed by a cleanup cancelled in turn): none may outlive the start.
+                await run_to_end(asyncio.to_thread(common.kill_processes_referencing, Path(record.run_dir)))
                 record.state = State.STOPPED
-                record.reason = f"start failed: {exc}"
+                why = "cancelled" if isinstance(exc, asyncio.CancelledError) else str(exc)
+                record.reason = f"start failed: {why}"
                 record.finished_at = time.time()
-                record.console_tail = console.read_tail(record.console_path, TAIL_LINES)
+                record.console_tail = tail_of(record.console_path)
                 self._save(record)
                 raise
             record.run = handle.run_info()
@@ -296,7 +311,7 @@ class Vms:
                 handle.console_path, wait_for_console, remaining, alive=lambda: self._is_live(name, handle)
             )
         except console.MarkerTimeout:
-            tail = console.read_tail(handle.console_path, TAIL_LINES)
+            tail = tail_of(handle.console_path)
             why = f"{wait_for_console!r} not on the console within {timeout:g} s"
             async with self._vm_lock(name):
                 if self._is_live(name, handle):
@@ -311,7 +326,23 @@ class Vms:
                 f"VM {name} ended ({record.reason}) before {wait_for_console!r} appeared on the console. "
                 "Console tail:\n" + "\n".join(record.console_tail)
             ) from None
+        except asyncio.CancelledError:
+            await run_to_end(self.stop_boot(name, handle, "the Start was cancelled"))
+            raise
         return record, time.monotonic() - launched
+
+    async def stop_boot(self, name: str, handle: VmHandle | None, why: str) -> None:
+        """End a boot its Start gave up on (``handle``'s, or the current one), saying ``why``.
+
+        A Start undone (cancelled, or its guest never ready) leaves the VM stopped, as a failed
+        one does, rather than running unbeknown to whoever asked for it.
+        """
+        async with self._vm_lock(name):
+            live = self._live.get(name)
+            if live is None or (handle is not None and live.handle is not handle):
+                return  # ended, or already booted again by another Start
+            if self._running(name):
+                await self._stop(self.get(name), 0.0, reason=why)
 
     def _is_live(self, name: str, handle: VmHandle) -> bool:
         """The VM still runs the VMM of ``handle`` (not ended, not replaced by a new start)."""
@@ -326,6 +357,9 @@ class Vms:
         if record.net is not None and not network.tap_exists(record.net.tap):
             # Gone with a reboot of the host: make it again (checked against the host again).
             network.create_tap(record.net, tap_owner(record))
+        elif record.net is not None and network.tap_owner(record.net.tap) == tap_owner(record):
+            # Made by an auraed that did not harden taps yet: hardened before the guest runs.
+            network.harden_tap(record.net.tap)
 
     async def stop(self, name: str, timeout: float | None = None) -> VmRecord:
         """Power the guest off, ending the VMM after ``timeout``; a VM not running is left as it is."""
@@ -370,6 +404,10 @@ class Vms:
 
     async def _watcher(self, record: VmRecord, live: _Live) -> None:
         backend = self.backends[record.backend]
+        trimmer = asyncio.get_running_loop().create_task(
+            console.keep_trimmed(live.handle.console_path, self.console_log_limit),
+            name=f"vm-console-{record.name}",
+        )
         try:
             info = await backend.wait(live.handle)
         except asyncio.CancelledError:
@@ -377,13 +415,15 @@ class Vms:
         except Exception as exc:  # never let a watcher die silently
             log.exception("VM %s: watching its VMM failed", record.name)
             info = ExitInfo(None, None, None, f"watching the VMM failed: {exc}")
+        finally:
+            trimmer.cancel()
         with contextlib.suppress(Exception):
             await backend.close(live.handle)
         # Last, with no await after it: whoever sees the new state also sees the watcher done.
         self._ended(record, live, info)
 
     def _ended(self, record: VmRecord, live: _Live | None, info: ExitInfo) -> None:
-        tail = console.read_tail(record.console_path, TAIL_LINES)
+        tail = tail_of(record.console_path)
         guest = info.guest_initiated
         if guest is None:
             guest = console.powered_off(tail)
@@ -435,7 +475,7 @@ class Vms:
         return list(await asyncio.gather(*(self.view(r) for r in records)))
 
     def console_tail(self, name: str, lines: int = TAIL_LINES) -> builtins.list[str]:
-        return console.read_tail(self.get(name).console_path, lines)
+        return tail_of(self.get(name).console_path, lines)
 
     async def console(self, name: str, tail: int | None, follow: bool) -> AsyncIterator[str]:
         record = self.get(name)
@@ -517,7 +557,7 @@ class Vms:
         if record.run is None:
             record.state, record.reason = State.STOPPED, "auraed stopped while starting it"
             record.finished_at = time.time()
-            record.console_tail = console.read_tail(record.console_path, TAIL_LINES)
+            record.console_tail = tail_of(record.console_path)
             record.run = None
             self._save(record)
             common.remove_quietly(*(Path(record.run_dir) / n for n in ("qmp.sock", "api.sock")))

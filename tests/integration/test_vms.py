@@ -54,14 +54,15 @@ BOOT_TIMEOUT = 120.0
 TEST_RANGE = ipaddress.IPv4Network("10.213.192.0/18")
 
 
-def free_test_pool(prefixlen: int = 28) -> ipaddress.IPv4Network:
+def free_test_pool(prefixlen: int = 28, within: ipaddress.IPv4Network = TEST_RANGE) -> ipaddress.IPv4Network:
+    """A random /``prefixlen`` of ``within`` that nothing on the host overlaps."""
     host = network.host_networks()
-    candidates = list(TEST_RANGE.subnets(new_prefix=prefixlen))
+    candidates = list(within.subnets(new_prefix=prefixlen))
     random.shuffle(candidates)
     for pool in candidates:
         if not network.conflicts(pool, host):
             return pool
-    raise AssertionError(f"no free /{prefixlen} in {TEST_RANGE} on this host")
+    raise AssertionError(f"no free /{prefixlen} in {within} on this host")
 
 
 class VmEnv:

@@ -52,12 +52,51 @@ def test_parse_pool() -> None:
         assert caught.value.kind is ErrorKind.INVALID_ARGUMENT
 
 
+def test_a_pool_must_be_private_address_space() -> None:
+    for private in ("10.0.0.0/8", "172.16.0.0/12", "172.31.255.0/24", "192.168.7.0/24"):
+        assert parse_pool(private) == ipaddress.IPv4Network(private)
+    # Public space (someone else's), and ranges that are not RFC 1918 even where ipaddress calls
+    # them private: documentation, loopback, link-local, shared (CGNAT), reserved; and pools
+    # straddling the edge of a private range.
+    for public in (
+        "8.8.8.0/24",
+        "198.51.100.0/24",
+        "127.0.0.0/16",
+        "169.254.0.0/16",
+        "100.64.0.0/10",
+        "240.0.0.0/24",
+        "172.0.0.0/8",
+        "10.0.0.0/7",
+        "192.168.0.0/15",
+        "0.0.0.0/0",
+    ):
+        with pytest.raises(VmError) as caught:
+            parse_pool(public)
+        assert caught.value.kind is ErrorKind.INVALID_ARGUMENT
+        assert "private" in caught.value.message and public in caught.value.message
+
+
+def test_blocks_are_held_by_network_across_a_pool_change() -> None:
+    # A VM got 10.213.0.20/30, block 5 of the pool 10.213.0.0/16. The pool is then changed to
+    # 10.213.0.16/28, where that /30 is block 1 and block 5 does not exist.
+    old = block(POOL, 5).network
+    pool = ipaddress.IPv4Network("10.213.0.16/28")
+    assert block(pool, 1).network == old
+    held = {old, block(POOL, 4).network}  # 10.213.0.16/30: block 0 of the new pool too
+    assert choose_block(pool, held=held, host=[]).network == ipaddress.IPv4Network("10.213.0.24/30")
+    # Blocks outside the pool hold nothing in it; a pool whose every block is held is exhausted.
+    assert choose_block(pool, held={ipaddress.IPv4Network("10.9.0.0/30")}, host=[]).index == 0
+    with pytest.raises(VmError) as caught:
+        choose_block(ipaddress.IPv4Network("10.213.0.20/30"), held=held, host=[])
+    assert caught.value.kind is ErrorKind.RESOURCE_EXHAUSTED and "1 held" in caught.value.message
+
+
 def test_choose_skips_held_and_overlapping_blocks() -> None:
     host = [
         net("192.0.2.0/24", "route 192.0.2.0/24 dev eth0"),
         net("10.213.0.4/32", "address 10.213.0.4/32 on lo"),
     ]
-    chosen = choose_block(POOL, held={0}, host=host)
+    chosen = choose_block(POOL, held={block(POOL, 0).network}, host=host)
     assert chosen.index == 2  # 0 held, 1 (10.213.0.4/30) overlaps the host's address
     assert choose_block(POOL, held=set(), host=[]).index == 0
     # A host route covering part of the pool: the blocks inside it are skipped.
@@ -73,11 +112,13 @@ def test_tap_names() -> None:
 def test_exhausted_pool() -> None:
     pool = ipaddress.IPv4Network("10.213.7.0/29")
     with pytest.raises(VmError) as caught:
-        choose_block(pool, held={0, 1}, host=[])
+        choose_block(pool, held={block(pool, 0).network, block(pool, 1).network}, host=[])
     assert caught.value.kind is ErrorKind.RESOURCE_EXHAUSTED
     assert "10.213.7.0/29" in caught.value.message and "2 held" in caught.value.message
     with pytest.raises(VmError) as caught:
-        choose_block(pool, held={0}, host=[net("10.213.7.4/30", "route 10.213.7.4/30 dev atap9")])
+        choose_block(
+            pool, held={block(pool, 0).network}, host=[net("10.213.7.4/30", "route 10.213.7.4/30 dev atap9")]
+        )
     assert caught.value.kind is ErrorKind.RESOURCE_EXHAUSTED
     assert "atap9" in caught.value.message
 
