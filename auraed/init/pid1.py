@@ -8,7 +8,8 @@
    the subprocess hook that registers auraed's own children (see :mod:`auraed.init.reaper`).
    Then, only for the machine's init (PID 1 of the initial pid namespace): Ctrl-Alt-Del to SIGINT
    (when power-off is allowed), the hostname (``auraed.hostname=``), the config disk read-only at
-   /etc/aurae (guests: ``/dev/vdb``; hosts only with ``auraed.config_disk=<device>``), the network
+   /etc/aurae (guests: the disk with serial ``config``; hosts only with
+   ``auraed.config_disk=<device>``), the network
    (``auraed.ip=<addr>/<prefix>``, ``auraed.gateway=<addr>``, ``auraed.iface=`` default eth0: lo up,
    address, up, default route, by ioctls), and the evdev/ACPI button modules when no power button
    is visible yet.
@@ -87,7 +88,10 @@ MOUNTS: tuple[tuple[str, str, str, int, str | None], ...] = (
 )
 CONFIG_DIR = "etc/aurae"
 CONFIG_DISK_FSTYPES = ("squashfs", "erofs")
-GUEST_CONFIG_DISK = "/dev/vdb"
+# The host adds a guest's config disk (vms/guests.py) after any disks the VM was given, so it is
+# found by its virtio serial, not by its place (/dev/vdb is the first extra disk).
+GUEST_CONFIG_SERIAL = "config"
+GUEST_CONFIG_DISK = f"serial={GUEST_CONFIG_SERIAL}"
 DEVICE_WAIT = 5.0  # seconds for the config disk's node to appear
 INTERFACE_WAIT = 10.0  # seconds for eth0 to appear (virtio_net may still be probing)
 TERMINATE_GRACE = 5.0  # seconds between SIGTERM and SIGKILL to every process at the end
@@ -360,7 +364,8 @@ class Pid1:
         """The config disk read-only at <root>/etc/aurae (before the configuration is loaded).
 
         ``auraed.config_disk=`` names the device, or ``serial=NAME`` for the virtio disk with that
-        serial (QEMU ``-device virtio-blk-*,serial=NAME``); a guest defaults to /dev/vdb.
+        serial (QEMU ``-device virtio-blk-*,serial=NAME``); a guest's default is the disk whose serial
+        is GUEST_CONFIG_SERIAL.
         """
         wanted = self.args.config_disk or (self.layout.config_device if self.args.guest else "")
         if not wanted:

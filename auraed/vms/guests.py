@@ -22,6 +22,7 @@ import grpc
 from auraed.api.aurae.vms import v0 as vms_pb
 from auraed.client.client import channel_options
 from auraed.errors import AuraeError, ErrorKind
+from auraed.init.pid1 import GUEST_CONFIG_SERIAL
 from auraed.pki import (
     CertificateAuthority,
     PkiError,
@@ -164,7 +165,6 @@ def identity_for(name: str, guest_address: str, host_address: str, port: int) ->
 
 
 CONFIG_DISK = "config.img"
-CONFIG_SERIAL = "config"
 GUEST_IMAGE_FILES = {"kernel": "vmlinuz", "initramfs": "initramfs.img", "root_disk": "rootfs.img"}
 
 
@@ -209,7 +209,14 @@ class Guests:
     def with_config_disk(self, spec: VmSpec) -> VmSpec:
         if not self.is_guest(spec):
             return spec
-        disk = DiskSpec(str(self.vms.run_dir(spec.name) / CONFIG_DISK), False, CONFIG_SERIAL)
+        if any(d.serial == GUEST_CONFIG_SERIAL for d in spec.extra_disks):
+            # The guest finds its config disk by this serial (init/pid1.py).
+            raise AuraeError(
+                ErrorKind.INVALID_ARGUMENT,
+                f"vm.extra_disks: serial {GUEST_CONFIG_SERIAL!r} is the guest's config disk's; "
+                "choose another",
+            )
+        disk = DiskSpec(str(self.vms.run_dir(spec.name) / CONFIG_DISK), False, GUEST_CONFIG_SERIAL)
         return dataclasses.replace(spec, extra_disks=(*spec.extra_disks, disk))
 
     def identity(self, record: VmRecord) -> GuestIdentity:

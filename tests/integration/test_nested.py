@@ -27,6 +27,7 @@ from tests.support.images import BuiltImage
 
 VMS = "aurae.vms.v0.VmService"
 IMAGE = "localhost/busybox:nested"
+DATA_DISK_BYTES = 1 << 20
 
 
 @pytest.fixture
@@ -56,21 +57,24 @@ def guest_client(
     return AuraeClient.connect(config)
 
 
-async def _allocate_g1(client: AuraeClient, busybox_layout: BuiltImage) -> None:
-    """The busybox image in the host's store, and a guest VM g1 allocated (not started)."""
+async def _allocate_g1(client: AuraeClient, busybox_layout: BuiltImage, *disks: Path) -> None:
+    """The busybox image in the host's store, and a guest VM g1 allocated (not started) with
+    ``disks`` as extra disks."""
     await import_layout(client, busybox_layout.layout, IMAGE)
-    await client.call(
-        VMS,
-        "Allocate",
-        vms.VmServiceAllocateRequest(vm=vms.VirtualMachine(name="g1", role="guest", memory_mib=768)),
-    )
+    extra = [vms.Disk(path=str(disk)) for disk in disks]
+    guest = vms.VirtualMachine(name="g1", role="guest", memory_mib=768, extra_disks=extra)
+    await client.call(VMS, "Allocate", vms.VmServiceAllocateRequest(vm=guest))
 
 
 async def test_guest_boots_and_runs_a_placed_container(
     host: DaemonProcess, busybox_layout: BuiltImage, tmp_path: Path
 ) -> None:
+    # A disk of the user's comes before the config disk the host adds: the guest finds its
+    # config by the disk's serial, not at /dev/vdb (where this one is).
+    data_disk = tmp_path / "data.img"
+    data_disk.write_bytes(bytes(DATA_DISK_BYTES))
     async with host.client() as client:
-        await _allocate_g1(client, busybox_layout)
+        await _allocate_g1(client, busybox_layout, data_disk)
         sent = time.monotonic()
         started = await client.call(VMS, "Start", vms.VmServiceStartRequest(name="g1"), timeout=300)
         took_ms = (time.monotonic() - sent) * 1000

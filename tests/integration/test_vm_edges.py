@@ -35,7 +35,7 @@ import grpc
 import pytest
 
 from auraed.api.aurae.vms import v0 as pb
-from auraed.errors import ErrorKind
+from auraed.errors import AuraeError, ErrorKind
 from auraed.pki import PkiPaths
 from auraed.server.rpc import generic_handler
 from auraed.state.store import Store
@@ -59,6 +59,7 @@ T = TypeVar("T")
 # Test pools come from here (apart from test_vms.py's range), checked free on the host.
 TEST_RANGE = ipaddress.IPv4Network("10.213.128.0/18")
 MEMORY_MIB = 64
+DATA_DISK_BYTES = 4096
 SETTLE = 1.0  # seconds for work a cancelled call left in a thread to finish (it would leak then)
 GUEST_READY_TIMEOUT = 120.0  # longer than the test waits: only the cancellation ends the wait
 GUEST_WAITED = 0.5  # seconds the host waits for the guest before the Start is cancelled
@@ -474,3 +475,24 @@ async def eventually(predicate: Callable[[], object], timeout: float = 30.0) -> 
             return
         await asyncio.sleep(0.05)
     raise AssertionError("condition not met in time")
+
+
+async def test_a_guest_s_disk_may_not_take_the_config_disk_s_serial(env: Env) -> None:
+    """The guest finds its config disk by serial: a disk of the VM's own may not claim it."""
+    guests = _no_guests(env.vms())
+    disk = env.root / "data.img"
+    disk.write_bytes(bytes(DATA_DISK_BYTES))
+
+    def guest_with(serial: str) -> VmSpec:
+        extra = [pb.Disk(path=str(disk), serial=serial)]
+        message = pb.VirtualMachine(
+            name="g", kernel=str(env.kernel), memory_mib=MEMORY_MIB, role="guest", extra_disks=extra
+        )
+        return parse_vm(message)
+
+    with pytest.raises(AuraeError) as refused:
+        guests.with_config_disk(guest_with("config"))
+    assert refused.value.kind == ErrorKind.INVALID_ARGUMENT and "'config'" in refused.value.message
+    # Any other serial: the config disk comes after the VM's own disks.
+    serials = [d.serial for d in guests.with_config_disk(guest_with("data")).extra_disks]
+    assert serials == ["data", "config"]

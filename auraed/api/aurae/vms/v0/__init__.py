@@ -179,7 +179,9 @@ class VirtualMachine(betterproto2.Message):
 
     extra_disks: "list[Disk]" = betterproto2.field(7, betterproto2.TYPE_MESSAGE, repeated=True)
     """
-    Further disks (a config disk, say), attached after the root disk in this order (/dev/vdb, ...).
+    Further disks, attached after the root disk in this order (/dev/vdb, ...). For role "guest" the
+    host adds its config disk after these, with serial "config" (reserved there), which the guest
+    finds by that serial.
     """
 
     kernel_args: "list[str]" = betterproto2.field(8, betterproto2.TYPE_STRING, repeated=True)
