@@ -5,6 +5,8 @@ from __future__ import annotations
 import fnmatch
 import inspect
 import logging
+import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,6 +17,36 @@ from auraed.server.gate import CallGate
 from auraed.server.rpc import Context, capped, first_handler
 
 log = logging.getLogger(__name__)
+
+
+# A refusal is logged at once, then its repeats (same identities and method) at most this often,
+# with their count: a client retrying in a loop must not fill the log (journald, disks).
+REFUSAL_LOG_INTERVAL = 60.0
+# Refusals remembered for that; past this many distinct ones the oldest are forgotten.
+MAX_REFUSALS_TRACKED = 1024
+
+
+class RefusalLog:
+    """Logs refused calls, each kind of refusal at most once per REFUSAL_LOG_INTERVAL."""
+
+    def __init__(self, interval: float = REFUSAL_LOG_INTERVAL) -> None:
+        self._interval = interval
+        # (who, method) -> (when last logged, refusals not logged since)
+        self._seen: dict[tuple[str, str], tuple[float, int]] = {}
+
+    def refused(self, who: str, method: str, why: str) -> None:
+        now = time.monotonic()
+        key = (who, method)
+        logged_at, unlogged = self._seen.get(key, (-math.inf, 0))
+        if now - logged_at < self._interval:
+            self._seen[key] = (logged_at, unlogged + 1)
+            return
+        self._seen.pop(key, None)  # re-inserted last: the dict stays in order of logging
+        if len(self._seen) >= MAX_REFUSALS_TRACKED:
+            del self._seen[next(iter(self._seen))]
+        self._seen[key] = (now, 0)
+        more = f" ({unlogged} more like it since the last report)" if unlogged else ""
+        log.warning("refused %s for %s: %s%s", method, who, why, more)
 
 
 # The auth context properties naming a client, as grpc fills them from the verified certificate:
@@ -66,6 +98,7 @@ class AuthorizedHandlers(grpc.GenericRpcHandler):  # type: ignore[misc]
         # Checked here, in the one wrapper every call passes, rather than in another layer.
         self._gate = gate or CallGate()
         self._inner = tuple(inner)
+        self._refusals = RefusalLog()
         self._guarded: dict[tuple[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler] = {}
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
@@ -82,14 +115,11 @@ class AuthorizedHandlers(grpc.GenericRpcHandler):  # type: ignore[misc]
         await self._gate.admit(context)
         identities = peer_identities(context)
         if not identities:
-            log.warning("refused %s: the peer presented no certificate identity", method)
+            self._refusals.refused("a peer", method, "it presented no certificate identity")
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a client certificate is required")
         if not is_allowed(self._policy, identities, method):
-            log.warning(
-                "refused %s for identity %s: not allowed by the authorization policy",
-                method,
-                ",".join(identities),
-            )
+            who = "identity " + ",".join(identities)
+            self._refusals.refused(who, method, "not allowed by the authorization policy")
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED, capped(f"identity {identities[0]!r} may not call {method}")
             )

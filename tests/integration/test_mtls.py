@@ -259,6 +259,24 @@ default = []
 """
 
 
+REPEATED_REFUSALS = 30
+
+
+async def test_a_client_refused_in_a_loop_is_logged_once(daemon_factory: DaemonFactory) -> None:
+    """Each kind of refusal is logged once a minute, not once a call: a client retrying a denied
+    call in a loop must not fill the daemon's log."""
+    daemon = daemon_factory(config_text=POLICY)
+    async with daemon.client("reader") as reader:
+        for _ in range(REPEATED_REFUSALS):
+            with pytest.raises(ClientError):
+                await reader.call("aurae.cells.v0.CellService", "List", cells.CellServiceListRequest())
+        with pytest.raises(ClientError):  # another method: another refusal, logged too
+            await reader.call(CONTAINERS, "List", containers.ContainerServiceListRequest())
+    log = daemon.log()
+    assert log.count("refused /aurae.cells.v0.CellService/List for identity reader") == 1
+    assert log.count(f"refused /{CONTAINERS}/List for identity reader") == 1
+
+
 async def test_authorization_by_identity(daemon_factory: DaemonFactory) -> None:
     daemon = daemon_factory(config_text=POLICY)
     # Allowed everything.
