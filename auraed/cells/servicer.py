@@ -12,7 +12,7 @@ from auraed.server.rpc import Context
 SERVICE_NAME = "aurae.cells.v0.CellService"
 
 STATES = {
-    State.STARTING: pb.ExecutableState.RUNNING,
+    State.STARTING: pb.ExecutableState.STARTING,
     State.RUNNING: pb.ExecutableState.RUNNING,
     State.EXITED: pb.ExecutableState.EXITED,
     State.UNKNOWN: pb.ExecutableState.UNKNOWN,

@@ -151,6 +151,25 @@ async def test_an_executable_left_starting_by_a_killed_daemon_is_found(
         await free(client, "crash")
 
 
+async def test_an_executable_being_started_is_listed_as_starting(daemon: DaemonProcess) -> None:
+    """Not RUNNING with pid 0: the cell's freezer holds its Start mid-launch while List looks."""
+    freezer = cgroup_dir(daemon, "freezer", "slow")
+    async with daemon.client() as client:
+        await allocate(client, "slow")
+        (freezer / "freezer.state").write_text("FROZEN")
+        try:
+            starting = asyncio.create_task(start(client, "slow", "late", "exec sleep 600"))
+            await wait_until(lambda: (freezer / "cgroup.procs").read_text().strip())
+            listed = await status(client, "slow", "late")
+            assert (listed.state, listed.pid) == (pb.ExecutableState.STARTING, 0)
+        finally:
+            (freezer / "freezer.state").write_text("THAWED")
+        await starting
+        listed = await status(client, "slow", "late")
+        assert listed.state == pb.ExecutableState.RUNNING and listed.pid > 0
+        await free(client, "slow")
+
+
 async def test_an_isolated_executable_gets_sigterm(client: AuraeClient, daemon: DaemonProcess) -> None:
     """In its own pid namespace the executable still takes SIGTERM: Stop does not wait out the grace."""
     await allocate(client, "pidns", isolate_process=True)
