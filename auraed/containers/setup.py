@@ -53,7 +53,7 @@ def build(
 ) -> tuple[Images, Containers]:
     images = Images(
         store,
-        ContentStore(config.state_dir / "images"),
+        ContentStore(config.state_dir / "images", sync_fs=config.image_sync_fs),
         registry_factory(config),  # type: ignore[arg-type]
         allow_device_nodes=config.allow_device_nodes,
     )

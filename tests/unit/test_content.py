@@ -6,8 +6,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -114,3 +116,42 @@ def test_a_blob_whose_commit_fails_leaves_no_temporary_file(tmp_path: Path) -> N
     with pytest.raises(IsADirectoryError):
         store.write_blob(sha256(data), data)
     assert list(store.ingest_dir.iterdir()) == []
+
+
+# A layer's worth of file data: far above the few MiB other processes keep dirty, far below the
+# kernel's own writeback threshold (10 % of memory), so only a flush writes it out within a test.
+LAYER_BYTES = 64 << 20
+FLUSHED_AT_LEAST = LAYER_BYTES // 2
+
+
+def _dirty_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Dirty:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no Dirty: in /proc/meminfo")
+
+
+def _unpacked_layer(store: ContentStore) -> Path:
+    work = store.new_snapshot_dir()
+    chunk = os.urandom(1 << 20)
+    for index in range(LAYER_BYTES // len(chunk)):
+        (work / f"file{index}").write_bytes(chunk)
+    return work
+
+
+@pytest.mark.parametrize("sync_fs", [True, False])
+def test_a_snapshot_is_on_disk_before_it_is_published(tmp_path: Path, sync_fs: bool) -> None:
+    """A published snapshot is trusted for good: with sync_fs its data is flushed before the
+    rename, so no power loss can leave it with empty files. Measured by the kernel's dirty pages
+    (on the disk the store is on, not a tmpfs)."""
+    root = Path(tempfile.mkdtemp(prefix="aurae-sync-", dir="/var/tmp"))
+    try:
+        store = ContentStore(root, sync_fs=sync_fs)
+        work = _unpacked_layer(store)
+        before = _dirty_bytes()
+        assert before >= FLUSHED_AT_LEAST, "the layer's data should still be in the page cache"
+        store.commit_snapshot(work, "sha256:" + "ab" * 32)
+        flushed = before - _dirty_bytes()
+        assert (flushed >= FLUSHED_AT_LEAST) is sync_fs, f"{flushed} bytes flushed"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
