@@ -30,6 +30,7 @@ import lzma
 import os
 import re
 import shutil
+import signal
 import stat
 import struct
 import subprocess
@@ -139,12 +140,29 @@ class BuildError(Exception):
     pass
 
 
+class Interrupted(BaseException):
+    """SIGTERM or SIGHUP (a CI job cancelled, a closed terminal). Their default action ended the
+    build on the spot, leaving its half-made tree (~100 MB) behind; as an exception, every
+    ``finally`` runs (the tree is removed, subprocess.run kills the step's child) like Ctrl-C."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, _frame: object) -> None:
+    raise Interrupted(signum)
+
+
 def log(message: str) -> None:
     print(f"guest-image: {message}", file=sys.stderr, flush=True)
 
 
 def run(args: list[str], **kwargs: object) -> str:
-    result = subprocess.run(args, capture_output=True, text=True, check=False, **kwargs)  # type: ignore[call-overload]
+    try:
+        result = subprocess.run(args, capture_output=True, text=True, check=False, **kwargs)  # type: ignore[call-overload]
+    except FileNotFoundError as exc:  # a tool hack/setup installs, or a cwd that is gone
+        raise BuildError(f"cannot run {args[0]}: {exc.strerror} (run hack/setup)") from exc
     if result.returncode != 0:
         raise BuildError(f"{' '.join(args)} failed ({result.returncode}):\n{result.stdout}{result.stderr}")
     out: str = result.stdout
@@ -967,12 +985,22 @@ def prune(base: Path, keep: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def remove_killed_builds(base: Path) -> None:
+    """The trees (``.<hash>.tmp``) of builds killed outright (SIGKILL, a crash); called under the
+    lock every build holds, so none of them is in progress."""
+    for stale in base.glob(".*.tmp"):
+        if stale.is_dir() and not stale.is_symlink():
+            log(f"removing {stale.name}, left by a build that was killed")
+            shutil.rmtree(stale, ignore_errors=True)
+
+
 def build(out: Path | None, rootfs_type: str, force: bool, cache: Path) -> Path:
     started = time.monotonic()
     base = DEFAULT_BASE
     base.mkdir(parents=True, exist_ok=True)
     with (base / ".lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        remove_killed_builds(base)
         inputs = resolve_inputs(rootfs_type, cache)
         destination = out if out is not None else base / inputs.digest
         if not force and manifest_hash(destination) == inputs.digest:
@@ -1034,6 +1062,8 @@ def main(argv: list[str] | None = None) -> int:
             f"guest-image/build: needs Python {PYTHON} (the guest's); this is {sys.version}", file=sys.stderr
         )
         return 2
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _raise_interrupted)
     try:
         if args.print_hash:
             print(resolve_inputs(args.rootfs_type, args.cache.resolve()).digest)
@@ -1043,6 +1073,10 @@ def main(argv: list[str] | None = None) -> int:
     except BuildError as exc:
         print(f"guest-image/build: {exc}", file=sys.stderr)
         return 1
+    except (KeyboardInterrupt, Interrupted) as exc:
+        signum = signal.Signals(exc.signum if isinstance(exc, Interrupted) else signal.SIGINT)
+        print(f"guest-image/build: interrupted ({signum.name}): nothing built", file=sys.stderr)
+        return 128 + signum.value
     return 0
 
 

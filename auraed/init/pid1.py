@@ -5,19 +5,22 @@
 1. :meth:`Pid1.boot`, before anything else (before the configuration is read, stdlib only):
    console logging; the mounts (proc, sysfs, devtmpfs, devpts, /dev/shm, /run, /tmp, cgroup2 with
    every controller enabled for the children of the root) -- each skipped when already mounted;
-   the subprocess hook that registers auraed's own children (see :mod:`auraed.init.reaper`).
+   the subprocess hook that registers auraed's own children (see :mod:`auraed.init.reaper`);
+   handlers for the stop signals (SIGTERM, SIGINT, SIGPWR), so that one sent while auraed starts
+   is not dropped (PID 1 gets no signal it has no handler for) and auraed is then not started.
    Then, only for the machine's init (PID 1 of the initial pid namespace): Ctrl-Alt-Del to SIGINT
    (when power-off is allowed), the hostname (``auraed.hostname=``), the config disk read-only at
    /etc/aurae (guests: the disk with serial ``config``; hosts only with
    ``auraed.config_disk=<device>``), the network
    (``auraed.ip=<addr>/<prefix>``, ``auraed.gateway=<addr>``, ``auraed.iface=`` default eth0: lo up,
    address, up, default route, by ioctls), and the evdev/ACPI button modules when no power button
-   is visible yet.
+   is visible yet. Last, the power buttons are opened (evdev queues only the presses after its
+   open: one while auraed starts is then not lost).
 2. :func:`main` loads the configuration (from the config disk) and builds the Daemon.
 3. :meth:`Pid1.serve` runs the Daemon in an event loop of ours, with: SIGCHLD-driven orphan
-   reaping, SIGTERM/SIGINT as a graceful stop until the Daemon installs its own handlers (same
-   effect), the power button watched through the loop, and the boot log lines replayed into
-   Observe's daemon log once the Daemon has set up its logging.
+   reaping, SIGTERM/SIGINT/SIGPWR as a graceful stop (the Daemon installs its own for SIGTERM and
+   SIGINT, same effect), the power button watched through the loop, and the boot log lines
+   replayed into Observe's daemon log once the Daemon has set up its logging.
 4. :meth:`Pid1.finish` once the Daemon has stopped, returned or raised (PID 1 never just exits: the
    kernel panics): SIGTERM to every process, a grace period, SIGKILL, reaping, sync, unmount
    (reverse order), sync, then the final action -- power off (``reboot(RB_POWER_OFF)``) for a
@@ -97,6 +100,10 @@ INTERFACE_WAIT = 10.0  # seconds for eth0 to appear (virtio_net may still be pro
 TERMINATE_GRACE = 5.0  # seconds between SIGTERM and SIGKILL to every process at the end
 KILL_WAIT = 5.0  # seconds for SIGKILLed processes to disappear
 BOOT_LOG_LIMIT = 1000
+# What stops PID 1 gracefully: SIGTERM, SIGINT (also Ctrl-Alt-Del once reboot(CAD_OFF) is set) and
+# SIGPWR (what container managers such as LXC send an init to shut it down). Names, not numbers:
+# this module imports no signal at load time.
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGPWR")
 _ACTIONS = {"poweroff": "powering off", "exit": "exiting", "halt": "halting"}
 CONSOLE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the daemon's console format
 
@@ -242,6 +249,9 @@ class Pid1:
         self.timings: dict[str, float] = {}
         self._daemon: Stoppable | None = None
         self._boot_log = _BootBuffer()
+        # Power buttons opened at boot: evdev hands a reader only the events after its open, so a
+        # press while auraed is still starting (seconds under TCG) would otherwise be lost.
+        self._buttons: list[tuple[str, int]] | None = None
 
     # ----- 1. boot ---------------------------------------------------------------------------
 
@@ -252,6 +262,7 @@ class Pid1:
         from auraed.init.reaper import install_popen_hook
 
         install_popen_hook(self.registry)  # before anything can spawn a child
+        self._step("signal handlers", self.handle_stop_signals)
         step = time.monotonic()
         if os.getpid() == 1 and self.layout.is_real_root and not os.path.ismount("/proc"):
             # A kernel that started us directly: /proc first, to learn which PID 1 we are.
@@ -276,12 +287,25 @@ class Pid1:
             self.timings["network"] = time.monotonic() - step
             if not self.layout.power_buttons:
                 self._step("power button modules", self.load_power_button_modules)
+        self._step("power button", self.open_power_buttons)
         self.timings["boot"] = time.monotonic() - started
         log.info(
             "PID 1 boot done in %.0f ms (%s)",
             self.timings["boot"] * 1000,
             ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in self.timings.items() if k != "boot"),
         )
+
+    def handle_stop_signals(self) -> None:
+        """Stop signals count from the very start. PID 1 gets no signal it has no handler for: one
+        that arrived before the loop's handlers (boot, the configuration, the imports: seconds under
+        TCG) was dropped, and auraed went on to serve as if nobody had asked it to stop."""
+        import signal
+
+        for name in STOP_SIGNALS:
+            signal.signal(signal.Signals[name], self._on_early_signal)
+
+    def _on_early_signal(self, sig: int, _frame: object) -> None:
+        self._on_signal(sig)
 
     def _step(self, what: str, action: Callable[[], object]) -> None:
         try:
@@ -395,12 +419,14 @@ class Pid1:
 
     def configure_network(self) -> None:
         """lo up; then, when ``auraed.ip`` says so, the address, link up and the default route."""
+        from auraed.system.namespaces import bring_loopback_up
+
+        # Whatever auraed.ip says: a guest booted without it had no 127.0.0.1 at all.
+        bring_loopback_up()
         if not self.args.ip:
             return
         from auraed.init import netconf
-        from auraed.system.namespaces import bring_loopback_up
 
-        bring_loopback_up()
         address, prefix = netconf.parse_cidr(self.args.ip)
         gateway = netconf.check_address(self.args.gateway) if self.args.gateway else ""
         iface = self.args.iface
@@ -410,6 +436,20 @@ class Pid1:
         if gateway:
             netconf.add_default_route(gateway, iface)
         log.info("network: %s %s/%d up, default via %s", iface, address, prefix, gateway or "(none)")
+
+    def open_power_buttons(self) -> None:
+        """Open the power buttons now, to be watched once the loop runs (see ``self._buttons``)."""
+        from auraed.init import powerbutton
+
+        self._buttons = []
+        paths = list(self.layout.power_buttons) or powerbutton.find_power_buttons(
+            self.layout.path("sys"), self.layout.path("dev")
+        )
+        for path in paths:
+            try:
+                self._buttons.append((path, powerbutton.open_device(path)))
+            except OSError as exc:
+                log.error("power button %s: %s", path, exc)
 
     def load_power_button_modules(self) -> None:
         from auraed.init import powerbutton
@@ -446,8 +486,13 @@ class Pid1:
         loop.set_exception_handler(_log_loop_exception)
         self._daemon = daemon
         Pid1.current = self
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for name in STOP_SIGNALS:
+            sig = signal.Signals[name]
             loop.add_signal_handler(sig, self._on_signal, sig)
+        if self.reason:  # asked to stop while booting (handle_stop_signals): nothing to start
+            log.info("%s before auraed started: not starting it", self.reason)
+            self._close_buttons()
+            return 0
         self.reaper.start(loop)
         task = loop.create_task(daemon.run())
         await asyncio.sleep(0)  # the Daemon's run() sets up its logging before its first await
@@ -488,21 +533,24 @@ class Pid1:
     def _watch_power_buttons(self, loop: asyncio.AbstractEventLoop) -> PowerButtonWatcher | None:
         from auraed.init import powerbutton
 
-        paths = list(self.layout.power_buttons) or powerbutton.find_power_buttons(
-            self.layout.path("sys"), self.layout.path("dev")
-        )
-        if not paths:
+        if not self._buttons:  # boot() did not run, or found none: the modules may just have come
+            self.open_power_buttons()
+        buttons, self._buttons = self._buttons or [], []
+        if not buttons:
             if self.args.guest:
                 log.warning("no power button found: system_powerdown will not stop this guest")
             return None
         watcher = powerbutton.PowerButtonWatcher(loop, lambda path: self.request_power_off("power button"))
-        for path in paths:
-            try:
-                watcher.watch(path)
-            except OSError as exc:
-                log.error("power button %s: %s", path, exc)
-        log.info("watching the power button (%s)", " ".join(watcher.devices) or "none usable")
+        for path, fd in buttons:
+            watcher.adopt(path, fd)
+        log.info("watching the power button (%s)", " ".join(watcher.devices))
         return watcher
+
+    def _close_buttons(self) -> None:
+        for _, fd in self._buttons or []:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._buttons = []
 
     # ----- 4. finish -------------------------------------------------------------------------
 
@@ -525,8 +573,8 @@ class Pid1:
         Pid1.current = None
         action = self.final_action()
         try:
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                signal.signal(sig, signal.SIG_IGN)
+            for name in (*STOP_SIGNALS, "SIGHUP"):
+                signal.signal(signal.Signals[name], signal.SIG_IGN)
             self._console_only_logging()
             log.info(
                 "auraed ended (status %d, %s): %s",

@@ -114,6 +114,11 @@ def _open_module(directories: tuple[str, ...], module: str) -> tuple[int, str]:
     return -1, ""
 
 
+def open_device(path: str) -> int:
+    """A non-blocking descriptor on an input device: it queues the presses from now on."""
+    return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+
+
 class PowerButtonWatcher:
     """Calls ``on_press`` once per power-button press read from the given devices (non-blocking,
     through the event loop). A device that fails or ends is dropped, never raised."""
@@ -128,7 +133,10 @@ class PowerButtonWatcher:
         return [path for path, _ in self._fds.values()]
 
     def watch(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        self.adopt(path, open_device(path))
+
+    def adopt(self, path: str, fd: int) -> None:
+        """Watch ``fd`` (from :func:`open_device`), which this watcher now owns and closes."""
         self._fds[fd] = (path, InputEventParser())
         self._loop.add_reader(fd, self._readable, fd)
 

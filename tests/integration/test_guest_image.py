@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
+import signal
+import socket
 import subprocess
 import threading
 import time
@@ -16,6 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from auraed.pki import PkiPaths
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +58,9 @@ def tsc_khz() -> int:
 class Guest:
     """One QEMU microvm (TCG) with its serial console on stdout, collected by a thread."""
 
-    def __init__(self, image: Path, initramfs: str, append: str, root_serial: str = "") -> None:
+    def __init__(
+        self, image: Path, initramfs: str, append: str, root_serial: str = "", extra: tuple[str, ...] = ()
+    ) -> None:
         serial = f",serial={root_serial}" if root_serial else ""
         self.args = [
             "qemu-system-x86_64",
@@ -65,6 +73,7 @@ class Guest:
             "-append", f"console=ttyS0 panic=-1 tsc_early_khz={tsc_khz()} {append}",
             "-drive", f"id=root,file={image / 'rootfs.img'},format=raw,if=none,readonly=on",
             "-device", f"virtio-blk-device,drive=root{serial}",
+            *extra,
         ]  # fmt: skip
         self.started = time.monotonic()
         self.process = subprocess.Popen(
@@ -120,8 +129,10 @@ class Guest:
 
 
 @contextlib.contextmanager
-def booted(image: Path, initramfs: str, append: str = "", root_serial: str = "") -> Iterator[Guest]:
-    guest = Guest(image, initramfs, append, root_serial)
+def booted(
+    image: Path, initramfs: str, append: str = "", root_serial: str = "", extra: tuple[str, ...] = ()
+) -> Iterator[Guest]:
+    guest = Guest(image, initramfs, append, root_serial, extra)
     try:
         yield guest
     finally:
@@ -192,7 +203,13 @@ def test_rootfs_selftest(guest_image: Path) -> None:
     ("append", "message"),
     [
         ("auraed.init=/sbin/no-such-init", "auraed.init=/sbin/no-such-init does not exist in the root image"),
+        # switch_root could not execute a directory: a kernel panic, not a message.
+        ("auraed.init=/usr/bin", "auraed.init=/usr/bin is not a file in the root image"),
         ("auraed.root=/dev/vdz auraed.rootwait=1", "root device /dev/vdz did not appear"),
+        # $((rootwait * 20)) took "0.5" as an expression and "08" as bad octal: a shell error ended
+        # /init, a kernel panic.
+        ("auraed.rootwait=0.5", "auraed.rootwait=0.5 is not a whole number of seconds"),
+        ("auraed.root=/dev/vdz auraed.rootwait=08", "root device /dev/vdz did not appear within 8s"),
     ],
 )
 def test_initramfs_failure_is_reported_and_powers_off(guest_image: Path, append: str, message: str) -> None:
@@ -201,3 +218,156 @@ def test_initramfs_failure_is_reported_and_powers_off(guest_image: Path, append:
         assert guest.wait_exit(timeout=30) == 0
         assert "aurae-initramfs: FATAL" in guest.console
         assert "Kernel panic" not in guest.console
+
+
+def test_the_daemon_and_pid1_read_one_role(guest_image: Path) -> None:
+    """A VM's own kernel_args come after the host's "auraed.role=guest", and the last word counts.
+    The Daemon used to look for the guest word anywhere: it served as a guest while PID 1, reading
+    "host", skipped the config disk and, without auraed.poweroff=1, halted the VM for ever."""
+    append = "auraed.role=guest auraed.role=host auraed.poweroff=1"
+    with booted(guest_image, "initramfs.img", append) as guest:
+        guest.wait_for("auraed starting as ", timeout=90)
+        assert guest.wait_exit(timeout=60) == 0  # no config here: it stops, and powers off
+        console = guest.console
+    assert "auraed starting as host (PID 1 without a guest marker" in console, console
+    assert "powering off" in console, console
+
+
+# A guest daemon with no network: its unix socket only (the config disk's auraed.toml).
+UNIX_ONLY_GUEST_CONFIG = """role = "guest"
+socket = "/run/aurae/aurae.sock"
+state_dir = "/run/aurae/state"
+runtime_dir = "/run/aurae/run"
+"""
+
+
+def config_disk(pki: PkiPaths, work: Path) -> Path:
+    """A squashfs config disk as PID 1 mounts it at /etc/aurae (serial "config")."""
+    tree = work / "config"
+    (tree / "pki").mkdir(parents=True)
+    for name, source in (
+        ("ca.crt", pki.ca_crt),
+        ("server.crt", pki.server_crt),
+        ("server.key", pki.server_key),
+    ):
+        shutil.copy(source, tree / "pki" / name)
+    (tree / "auraed.toml").write_text(UNIX_ONLY_GUEST_CONFIG)
+    image = work / "config.img"
+    subprocess.run(["mksquashfs", str(tree), str(image), "-quiet", "-noappend", "-all-root"], check=True)
+    return image
+
+
+def qmp(path: Path, command: str) -> dict[str, object]:
+    """One QMP command on QEMU's control socket (greeting, capabilities, the command)."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(str(path))
+        replies = sock.makefile("r")
+        replies.readline()  # the greeting
+        for execute in ("qmp_capabilities", command):
+            sock.sendall(json.dumps({"execute": execute}).encode() + b"\n")
+            while "return" not in (reply := json.loads(replies.readline())) and "error" not in reply:
+                pass  # events
+        return reply
+
+
+def test_a_power_button_press_while_auraed_starts_powers_off(
+    guest_image: Path, pki: PkiPaths, tmp_path: Path
+) -> None:
+    """The host stops a VM with system_powerdown (the ACPI power button). evdev gives a reader only
+    the presses after its open, and PID 1 used to open the button only once the daemon ran: a
+    guest stopped while auraed started (seconds under TCG) lost the press and served on."""
+    control = tmp_path / "qmp.sock"
+    extra = (
+        "-drive", f"id=config,file={config_disk(pki, tmp_path)},format=raw,if=none,readonly=on",
+        "-device", "virtio-blk-device,drive=config,serial=config",
+        "-qmp", f"unix:{control},server=on,wait=off",
+    )  # fmt: skip
+    with booted(guest_image, "initramfs.img", "auraed.role=guest", extra=extra) as guest:
+        guest.wait_for("PID 1 boot done", timeout=90)
+        assert "error" not in qmp(control, "system_powerdown")
+        assert guest.wait_exit(timeout=90) == 0
+        console = guest.console
+    assert "config disk /dev/vdb (squashfs) mounted read-only" in console, console
+    assert "power button: stopping auraed, then powering off" in console, console
+    assert "auraed ended (status 0, power button): powering off" in console, console
+
+
+def session_processes(session: int) -> list[str]:
+    """The processes still in ``session`` (a build started with start_new_session)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[3]) == session:  # field 6, the session id
+                    found.append(f"{entry.name}: {(entry / 'comm').read_text().strip()}")
+    return found
+
+
+def test_a_build_stopped_by_sigterm_leaves_nothing_behind(tmp_path: Path) -> None:
+    """SIGTERM (a cancelled CI job, ``timeout``) used to end the build on the spot: its half-made
+    tree (~100 MB) stayed behind, with whatever step it was running."""
+    out = tmp_path / "out"
+    work = tmp_path / ".out.tmp"
+    process = subprocess.Popen(
+        [str(BUILD), "--out", str(out), "--force"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (work / "rootfs" / "usr").is_dir():  # well into the build
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.05)
+        process.terminate()
+        _, err = process.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert "guest-image/build: interrupted (SIGTERM): nothing built" in err
+    assert "Traceback" not in err, err
+    assert not work.exists() and not out.exists()
+    assert session_processes(process.pid) == []
+
+
+def test_a_killed_build_is_cleaned_up_by_the_next(guest_image: Path) -> None:
+    """SIGKILL leaves the tree (``.<hash>.tmp``) behind; the next build removes it."""
+    stale = guest_image.parent / ".0000000000000000.tmp"
+    (stale / "rootfs").mkdir(parents=True)
+    try:
+        _, log, _ = build()
+        assert not stale.exists()
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)
+    assert "removing .0000000000000000.tmp, left by a build that was killed" in log
+
+
+def test_a_missing_tool_fails_the_build_clearly(tmp_path: Path) -> None:
+    """A tool hack/setup installs (here mkfs.erofs) missing from PATH: a one-line error naming it,
+    not a traceback, and nothing left behind."""
+    path = tmp_path / "bin"
+    path.mkdir()
+    for directory in ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"):
+        for tool in Path(directory).iterdir() if Path(directory).is_dir() else ():
+            if tool.name != "mkfs.erofs" and not (path / tool.name).exists():
+                (path / tool.name).symlink_to(tool)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [str(BUILD), "--out", str(out), "--force"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+        env={**os.environ, "PATH": str(path)},
+    )
+    assert done.returncode == 1, done.stderr
+    assert (
+        "guest-image/build: cannot run mkfs.erofs: No such file or directory (run hack/setup)" in done.stderr
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert not out.exists() and not (tmp_path / ".out.tmp").exists()

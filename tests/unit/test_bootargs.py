@@ -1,0 +1,45 @@
+"""The kernel command line as PID 1 and the Daemon read it: they must agree on the role.
+
+PID 1 (auraed/init/pid1.py BootArgs) decides from the role whether to mount the config disk and
+whether the end is a power-off or a halt; the Daemon (auraed/init/roles.py) decides from it which
+services to serve. The host appends a VM's own kernel_args after ``auraed.role=guest``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from auraed.init.pid1 import BootArgs
+from auraed.init.roles import Role, detect_role
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "role"),
+    [
+        ("console=ttyS0 auraed.role=guest", Role.GUEST),
+        ("console=ttyS0 auraed.role=guest auraed.role=host", Role.HOST),  # the last one counts
+        ("console=ttyS0 auraed.role=host auraed.role=guest", Role.GUEST),
+        ("console=ttyS0 -- auraed.role=guest", Role.HOST),  # after "--": init's argv, not ours
+        ("auraed.role=guest -- auraed.role=host", Role.GUEST),
+        ("auraed.role=guests", Role.HOST),
+        ("auraed.role", Role.HOST),
+        ("", Role.HOST),
+    ],
+)
+def test_pid1_and_the_daemon_agree_on_the_role(cmdline: str, role: Role) -> None:
+    """Before the fix the Daemon looked for the word anywhere: with "auraed.role=guest
+    auraed.role=host" (or "-- auraed.role=guest") it served as a guest under a PID 1 that had
+    skipped the config disk and, at the end, halted the VM forever instead of powering it off."""
+    detected, _ = detect_role(pid=1, kernel_cmdline=cmdline)
+    assert detected is role
+    assert BootArgs.parse(cmdline).guest == (role is Role.GUEST)
+
+
+def test_odd_values_parse_without_raising() -> None:
+    args = BootArgs.parse(
+        "auraed.ip= auraed.gateway=x auraed.hostname=== auraed.iface= auraed.poweroff=TRUE "
+        "auraed.=1 auraed.role=guest=1 =auraed.role=guest"
+    )
+    assert args == BootArgs(ip="", gateway="x", hostname="==", role="guest=1", poweroff=True)
+    assert args.iface == "eth0"  # an empty auraed.iface= keeps the default
+    assert not args.guest
