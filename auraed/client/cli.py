@@ -139,6 +139,14 @@ def key_value(text: str) -> tuple[str, str]:
     return key, value
 
 
+def command_line(text: str) -> list[str]:
+    """A command split as sh would: ``--entrypoint "sh -c 'echo hi'"``."""
+    try:
+        return shlex.split(text)
+    except ValueError as exc:  # an unclosed quote, a trailing backslash
+        raise argparse.ArgumentTypeError(f"cannot split {text!r} as sh would: {exc}") from None
+
+
 def env_var(text: str) -> str:
     key_value(text)
     return text
@@ -178,11 +186,13 @@ def _config(args: argparse.Namespace) -> ClientConfig:
         raise CliError(exc.message) from None
 
 
-def _timeout(args: argparse.Namespace, follow: bool = False, slack_ms: int | None = None) -> float | None:
-    """--timeout when given; otherwise none for streams that follow, a default (plus grace) for the rest."""
+def _timeout(args: argparse.Namespace, open_ended: bool = False, slack_ms: int | None = None) -> float | None:
+    """--timeout when given; otherwise a default (plus grace) for a call, and none for one that
+    takes as long as it takes: a stream that follows, or prints a log of any length as it
+    comes (a deadline cut a long one short with DEADLINE_EXCEEDED), a wait, an exec."""
     if args.timeout is not None:
         return float(args.timeout)
-    return None if follow else DEFAULT_TIMEOUT + (slack_ms or 0) / 1000
+    return None if open_ended else DEFAULT_TIMEOUT + (slack_ms or 0) / 1000
 
 
 def _session(args: argparse.Namespace, body: Callable[[AuraeClient], Awaitable[T]]) -> T:
@@ -262,11 +272,10 @@ def _stream(
     args: argparse.Namespace,
     method: str,
     request: betterproto2.Message,
-    follow: bool,
     show: Callable[[Any], tuple[betterproto2.Message, str]],
 ) -> None:
     """Print each reply of an Observe stream as it comes: ``show`` gives its message and its text line."""
-    timeout = _timeout(args, follow)
+    timeout = _timeout(args, open_ended=True)
 
     async def body(client: AuraeClient) -> None:
         async for reply in client.stream(OBSERVE, method, request, timeout):
@@ -440,9 +449,17 @@ def cmd_cell_allocate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _grace_slack(grace_ms: int | None) -> int:
+    """What a stop's deadline adds for its grace period: without one given, the daemon's
+    stop_grace_period, which may be up to MAX_WAIT_MS (the call failed at DEFAULT_TIMEOUT while
+    the stop went on)."""
+    return MAX_WAIT_MS if grace_ms is None else grace_ms
+
+
 def cmd_cell_free(args: argparse.Namespace) -> int:
     request = cells_pb.CellServiceFreeRequest(cell_name=args.name, grace_period_ms=args.grace)
-    reply = _call(args, CELLS, "Free", request, slack_ms=args.grace, waiting=f"freeing cell {args.name}")
+    waiting = f"freeing cell {args.name}"
+    reply = _call(args, CELLS, "Free", request, slack_ms=_grace_slack(args.grace), waiting=waiting)
     _report(args, reply, f"freed cell {args.name}")
     return 0
 
@@ -469,7 +486,7 @@ def cmd_cell_stop(args: argparse.Namespace) -> int:
         cell_name=args.cell, executable_name=args.executable, grace_period_ms=args.grace
     )
     waiting = f"stopping {args.cell}/{args.executable}"
-    reply = _call(args, CELLS, "Stop", request, slack_ms=args.grace, waiting=waiting)
+    reply = _call(args, CELLS, "Stop", request, slack_ms=_grace_slack(args.grace), waiting=waiting)
     status = reply.status or cells_pb.ExecutableStatus()
     _report(args, reply, f"stopped {args.cell}/{args.executable}: {_outcome(status)[0]}")
     return 0
@@ -561,7 +578,7 @@ def cmd_observe_logs(args: argparse.Namespace) -> int:
         follow=args.follow,
         tail=args.tail,
     )
-    _stream(args, "GetSubProcessStream", request, args.follow, lambda reply: (reply.item, reply.item.line))
+    _stream(args, "GetSubProcessStream", request, lambda reply: (reply.item, reply.item.line))
     return 0
 
 
@@ -572,7 +589,7 @@ def cmd_observe_daemon(args: argparse.Namespace) -> int:
         item = reply.item
         return item, f"{_time(item.timestamp)} {item.level:<7} {item.line}"
 
-    _stream(args, "GetAuraeDaemonLogStream", request, args.follow, show)
+    _stream(args, "GetAuraeDaemonLogStream", request, show)
     return 0
 
 
@@ -585,7 +602,7 @@ def cmd_observe_signals(args: argparse.Namespace) -> int:
         sig = reply.signal
         return sig, f"{_time(sig.timestamp)} {sig.workload} pid {sig.process_id} {sig.signal_name} {sig.how}"
 
-    _stream(args, "GetPosixSignalsStream", request, True, show)
+    _stream(args, "GetPosixSignalsStream", request, show)
     return 0
 
 
@@ -641,14 +658,14 @@ def cmd_image_pull(args: argparse.Namespace) -> int:
     if args.username is not None or args.password_stdin:
         if args.username is None or not args.password_stdin:
             raise CliError("--username and --password-stdin go together")
-        password = sys.stdin.read().rstrip("\r\n")
+        password = sys.stdin.read().rstrip("\r\n") if sys.stdin is not None else ""  # None: closed
         if not password:
             raise CliError("--password-stdin: no password on stdin")
         auth = containers_pb.RegistryAuth(username=args.username, password=password)
     elif args.registry_token:
         auth = containers_pb.RegistryAuth(registry_token=args.registry_token)
     request = containers_pb.ContainerServicePullImageRequest(reference=args.reference, auth=auth)
-    timeout = _timeout(args, follow=True)
+    timeout = _timeout(args, open_ended=True)
     bars = (
         None
         if args.json or not console.is_terminal
@@ -763,7 +780,7 @@ def _container_config(args: argparse.Namespace) -> containers_pb.ContainerConfig
     return containers_pb.ContainerConfig(
         name=args.name,
         image=args.image,
-        command=shlex.split(args.entrypoint) if args.entrypoint else [],
+        command=args.entrypoint or [],
         args=args.args,
         env=args.env or [],
         working_dir=args.workdir or "",
@@ -819,12 +836,11 @@ def cmd_container_start(args: argparse.Namespace) -> int:
 
 def cmd_container_stop(args: argparse.Namespace) -> int:
     request = containers_pb.ContainerServiceStopRequest(container_id=args.name, timeout_ms=args.grace)
-    if args.grace is None:  # the daemon's stop_grace_period, which may be up to MAX_WAIT_MS
-        grace, after = MAX_WAIT_MS, "the daemon's grace period"
-    else:
-        grace, after = args.grace, f"{args.grace / 1000:g} s"
+    after = "the daemon's grace period" if args.grace is None else f"{args.grace / 1000:g} s"
     waiting = f"stopping container {args.name} (SIGKILL after {after})"
-    return _container_call(args, "Stop", request, "stopped", slack_ms=grace, waiting=waiting)
+    return _container_call(
+        args, "Stop", request, "stopped", slack_ms=_grace_slack(args.grace), waiting=waiting
+    )
 
 
 def cmd_container_kill(args: argparse.Namespace) -> int:
@@ -845,7 +861,7 @@ def cmd_container_remove(args: argparse.Namespace) -> int:
 
 def cmd_container_wait(args: argparse.Namespace) -> int:
     request = containers_pb.ContainerServiceWaitRequest(container_id=args.name)
-    timeout = _timeout(args, follow=True)
+    timeout = _timeout(args, open_ended=True)
     reply = _session(args, lambda client: client.call(CONTAINERS, "Wait", request, timeout))
     status = reply.status or containers_pb.ContainerStatus()
     _report(args, reply, str(_exit_code(status)))
@@ -911,7 +927,7 @@ async def _print_logs(
     args: argparse.Namespace, client: AuraeClient, request: containers_pb.ContainerServiceLogsRequest
 ) -> None:
     """Each log line as it comes: stdout lines on stdout, stderr lines on stderr."""
-    async for reply in client.stream(CONTAINERS, "Logs", request, _timeout(args, request.follow)):
+    async for reply in client.stream(CONTAINERS, "Logs", request, _timeout(args, open_ended=True)):
         _emit(args, reply, reply.line, sys.stderr if reply.stream == "stderr" else sys.stdout)
 
 
@@ -942,7 +958,7 @@ def cmd_container_run(args: argparse.Namespace) -> int:
             follow = containers_pb.ContainerServiceLogsRequest(container_id=args.name, follow=True)
             await _print_logs(args, client, follow)
             wait = containers_pb.ContainerServiceWaitRequest(container_id=args.name)
-            reply = await client.call(CONTAINERS, "Wait", wait, _timeout(args, follow=True))
+            reply = await client.call(CONTAINERS, "Wait", wait, _timeout(args, open_ended=True))
         finally:
             if args.rm:
                 delete = containers_pb.ContainerServiceDeleteRequest(container_id=args.name, force=True)
@@ -999,6 +1015,9 @@ def _forward_stdin(
     loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[ExecRequest | None]
 ) -> Callable[[], object]:
     """Send what comes on stdin, then the end of it; returns how to stop."""
+    if sys.stdin is None:  # closed (`aer ... <&-`): an input that has ended
+        queue.put_nowait(ExecRequest(close_stdin=True))
+        return lambda: None
     fd = sys.stdin.fileno()
 
     def deliver(data: bytes) -> None:
@@ -1080,7 +1099,7 @@ async def _exec(args: argparse.Namespace, client: AuraeClient) -> int:
         loop.add_signal_handler(signum, handler, *arguments)
     code: int | None = None
     try:
-        async for reply in client.duplex(CONTAINERS, "Exec", requests(), _timeout(args, follow=True)):
+        async for reply in client.duplex(CONTAINERS, "Exec", requests(), _timeout(args, open_ended=True)):
             if reply.stdout:
                 _write(sys.stdout, reply.stdout)
             if reply.stderr:
@@ -1364,7 +1383,9 @@ def _container_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", metavar="NAME", help="a DNS label, unique on the daemon")
     parser.add_argument("image", metavar="IMAGE", help="a reference, image id or repo digest")
     parser.add_argument("args", nargs="*", metavar="CMD", help="after --: replaces the image's Cmd")
-    parser.add_argument("--entrypoint", metavar="CMD", help="replaces the image's Entrypoint (split as sh)")
+    parser.add_argument(
+        "--entrypoint", type=command_line, metavar="CMD", help="replaces the image's Entrypoint (split as sh)"
+    )
     parser.add_argument("--env", "-e", action="append", type=env_var, metavar="K=V", help="(repeatable)")
     parser.add_argument("--workdir", "-w", metavar="DIR", help="working directory (created if missing)")
     parser.add_argument("--user", "-u", metavar="U", help="name, uid, uid:gid or name:group")
@@ -1399,7 +1420,8 @@ def _add_container_commands(subparsers: Any) -> None:
         dest="grace",
         type=grace_ms,
         metavar="SECONDS",
-        help="before SIGKILL (default 10); the call's deadline goes first: aer --timeout S container stop",
+        help="before SIGKILL (default: the daemon's stop_grace_period); the call's deadline goes first: "
+        "aer --timeout S container stop",
     )
     kill = _command(container, "kill", cmd_container_kill, "send a signal")
     kill.add_argument("--signal", "-s", default="SIGKILL", metavar="SIG", help="name or number (SIGKILL)")
@@ -1506,7 +1528,7 @@ def cmd_vm_list(args: argparse.Namespace) -> int:
 
 def cmd_vm_console(args: argparse.Namespace) -> int:
     request = vms_pb.VmServiceGetConsoleRequest(name=args.name, tail=args.tail, follow=args.follow)
-    timeout = _timeout(args, args.follow)
+    timeout = _timeout(args, open_ended=True)
 
     async def body(client: AuraeClient) -> None:
         async for reply in client.stream(VMS, "GetConsole", request, timeout):
@@ -1521,8 +1543,10 @@ def _add_vm_commands(subparsers: Any) -> None:
     allocate = _command(vm, "allocate", cmd_vm_allocate, "define a VM (and its tap and addresses)")
     allocate.add_argument("name", metavar="NAME")
     allocate.add_argument("--guest", action="store_true", help="boot the guest image with auraed as PID 1")
-    allocate.add_argument("--vcpus", type=int, default=0, help="virtual CPUs (default 1)")
-    allocate.add_argument("--memory", type=int, default=0, metavar="MIB", help="memory in MiB (default 512)")
+    allocate.add_argument("--vcpus", type=unsigned(32), default=0, help="virtual CPUs (default 1)")
+    allocate.add_argument(
+        "--memory", type=unsigned(64), default=0, metavar="MIB", help="memory in MiB (default 512)"
+    )
     allocate.add_argument("--kernel", help="kernel image (the guest image's with --guest)")
     allocate.add_argument("--initramfs")
     allocate.add_argument("--root-disk", help="read-only root disk image")
@@ -1543,7 +1567,7 @@ def _add_vm_commands(subparsers: Any) -> None:
     console_ = _command(vm, "console", cmd_vm_console, "the serial console")
     console_.add_argument("name", metavar="NAME")
     console_.add_argument("-f", "--follow", action="store_true")
-    console_.add_argument("--tail", type=int, default=None)
+    console_.add_argument("--tail", type=unsigned(32), default=None, metavar="N")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import re
+import ssl
 import tomllib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -44,6 +46,12 @@ RECONNECT_BACKOFF_MS = 100
 # keepalive_client_min_interval (10 s) or more.
 DEFAULT_KEEPALIVE_TIME = 30.0
 DEFAULT_KEEPALIVE_TIMEOUT = 20.0
+# TCP ports are 16 bits; grpc takes a bigger one modulo 65536 (99999 is 34463), an empty one as 443.
+MAX_PORT = 65535
+# An address grpc reads as host:port, [IPv6]:port or IPv4:port, unless its "host" is one of
+# grpc's URI schemes (unix:path, unix-abstract:name, dns:, ipv4:, ipv6:, vsock:).
+HOST_PORT = re.compile(r"(?:\[[^\]]*\]|(?P<host>[^:/\[\]]*)):(?P<port>[^:/]*)")
+GRPC_SCHEMES = frozenset({"unix", "unix-abstract", "dns", "ipv4", "ipv6", "vsock"})
 
 
 def channel_options(
@@ -123,6 +131,9 @@ def load_client_config(path: Path | None = None, address: str | None = None) -> 
     target = address or _text(system, "system", "address", "", config_path) or f"unix:{socket}"
     if not _is_text(target):
         raise _config_error(config_path, f"the address {target!r} is not valid UTF-8 text")
+    if problem := _address_problem(target):
+        where = "" if address else f"{config_path}: "  # the caller's own, or the file's
+        raise ClientError("FAILED_PRECONDITION", f"{where}the address {target!r}: {problem}")
     return ClientConfig(
         ca_crt=resolve("ca_crt"),
         client_crt=resolve("client_crt"),
@@ -134,6 +145,18 @@ def load_client_config(path: Path | None = None, address: str | None = None) -> 
             system, "keepalive_timeout", DEFAULT_KEEPALIVE_TIMEOUT, config_path, zero=False
         ),
     )
+
+
+def _address_problem(target: str) -> str:
+    """Why grpc would not connect to ``target`` as it reads ("" when it would): a host:port's port
+    must be 1 to MAX_PORT, where grpc would quietly connect elsewhere."""
+    match = HOST_PORT.fullmatch(target)
+    if match is None or match["host"] in GRPC_SCHEMES:
+        return ""
+    port = match["port"]
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= MAX_PORT:
+        return f"the port must be a number from 1 to {MAX_PORT}"
+    return ""
 
 
 def _config_error(config_path: Path, problem: str) -> ClientError:
@@ -177,11 +200,42 @@ def _read(path: Path, what: str) -> bytes:
         raise ClientError("FAILED_PRECONDITION", f"cannot read the {what} {path}: {exc.strerror}") from exc
 
 
+def _no_password() -> bytes:
+    return b""  # grpc cannot use an encrypted key either; OpenSSL must not ask on the terminal
+
+
+def _check_credentials(config: ClientConfig, ca_crt: bytes, client_crt: bytes) -> None:
+    """Refuse files grpc cannot use, naming them: grpc only logs its reasons (several lines in
+    its developers' words) and fails every call with "Failed to create security handshaker"."""
+    for path, data, what in ((config.ca_crt, ca_crt, "CA"), (config.client_crt, client_crt, "client")):
+        try:  # parsed as trust anchors: that reads every PEM certificate in the file
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=data.decode("latin-1"))
+        except (ssl.SSLError, ValueError):
+            raise ClientError(
+                "FAILED_PRECONDITION", f"the {what} certificate {path} holds no PEM certificate"
+            ) from None
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(
+            config.client_crt, config.client_key, password=_no_password
+        )
+    except ssl.SSLError as exc:
+        problem = (
+            f"is not the key of the client certificate {config.client_crt}"
+            if exc.reason == "KEY_VALUES_MISMATCH"
+            else "holds no unencrypted PEM private key"
+        )
+        raise ClientError("FAILED_PRECONDITION", f"the client key {config.client_key} {problem}") from None
+    except OSError as exc:  # changed since it was read
+        raise ClientError("FAILED_PRECONDITION", f"cannot read {exc.filename}: {exc.strerror}") from None
+
+
 def channel_for(config: ClientConfig) -> grpc.aio.Channel:
+    ca_crt = _read(config.ca_crt, "CA certificate")
+    client_key = _read(config.client_key, "client key")
+    client_crt = _read(config.client_crt, "client certificate")
+    _check_credentials(config, ca_crt, client_crt)
     credentials = grpc.ssl_channel_credentials(
-        root_certificates=_read(config.ca_crt, "CA certificate"),
-        private_key=_read(config.client_key, "client key"),
-        certificate_chain=_read(config.client_crt, "client certificate"),
+        root_certificates=ca_crt, private_key=client_key, certificate_chain=client_crt
     )
     options = [
         *channel_options(config.keepalive_time, config.keepalive_timeout),
@@ -268,20 +322,24 @@ class _Requests:
             raise ClientError("INVALID_ARGUMENT", str(self._error)) from None
 
 
+# (client streaming, server streaming) -> the AuraeClient method that makes that kind of call
+_CALLS = {(False, False): "call", (False, True): "stream", (True, False): "upload", (True, True): "duplex"}
+
+
 class ServiceStub:
     """Methods of one service, as snake_case attributes, from its descriptor."""
 
     def __init__(self, client: AuraeClient, service: str) -> None:
         descriptor = service_descriptor(service)
         for method in descriptor.methods:
-            if method.server_streaming:
+            # Each kind of method has its own call: a stream of requests given to one that takes a
+            # single one reached grpc as such, and failed there with a TypeError.
+            kind = _CALLS[method.client_streaming, method.server_streaming]
 
-                def call(request: Any, timeout: float | None = None, _m: str = method.name) -> Any:
-                    return client.stream(service, _m, request, timeout)
-            else:
-
-                def call(request: Any, timeout: float | None = None, _m: str = method.name) -> Any:
-                    return client.call(service, _m, request, timeout)
+            def call(
+                request: Any, timeout: float | None = None, _m: str = method.name, _k: str = kind
+            ) -> Any:
+                return getattr(client, _k)(service, _m, request, timeout)
 
             setattr(self, snake_case(method.name), call)
 
@@ -402,5 +460,8 @@ class AuraeClient:
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND and not exc.details():
+                # grpc's health service says nothing more; "aer: NOT_FOUND:" alone named nothing
+                raise ClientError("NOT_FOUND", f"no health status for the service {service!r}") from None
             raise _client_error(exc, self.config) from None
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import io
@@ -107,22 +106,56 @@ class LogLine:
     content: str
 
 
-class _Assembler:
-    """Joins partial (P) records of a stream into the full line their final (F) record ends."""
+MAX_LINE_CHARS = 512 << 10
+"""The most of one line a reader holds and sends. A process may write any length without a
+newline (its monitor splits it into partial records), but a LogItem must stay under grpc's 4 MiB
+message limit, or the client refuses it and the whole stream with it; a character is at most 4
+bytes in UTF-8. A longer line is cut there and marked with CUT_MARK; the file keeps it whole."""
+CUT_MARK = " ... (cut)"
+
+
+class _LineHead(list[str]):
+    """The parts of one line, in order, as far as its first MAX_LINE_CHARS need: a list, so that
+    a line's parts compare as the list they are."""
 
     def __init__(self) -> None:
-        self.pending: dict[str, list[str]] = collections.defaultdict(list)  # stream -> parts so far
+        super().__init__()
+        self.size = 0  # characters in the parts kept
+        self.cut = False  # whether a part, or some of one, was left out
+
+    def append_part(self, content: str) -> None:
+        """The next part: kept as far as there is room."""
+        room = MAX_LINE_CHARS - self.size
+        if len(content) > room:
+            self.cut, content = True, content[:room]
+        if content or not self.cut:  # an empty part is kept as written (monitors write none)
+            self.append(content)
+            self.size += len(content)
+
+    def text(self) -> str:
+        return "".join(self) + (CUT_MARK if self.cut else "")
+
+
+class _Assembler:
+    """Joins partial (P) records of a stream into the full line their final (F) record ends;
+    records of other than ``streams`` are passed over."""
+
+    def __init__(self, streams: frozenset[str]) -> None:
+        self.streams = streams
+        self.pending: dict[str, _LineHead] = {}  # stream -> the line so far
 
     def feed(self, raw: str) -> LogLine | None:
         try:
             timestamp, stream, partial, content = parse_cri_log_line(raw)
         except ValueError:
             return None
-        if partial:
-            self.pending[stream].append(content)
+        if stream not in self.streams:
             return None
-        parts = self.pending.pop(stream, [])
-        return LogLine(timestamp, stream, "".join([*parts, content]))
+        head = (
+            self.pending.setdefault(stream, _LineHead()) if partial else self.pending.pop(stream, _LineHead())
+        )
+        head.append_part(content)
+        return None if partial else LogLine(timestamp, stream, head.text())
 
 
 TAIL_BLOCK = 64 << 10
@@ -169,73 +202,108 @@ def _complete_end(file: BinaryIO) -> int:
     return 0
 
 
+HEADER_BYTES = 64
+"""Enough of a record to read its time, stream and tag (a CRI timestamp is at most 35 bytes)."""
+
+
+def _tail_start(
+    file: BinaryIO, streams: frozenset[str], tail: int, since: float | None
+) -> tuple[int, int, int]:
+    """Where the last ``tail`` complete lines of ``streams`` (logged at or after ``since``) are,
+    found from the file's end going back only as far as they need, reading only records'
+    headers: a long log, or long lines, cost no more memory than a short one.
+
+    Returns the offset of the earliest record of those lines and of lines still unfinished at
+    the end (partial records a line's final one has not followed yet); the offset of the final
+    record of the oldest of them (a line ending before it is older than the tail); and the
+    offset after the last complete record.
+    """
+    end = _complete_end(file)
+    first_end = end  # tail 0: every line ending before the end is older
+    found = 0
+    earliest: dict[str, int] = {}  # stream -> its earliest record that is needed, so far
+    closed: set[str] = set()  # streams none of whose earlier records are needed
+    position = end
+    for raw in _records_backwards(file, end):
+        position -= len(raw) + 1
+        try:
+            timestamp, stream, partial, _ = parse_cri_log_line(raw[:HEADER_BYTES].decode(errors="replace"))
+        except ValueError:
+            continue
+        if stream not in streams or stream in closed:
+            continue
+        if partial:
+            earliest[stream] = position  # part of a line of the tail, or of one unfinished
+        elif found == tail or (since is not None and timestamp < since):
+            closed.add(stream)  # ends a line older than the tail: its stream's needs start after
+        else:
+            found += 1
+            earliest[stream] = position
+            if found == tail:
+                first_end = position
+        if (found == tail and closed >= earliest.keys()) or closed >= streams:
+            break
+    if found < tail:
+        first_end = 0  # fewer lines than asked: all of them
+    return min(earliest.values(), default=end), first_end, end
+
+
+class _LineReader:
+    """Whole lines of ``streams`` from the records of a log read in order from ``offset``:
+    those whose final record is at ``first_end`` or after, logged at or after ``since``."""
+
+    def __init__(
+        self, streams: frozenset[str], offset: int, first_end: int = 0, since: float | None = None
+    ) -> None:
+        self.assembler = _Assembler(streams)
+        self._record = offset  # where the first record in the buffer starts
+        self._buffer = b""
+        self._first_end = first_end
+        self._since = since
+
+    def feed(self, chunk: bytes) -> list[LogLine]:
+        """The lines the records completed by ``chunk`` (the file's next bytes) end."""
+        self._buffer += chunk
+        *complete, self._buffer = self._buffer.split(b"\n")
+        lines = []
+        for raw in complete:
+            at, self._record = self._record, self._record + len(raw) + 1
+            line = self.assembler.feed(raw.decode(errors="replace"))
+            if (
+                line is not None
+                and at >= self._first_end
+                and (self._since is None or line.timestamp >= self._since)
+            ):
+                lines.append(line)
+        return lines
+
+
 def read_tail(
     path: Path, streams: frozenset[str], tail: int, since: float | None = None
 ) -> tuple[list[LogLine], int, _Assembler]:
-    """The last ``tail`` complete lines of ``streams`` (logged at or after ``since``), read from
-    the file's end back only as far as they need: a long log costs no more than its tail. Also
+    """The last ``tail`` complete lines of ``streams`` (logged at or after ``since``) as a list,
     the offset after the last complete record, and an assembler holding the parts of lines not
-    finished yet, for following on from there.
-
-    Going back, a stream's line is complete once the record that ended its previous line (F) is
-    reached, or the file's start: a line made of partial records (P) may have begun earlier.
-    """
-    assembler = _Assembler()
+    finished yet there, for following on from it. stream_lines sends a tail as it reads it."""
     try:
         file = path.open("rb")
     except FileNotFoundError:
-        return [], 0, assembler
+        return [], 0, _Assembler(streams)
     with file:
-        end = _complete_end(file)
-        complete: list[tuple[int, LogLine]] = []  # (how far back its F was, the line)
-        # stream -> (how far back its F was, the F's time, the parts, last first)
-        open_lines: dict[str, tuple[int, float, list[str]]] = {}
-        unfinished: dict[str, list[str]] = collections.defaultdict(list)  # P after a stream's last F
-        older_than_since: set[str] = set()
-        back = 0
-        for raw in _records_backwards(file, end):
-            back += 1
-            try:
-                timestamp, stream, partial, content = parse_cri_log_line(raw.decode(errors="replace"))
-            except ValueError:
-                continue
-            if stream not in streams or stream in older_than_since:
-                continue
-            if partial:
-                if stream in open_lines:
-                    open_lines[stream][2].append(content)
-                else:
-                    unfinished[stream].append(content)
-                continue
-            if stream in open_lines:
-                complete.append(_joined(stream, *open_lines.pop(stream)))
-            if since is not None and timestamp < since:
-                older_than_since.add(stream)  # this line and all before it are too old
-            else:
-                open_lines[stream] = (back, timestamp, [content])
-            if _enough(complete, open_lines, tail) or older_than_since >= streams:
-                break
-        else:  # the file's start: what is open is whole
-            complete += [_joined(stream, *line) for stream, line in open_lines.items()]
-    for stream, parts in unfinished.items():
-        assembler.pending[stream] = parts[::-1]
-    newest = sorted(complete, key=lambda item: item[0])[:tail]
-    return [line for _, line in reversed(newest)], end, assembler
+        start, first_end, end = _tail_start(file, streams, tail, since)
+        reader = _LineReader(streams, start, first_end, since)
+        file.seek(start)
+        lines = []
+        while file.tell() < end:
+            lines += reader.feed(file.read(min(READ_CHUNK, end - file.tell())))
+    return lines, end, reader.assembler
 
 
-def _joined(stream: str, back: int, timestamp: float, parts: list[str]) -> tuple[int, LogLine]:
-    return back, LogLine(timestamp, stream, "".join(reversed(parts)))
-
-
-def _enough(
-    complete: list[tuple[int, LogLine]], open_lines: dict[str, tuple[int, float, list[str]]], tail: int
-) -> bool:
-    """Whether the ``tail`` newest lines are known: that many complete lines are newer than every
-    line still open (going back, lines only open further back, so nothing newer can come)."""
-    if len(complete) < tail:
-        return False
-    newest_open = min((back for back, _, _ in open_lines.values()), default=None)
-    return newest_open is None or sum(1 for back, _ in complete if back < newest_open) >= tail
+def _find_tail(path: Path, streams: frozenset[str], tail: int, since: float | None) -> tuple[int, int, int]:
+    try:
+        with path.open("rb") as file:
+            return _tail_start(file, streams, tail, since)
+    except FileNotFoundError:
+        return 0, 0, 0  # not written yet: a follower reads it from its start once it is
 
 
 async def stream_lines(
@@ -250,23 +318,19 @@ async def stream_lines(
 ) -> AsyncGenerator[LogLine, None]:
     """The last ``tail`` lines (all when None), then, with ``follow``, new lines until ``finished()``.
 
-    All lines are read from the start in chunks and sent as they come, so a long log never sits
-    in memory whole; a tail is read from the end. ``watch`` wakes the follower when the log's
+    Lines are read in chunks and sent as they come, so a long log never sits in memory whole;
+    where a tail starts is found from the end. ``watch`` wakes the follower when the log's
     directory changes (the log written, the exit recorded); without it, or without a watch, it
     polls.
     """
-    if tail is None:
-        offset, assembler = 0, _Assembler()
-    else:
-        lines, offset, assembler = await asyncio.to_thread(read_tail, path, streams, tail, since)
-        for line in lines:
-            yield line
-        if not follow:
-            return
+    offset, first_end, limit = 0, 0, None
+    if tail is not None:
+        offset, first_end, end = await asyncio.to_thread(_find_tail, path, streams, tail, since)
+        limit = None if follow else end  # not following, the tail is what was there
+    reader = _LineReader(streams, offset, first_end, since)
     watching = watch.watching(path.parent) if watch is not None and follow else contextlib.nullcontext()
     with watching as changed:
         longest = POLL_LONGEST if changed is None else POLL_LONGEST_WATCHED
-        buffer = b""
         pause = POLL_SHORTEST
         at_end = False
         while True:
@@ -275,20 +339,17 @@ async def stream_lines(
             # Read before the data, so nothing written before the end is missed; not following,
             # the end is the end of what is there now.
             done = not follow or finished()
+            size = FRESH_CHUNK if at_end else READ_CHUNK
+            if limit is not None:
+                size = min(size, limit - offset)
             if at_end:
-                size = FRESH_CHUNK
                 chunk = _read_from(path, offset, size)
             else:
-                size = READ_CHUNK
                 chunk = await asyncio.to_thread(_read_from, path, offset, size)
-            at_end = len(chunk) < size
+            at_end = len(chunk) < size or offset + len(chunk) == limit
             offset += len(chunk)
-            buffer += chunk
-            *complete, buffer = buffer.split(b"\n")
-            for raw in complete:
-                fed = assembler.feed(raw.decode(errors="replace"))
-                if fed is not None and fed.stream in streams and (since is None or fed.timestamp >= since):
-                    yield fed
+            for line in reader.feed(chunk):
+                yield line
             if done and at_end:
                 return  # everything written before the end (or before now) is read
             if chunk:

@@ -37,6 +37,19 @@ def _channel(value: Any) -> frozenset[str]:
     return streams
 
 
+def _validate_workload(workload: str) -> None:
+    """CELL/EXECUTABLE, as cell paths and executable names are; without both halves a cell
+    path's own error ("must not be empty") would not say what is missing."""
+    cell, _, name = workload.rpartition("/")
+    if not cell or not name:
+        raise AuraeError(
+            ErrorKind.INVALID_ARGUMENT,
+            f"workload: expected CELL/EXECUTABLE, e.g. web/server, not {workload!r}",
+        )
+    validate_path(cell, "workload")
+    validate_label(name, "workload")
+
+
 def _signal_message(event: SignalEvent) -> pb.ObserveServiceGetPosixSignalsStreamResponse:
     return pb.ObserveServiceGetPosixSignalsStreamResponse(
         signal=pb.PosixSignal(
@@ -60,8 +73,8 @@ class ObserveServicer:
         self, request: pb.ObserveServiceGetAuraeDaemonLogStreamRequest, context: Context
     ) -> AsyncIterator[pb.ObserveServiceGetAuraeDaemonLogStreamResponse]:
         tail = _tail(request.tail)
-        with self._hub.daemon_log.subscribe() as live:
-            for line in self._hub.daemon_log.recent(tail):
+        with self._hub.daemon_log.subscribe(tail) as live:
+            for line in live.recent:
                 yield pb.ObserveServiceGetAuraeDaemonLogStreamResponse(
                     item=pb.LogItem(item="auraed", line=line.line, timestamp=line.timestamp, level=line.level)
                 )
@@ -102,14 +115,11 @@ class ObserveServicer:
     ) -> AsyncIterator[pb.ObserveServiceGetPosixSignalsStreamResponse]:
         workload = request.workload
         if workload:
-            cell, _, name = workload.rpartition("/")
-            validate_path(cell, "workload")
-            validate_label(name, "workload")
-        with self._hub.signals.subscribe() as live:
-            if request.include_past:
-                for event in self._hub.signals.recent():
-                    if not workload or event.workload == workload:
-                        yield _signal_message(event)
+            _validate_workload(workload)
+        with self._hub.signals.subscribe(None if request.include_past else 0) as live:
+            for event in live.recent:
+                if not workload or event.workload == workload:
+                    yield _signal_message(event)
             while True:
                 event = await live.get()
                 if not workload or event.workload == workload:

@@ -13,15 +13,19 @@ import struct
 import subprocess
 import termios
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import betterproto2
 import pytest
 
+from auraed.api.aurae.containers import v0 as containers_pb
+from auraed.client import ClientError
 from tests.conftest import DaemonProcess
 from tests.integration.test_cli import AER, assert_one_line_error, environment, unique
+from tests.integration.test_cli_edges import run_with_stdin_closed
 from tests.support.images import BuiltImage, push_layout
 from tests.support.registry import LocalRegistry
 
@@ -446,3 +450,31 @@ def test_exec_on_a_terminal(loaded: Path, box: str) -> None:
     # The terminal is restored on errors too.
     failed = Terminal().run([*command, "-i", "-t", unique("ghost"), "--", "sh"])
     assert failed.returncode == 1 and "NOT_FOUND" in failed.text and failed.restored
+
+
+def test_exec_with_stdin_closed_sends_an_ended_input(loaded: Path, box: str) -> None:
+    """``aer ... <&-`` starts without a descriptor 0 (sys.stdin is None): -i used to end in a
+    traceback."""
+    script = "cat; echo done"
+    result = run_with_stdin_closed(
+        "--config", str(loaded), "container", "exec", "-i", box, "--", "sh", "-c", script
+    )
+    assert (result.returncode, result.stdout, result.stderr) == (0, "done\n", "")
+
+
+async def test_the_python_clients_snake_case_methods_stream_requests(daemon: DaemonProcess, box: str) -> None:
+    """``client.service(...).exec`` and ``.import_image`` take a stream of requests: they used to
+    hand it to grpc as one request, which failed with a TypeError."""
+    exec_request = containers_pb.ContainerServiceExecRequest
+    start = exec_request(start=containers_pb.ExecStart(container_id=box, command=["echo", "hi"]))
+
+    async def one(request: betterproto2.Message) -> AsyncIterator[Any]:
+        yield request
+
+    async with daemon.client() as client:
+        service = client.service("aurae.containers.v0.ContainerService")
+        replies = [reply async for reply in service.exec(one(start), timeout=60)]
+        assert b"".join(reply.stdout for reply in replies) == b"hi\n" and replies[-1].exit_code == 0
+        with pytest.raises(ClientError) as refused:  # the server's own answer, so it was sent
+            await service.import_image(one(containers_pb.ContainerServiceImportImageRequest()), timeout=60)
+        assert refused.value.code == "INVALID_ARGUMENT" and "header" in refused.value.message
