@@ -289,7 +289,13 @@ class Cells:
     async def shutdown(self, stop_executables: bool, free_cells: bool) -> None:
         if free_cells:
             for record in self.children(None):
-                await self.free(record.spec.name, self._default_grace)
+                name = record.spec.name
+                if name in self._freeing:
+                    continue  # a Free under way takes it down (the server's stop grace waits)
+                try:
+                    await self.free(name, self._default_grace)
+                except CellError as exc:  # one that cannot be freed must not keep the rest
+                    log.error("shutdown: cannot free cell %s: %s", name, exc.message)
         elif stop_executables:
             running = self.executables.running()
             await asyncio.gather(*(self.executables.stop(r, self._default_grace) for r in running))

@@ -22,7 +22,7 @@ from auraed.cells.errors import CellError
 from auraed.cells.model import CellSpec, ExecutableSpec
 from auraed.errors import ErrorKind
 from auraed.observe.events import ObserveHub, SignalEvent
-from auraed.state.store import Store, flat_doc
+from auraed.state.store import Store, StoreError, flat_doc
 from auraed.system import processes
 from auraed.system.monitor import ExitRecord, MonitorSpec, read_exit_record
 from auraed.system.supervisor import ORPHANED, MonitorStartError, Supervised, Supervisor
@@ -218,8 +218,11 @@ class Executables:
         if watcher is not None:
             done, _ = await asyncio.wait({watcher}, timeout=grace_period)
             if not done:
-                record.killed_by_us = True
-                self._save(record)
+                record.killed_by_us = True  # before the kill: its end is then not an OOM kill
+                try:
+                    self._save(record)
+                except StoreError:  # a full disk must not spare the executable its SIGKILL
+                    log.exception("%s: cannot save the record before SIGKILL; killing it anyway", record.key)
                 self._signal(record, signals.SIGKILL)
                 await asyncio.wait({watcher}, timeout=KILL_WAIT)
         return record

@@ -28,6 +28,7 @@ import grpc
 from auraed import codec
 from auraed.errors import AuraeError, ErrorKind
 from auraed.keepalive import MAX_KEEPALIVE_SECONDS, keepalive_options
+from auraed.server.listeners import AS_GRPC_CIPHERS
 from auraed.server.rpc import message_class, service_descriptor, snake_case
 
 # The metadata key by which a host routes a ContainerService call to a guest (vms/placement.py).
@@ -214,10 +215,10 @@ def _check_credentials(config: ClientConfig, ca_crt: bytes, client_crt: bytes) -
             raise ClientError(
                 "FAILED_PRECONDITION", f"the {what} certificate {path} holds no PEM certificate"
             ) from None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.set_ciphers(AS_GRPC_CIPHERS)  # a key grpc would use must not be refused here
     try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(
-            config.client_crt, config.client_key, password=_no_password
-        )
+        context.load_cert_chain(config.client_crt, config.client_key, password=_no_password)
     except ssl.SSLError as exc:
         problem = (
             f"is not the key of the client certificate {config.client_crt}"

@@ -213,11 +213,7 @@ class Daemon:
 
             handlers.append(generic_handler(CONTAINERS, ContainerServicer(self.images, self.containers)))
         if self.role is Role.HOST and self.images is not None:
-            vms = await self._vm_service(capabilities)
-            assert self.guests is not None  # made by _vm_service
-            from auraed.vms.placement import GuestRouter
-
-            handlers = [GuestRouter(self.guests.lookup, self.images, handlers), vms]
+            handlers.append(await self._vm_service(capabilities))
         handlers += [
             generic_handler(CELLS, CellServicer(cells)),
             generic_handler(OBSERVE, ObserveServicer(self.hub, self.cells, self._log_watch)),
@@ -233,7 +229,14 @@ class Daemon:
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
             reflection.aio.ReflectionServicer(reflected, pool=default_google_proto_descriptor_pool), standard
         )
-        return handlers + standard.handlers
+        handlers += standard.handlers
+        if self.role is Role.HOST and self.guests is not None and self.images is not None:
+            from auraed.vms.placement import GuestRouter
+
+            # Around every service: it relays ContainerService calls naming a VM to that guest,
+            # and refuses a VM named on any other method it knows.
+            return [GuestRouter(self.guests.lookup, self.images, handlers)]
+        return handlers
 
     async def _vm_service(self, capabilities: Capabilities) -> grpc.GenericRpcHandler:
         from auraed.system.kvm import KvmProbe

@@ -40,10 +40,19 @@ def _ssl_reason(exc: ssl.SSLError) -> str:
     return str(exc.reason or exc.strerror or exc).lower().replace("_", " ")
 
 
+# OpenSSL's security level 0: grpc's TLS (BoringSSL) has no such levels, and the check below is
+# of what grpc would do with the files, not a policy of its own (Debian's default level 2 refuses,
+# say, a 1024-bit RSA key that grpc serves with).
+AS_GRPC_CIPHERS = "DEFAULT:@SECLEVEL=0"
+
+
 def _trusting(ca_crt: Path) -> ssl.SSLContext:
-    """A client's TLS context trusting only ``ca_crt``, as auraed's clients do."""
+    """A client's TLS context trusting only ``ca_crt``, as auraed's clients do: an intermediate CA
+    there is a trust anchor of its own, as it is to grpc."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.check_hostname = False  # names are the clients' business (server_name), not ours
+    context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    context.set_ciphers(AS_GRPC_CIPHERS)
     try:
         context.load_verify_locations(cafile=str(ca_crt))
     except ssl.SSLError as exc:
@@ -55,6 +64,7 @@ def _trusting(ca_crt: Path) -> ssl.SSLContext:
 
 def _serving(server_crt: Path, server_key: Path) -> ssl.SSLContext:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.set_ciphers(AS_GRPC_CIPHERS)
     try:  # the certificate alone first, so that its problems are not blamed on the key
         ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=server_crt.read_text("ascii"))
     except (ssl.SSLError, ValueError):

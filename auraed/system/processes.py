@@ -42,6 +42,17 @@ def send_signal(pid: int, signal: int, ticks: int | None, group: bool = False) -
     return True
 
 
+def writes_to(pid: int, file: os.stat_result) -> bool:
+    """Whether the process's stdout or stderr is ``file``: the same inode, not the same path
+    (the kernel names an open file by its resolved path: /run/aurae for /var/run/aurae)."""
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            opened = os.stat(f"/proc/{pid}/fd/{fd}")
+            if (opened.st_dev, opened.st_ino) == (file.st_dev, file.st_ino):
+                return True
+    return False
+
+
 def kill_monitor(pid: int, ticks: int | None) -> bool:
     """SIGKILL a monitor and its process group (the runtime command it may be running): a
     monitor leads its own session and process group."""

@@ -177,9 +177,12 @@ class Supervisor:
         namespace with it): the groups of the monitor's children go first, while they can still
         be told from other processes by their parent.
         """
+        try:
+            log_file = os.stat(run_dir / MONITOR_LOG)
+        except FileNotFoundError:
+            return []  # no launch got as far as opening it: no monitor to find
         table = _process_table()
-        log_path = str(run_dir / MONITOR_LOG)
-        monitors = [pid for pid in table if _writes_to(pid, log_path)]
+        monitors = [pid for pid in table if processes.writes_to(pid, log_file)]
         for monitor in monitors:
             for child, (parent, group) in table.items():
                 if parent == monitor:
@@ -318,15 +321,6 @@ def _process_table() -> dict[int, tuple[int, int]]:
         fields = stat[stat.rindex(b")") + 2 :].split()  # after comm, which may hold anything
         table[int(entry.name)] = (int(fields[1]), int(fields[2]))
     return table
-
-
-def _writes_to(pid: int, path: str) -> bool:
-    """Whether the process's stdout or stderr is the file at ``path``."""
-    for fd in (1, 2):
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/{pid}/fd/{fd}") == path:
-                return True
-    return False
 
 
 def _pid_in(reply: bytes) -> int | None:

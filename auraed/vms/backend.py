@@ -240,8 +240,24 @@ def processes_referencing(run_dir: Path) -> list[int]:
 
 def kill_processes_referencing(run_dir: Path) -> list[int]:
     """SIGKILL every process naming run_dir and wait (briefly) until they are gone."""
+    return _kill_and_wait(processes_referencing(run_dir))
+
+
+def kill_vmms_of(run_dir: Path) -> list[int]:
+    """SIGKILL the VMMs started for run_dir (their output goes to its vmm.log, see ``spawn``) and
+    wait (briefly) until they are gone. Nothing else: not a ``tail -f`` of its console log."""
+    try:
+        log_file = os.stat(run_dir / VMM_LOG)
+    except FileNotFoundError:
+        return []  # no VMM was started there
+    mine = os.getpid()
+    candidates = [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and int(e.name) != mine]
+    return _kill_and_wait([pid for pid in candidates if processes.writes_to(pid, log_file)])
+
+
+def _kill_and_wait(pids: list[int]) -> list[int]:
     killed = []
-    for pid in processes_referencing(run_dir):
+    for pid in pids:
         ticks = processes.start_ticks(pid)
         if processes.send_signal(pid, signal.SIGKILL, ticks):
             killed.append((pid, ticks))

@@ -1,7 +1,8 @@
 """One tap device per VM and an address pair from a private pool, never overlapping the host's network.
 
-The pool (a daemon setting, e.g. 10.213.0.0/16) must be private address space (RFC 1918): VM
-addresses are never public ones someone else owns. It is cut into /30 blocks: block N is
+The pool (a daemon setting, e.g. 10.213.0.0/16) must be private address space (RFC 1918, or
+RFC 6598's 100.64.0.0/10): VM addresses are never public ones someone else owns. It is cut into
+/30 blocks: block N is
 ``pool + 4 * N``; the host side of the tap gets its ``.1``, the guest its ``.2``. Taps are named
 ``atap<N>`` with the lowest N no link on the host (nor VM of ours) has. A block is used only
 when no VM of ours holds it (persisted in the VM records; compared by network, not by index: the
@@ -64,10 +65,11 @@ TAP_SYSCTLS = (
     ("ipv4", "accept_source_route", "0"),
 )
 
-# RFC 1918's private ranges: the only ones a VM pool may come from. (ipaddress's is_private also
+# RFC 1918's private ranges and RFC 6598's shared address space (100.64.0.0/10, which VM and
+# overlay networks often use): the only ones a VM pool may come from. (ipaddress's is_private also
 # admits loopback, link-local, documentation and reserved ranges, none of them fit for VMs.)
 PRIVATE_RANGES = tuple(
-    ipaddress.IPv4Network(text) for text in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")
+    ipaddress.IPv4Network(text) for text in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10")
 )
 
 P = ParamSpec("P")

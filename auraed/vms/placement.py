@@ -153,6 +153,7 @@ class GuestRouter(grpc.GenericRpcHandler):  # type: ignore[misc]
         self._local = tuple(local)
         # One forwarder per method, reused: the VM is read from each call's metadata.
         self._forwarders: dict[str, grpc.RpcMethodHandler] = {}
+        self._refusals: dict[str, grpc.RpcMethodHandler] = {}  # likewise, for other services
         # (VM name, boot, reference, image id) this router has placed in that boot of the guest.
         self._placed: set[tuple[str, float, str, str]] = set()
 
@@ -161,8 +162,15 @@ class GuestRouter(grpc.GenericRpcHandler):  # type: ignore[misc]
         vm = _vm_named(details.invocation_metadata)
         if not details.method.startswith(f"/{CONTAINERS}/"):
             # Only ContainerService calls go to guests: any other call naming a VM would be
-            # served by the host instead, with the caller believing it ran in the guest.
-            return _refusal(details.method, vm) if vm else local
+            # served by the host instead, with the caller believing it ran in the guest. One
+            # refusal per method served (the caller's wrapper caches handlers by identity, and
+            # unknown methods must not grow that): ``local`` is every service of the daemon.
+            if local is None or not vm:
+                return local
+            refusal = self._refusals.get(details.method)
+            if refusal is None:
+                refusal = self._refusals[details.method] = _refusal(details.method)
+            return refusal
         if local is None or not vm:
             return local
         forwarder = self._forwarders.get(details.method)
@@ -270,16 +278,17 @@ class GuestRouter(grpc.GenericRpcHandler):  # type: ignore[misc]
         self._placed = {key for key in self._placed if key[0] != vm or key[1] == keep_boot}
 
 
-def _refusal(method: str, vm: str) -> grpc.RpcMethodHandler:
-    """A handler refusing ``method`` for naming ``vm``; streaming both ways, so it fits any call
+def _refusal(method: str) -> grpc.RpcMethodHandler:
+    """A handler refusing ``method`` for naming a VM; streaming both ways, so it fits any call
     (the caller's arity does not show on the wire, and its requests are never read)."""
-    message = (
-        f"{method} names VM {vm[:MAX_DIGEST_CHARS]!r} ({VM_METADATA_KEY}), but only ContainerService "
-        "calls are placed in guests; call it without the VM"
-    )
 
     async def refuse(requests: AsyncIterator[bytes], context: Context) -> None:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        vm = _vm_named(context.invocation_metadata())
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{method} names VM {vm[:MAX_DIGEST_CHARS]!r} ({VM_METADATA_KEY}), but only "
+            "ContainerService calls are placed in guests; call it without the VM",
+        )
 
     return grpc.stream_stream_rpc_method_handler(refuse)
 

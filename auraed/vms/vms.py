@@ -288,7 +288,7 @@ class Vms:
             except BaseException as exc:
                 # A cancelled start may have left a VMM the backend never returned (spawned in a
                 # thread, or killed by a cleanup cancelled in turn): none may outlive the start.
-                await run_to_end(asyncio.to_thread(common.kill_processes_referencing, Path(record.run_dir)))
+                await run_to_end(asyncio.to_thread(common.kill_vmms_of, Path(record.run_dir)))
                 record.state = State.STOPPED
                 why = "cancelled" if isinstance(exc, asyncio.CancelledError) else str(exc)
                 record.reason = f"start failed: {why}"

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -122,14 +125,29 @@ async def test_stop_ends_the_whole_process_group(client: AuraeClient, daemon: Da
     await free(client, "tree")
 
 
+@pytest.mark.parametrize("through_a_symlink", [False, True])
 async def test_an_executable_left_starting_by_a_killed_daemon_is_found(
-    daemon: DaemonProcess,
+    daemon_factory: DaemonFactory, through_a_symlink: bool
 ) -> None:
     """kill -9 of auraed while a Start waits for its monitor's report: the restarted daemon finds
-    that monitor and ends it with what it started (it was never reported started).
+    that monitor and ends it with what it started (it was never reported started). Also with the
+    runtime directory named through a symlink, as the default /var/run/aurae is (/run/aurae).
 
     The cell's freezer holds the monitor's spawning thread as it joins the cell, so the Start
     waits there for as long as the test needs."""
+    elsewhere = Path(tempfile.mkdtemp(prefix="aurae-rt-", dir="/tmp"))
+    try:
+        flags = []
+        if through_a_symlink:
+            (elsewhere / "real").mkdir(mode=0o700)
+            (elsewhere / "link").symlink_to(elsewhere / "real")
+            flags = ["--runtime-dir", str(elsewhere / "link")]
+        await _killed_while_starting(daemon_factory(*flags))
+    finally:
+        shutil.rmtree(elsewhere, ignore_errors=True)
+
+
+async def _killed_while_starting(daemon: DaemonProcess) -> None:
     freezer = cgroup_dir(daemon, "freezer", "crash")
     async with daemon.client() as client:
         await allocate(client, "crash")

@@ -53,17 +53,18 @@ def test_parse_pool() -> None:
 
 
 def test_a_pool_must_be_private_address_space() -> None:
-    for private in ("10.0.0.0/8", "172.16.0.0/12", "172.31.255.0/24", "192.168.7.0/24"):
+    # RFC 1918, and RFC 6598's shared space, which VM and overlay networks often use.
+    for private in ("10.0.0.0/8", "172.16.0.0/12", "172.31.255.0/24", "192.168.7.0/24", "100.64.0.0/10"):
         assert parse_pool(private) == ipaddress.IPv4Network(private)
-    # Public space (someone else's), and ranges that are not RFC 1918 even where ipaddress calls
-    # them private: documentation, loopback, link-local, shared (CGNAT), reserved; and pools
-    # straddling the edge of a private range.
+    # Public space (someone else's), and ranges that are not private for VMs even where ipaddress
+    # calls them private: documentation, loopback, link-local, reserved; and pools straddling the
+    # edge of a private range.
     for public in (
         "8.8.8.0/24",
         "198.51.100.0/24",
         "127.0.0.0/16",
         "169.254.0.0/16",
-        "100.64.0.0/10",
+        "100.0.0.0/8",
         "240.0.0.0/24",
         "172.0.0.0/8",
         "10.0.0.0/7",

@@ -187,7 +187,8 @@ async def test_a_call_naming_a_vm_is_refused_unless_it_can_go_to_the_guest(tmp_p
         ),
     ]
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers([GuestRouter(lookup, cast(Images, None), [local]), *others])
+    router = GuestRouter(lookup, cast(Images, None), [local, *others])  # around every service
+    server.add_generic_rpc_handlers([router])
     socket = tmp_path / "host.sock"
     server.add_insecure_port(f"unix:{socket}")
     await server.start()
@@ -211,8 +212,28 @@ async def test_a_call_naming_a_vm_is_refused_unless_it_can_go_to_the_guest(tmp_p
             with pytest.raises(grpc.aio.AioRpcError) as missing:
                 await channel.unary_unary(f"/{CONTAINERS}/List")(b"", metadata=on_vm, timeout=10)
             assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+            # Refusals are one handler per method served, made once: calls, however many and to
+            # whatever method, add none (the daemon's authorization caches handlers by identity).
+            for attempt in range(REPEATED_CALLS):
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await cells(b"", metadata=on_vm, timeout=10)
+                with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                    await channel.unary_unary(f"/x.Y/M{attempt}")(b"", metadata=on_vm, timeout=10)
+                assert unknown.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            handlers = {router.service(_Details(f"/{CELLS}/List", on_vm)) for _ in range(REPEATED_CALLS)}
+            assert len(handlers) == 1
+            assert router.service(_Details("/x.Y/Z", on_vm)) is None
     finally:
         await server.stop(0)
+
+
+REPEATED_CALLS = 20
+
+
+class _Details(grpc.HandlerCallDetails):  # type: ignore[misc]
+    def __init__(self, method: str, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.method = method
+        self.invocation_metadata = metadata
 
 
 def test_the_host_s_certificate_for_guests_follows_a_change_of_ca(tmp_path: Path) -> None:
