@@ -205,6 +205,11 @@ def _complete_end(file: BinaryIO) -> int:
 HEADER_BYTES = 64
 """Enough of a record to read its time, stream and tag (a CRI timestamp is at most 35 bytes)."""
 
+PENDING_SCAN_BYTES = 4 * MAX_LINE_CHARS
+"""How far back past a complete tail the start of another stream's unfinished line is looked for:
+a line beginning further back is longer than MAX_LINE_CHARS (at 4 bytes a character at most) and
+would be cut anyway."""
+
 
 def _tail_start(
     file: BinaryIO, streams: frozenset[str], tail: int, since: float | None
@@ -223,15 +228,20 @@ def _tail_start(
     found = 0
     earliest: dict[str, int] = {}  # stream -> its earliest record that is needed, so far
     closed: set[str] = set()  # streams none of whose earlier records are needed
+    seen: set[str] = set()  # streams whose newest record is known
+    satisfied_at: int | None = None  # where the tail was complete (other streams still unseen)
     position = end
     for raw in _records_backwards(file, end):
         position -= len(raw) + 1
+        if satisfied_at is not None and satisfied_at - position > PENDING_SCAN_BYTES:
+            break  # an unseen stream's unfinished line, if any, began too far back to keep whole
         try:
             timestamp, stream, partial, _ = parse_cri_log_line(raw[:HEADER_BYTES].decode(errors="replace"))
         except ValueError:
             continue
         if stream not in streams or stream in closed:
             continue
+        seen.add(stream)
         if partial:
             earliest[stream] = position  # part of a line of the tail, or of one unfinished
         elif found == tail or (since is not None and timestamp < since):
@@ -241,8 +251,14 @@ def _tail_start(
             earliest[stream] = position
             if found == tail:
                 first_end = position
-        if (found == tail and closed >= earliest.keys()) or closed >= streams:
+        if closed >= streams:
             break
+        if found == tail and closed >= earliest.keys():
+            # The tail is known, but a stream not seen yet may end in an unfinished line whose
+            # start lies further back: a follower would give only its end.
+            if seen >= streams:
+                break
+            satisfied_at = position if satisfied_at is None else satisfied_at
     if found < tail:
         first_end = 0  # fewer lines than asked: all of them
     return min(earliest.values(), default=end), first_end, end

@@ -164,8 +164,8 @@ def test_the_tail_read_from_the_end_is_the_tail_read_from_the_start(
         lines, end, assembler = logfile.read_tail(log, streams, tail, since)
     assert lines == (expected[-tail:] if tail else [])
     assert end == log.stat().st_size - len("2023-11-14T22:13:20.000000000Z stdout F half")
-    if tail and since is None and len(lines) == len(expected):  # read back to the start
-        assert {s: p for s, p in assembler.pending.items() if p} == pending
+    if since is None:  # the parts of unfinished lines, for a follower: on every stream, whole
+        assert {s: list(p) for s, p in assembler.pending.items() if p} == pending
 
 
 async def test_reading_all_of_a_log_and_following_on(tmp_path: Path) -> None:
@@ -225,3 +225,13 @@ async def test_a_follower_at_the_end_reads_on_the_loop_and_catches_up_through_a_
     finally:
         await lines.aclose()
         await watch.close()
+
+
+def test_a_tail_keeps_the_start_of_another_stream_s_unfinished_line(tmp_path: Path) -> None:
+    """stderr began a line before stdout's last two: a tail of one stdout line must still find
+    stderr's start, or a follower gives only the rest of that line once it ends."""
+    log = tmp_path / "container.log"
+    write_log(log, [("stderr", True, "abc"), ("stdout", False, "older"), ("stdout", False, "x")])
+    lines, _, assembler = logfile.read_tail(log, STREAMS, 1)
+    assert [line.content for line in lines] == ["x"]
+    assert {s: list(p) for s, p in assembler.pending.items() if p} == {"stderr": ["abc"]}
