@@ -232,6 +232,17 @@ def daemon(daemon_factory: DaemonFactory) -> DaemonProcess:
 
 
 @pytest.fixture
+def netns() -> Iterator[str]:
+    """A named network namespace of the test's own, removed afterwards."""
+    name = f"aurae-t-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+@pytest.fixture
 async def client(daemon: DaemonProcess) -> AsyncIterator[AuraeClient]:
     async with daemon.client() as c:
         yield c

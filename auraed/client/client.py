@@ -28,7 +28,7 @@ import grpc
 from auraed import codec
 from auraed.errors import AuraeError, ErrorKind
 from auraed.keepalive import MAX_KEEPALIVE_SECONDS, keepalive_options
-from auraed.server.listeners import AS_GRPC_CIPHERS
+from auraed.server.listeners import AS_GRPC_CIPHERS, no_password
 from auraed.server.rpc import message_class, service_descriptor, snake_case
 
 # The metadata key by which a host routes a ContainerService call to a guest (vms/placement.py).
@@ -201,10 +201,6 @@ def _read(path: Path, what: str) -> bytes:
         raise ClientError("FAILED_PRECONDITION", f"cannot read the {what} {path}: {exc.strerror}") from exc
 
 
-def _no_password() -> bytes:
-    return b""  # grpc cannot use an encrypted key either; OpenSSL must not ask on the terminal
-
-
 def _check_credentials(config: ClientConfig, ca_crt: bytes, client_crt: bytes) -> None:
     """Refuse files grpc cannot use, naming them: grpc only logs its reasons (several lines in
     its developers' words) and fails every call with "Failed to create security handshaker"."""
@@ -218,7 +214,7 @@ def _check_credentials(config: ClientConfig, ca_crt: bytes, client_crt: bytes) -
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.set_ciphers(AS_GRPC_CIPHERS)  # a key grpc would use must not be refused here
     try:
-        context.load_cert_chain(config.client_crt, config.client_key, password=_no_password)
+        context.load_cert_chain(config.client_crt, config.client_key, password=no_password)
     except ssl.SSLError as exc:
         problem = (
             f"is not the key of the client certificate {config.client_crt}"

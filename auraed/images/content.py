@@ -99,15 +99,12 @@ class BlobWriter:
 
 
 def sync_filesystem(path: Path) -> None:
-    """syncfs(2) on the filesystem holding ``path`` (Python has no os.syncfs)."""
-    import ctypes  # here: only a pull that unpacks needs it
+    """syncfs(2) on the filesystem holding ``path``."""
+    from auraed.system.namespaces import syncfs  # here: only a pull that unpacks needs it
 
-    libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        if libc.syncfs(fd) != 0:
-            code = ctypes.get_errno()
-            raise OSError(code, f"syncfs {path}: {os.strerror(code)}")
+        syncfs(fd)
     finally:
         os.close(fd)
 

@@ -203,16 +203,20 @@ def _check_stem(stem: str) -> None:
 
 
 def create_ca(
-    common_name: str = DEFAULT_CA_COMMON_NAME, valid_days: int = CA_VALID_DAYS
+    common_name: str = DEFAULT_CA_COMMON_NAME,
+    valid_days: int = CA_VALID_DAYS,
+    issuer: CertificateAuthority | None = None,
 ) -> CertificateAuthority:
-    """Create a self-signed root CA (EC P-256) that may only sign leaf certificates."""
+    """Create a CA (EC P-256) that may only sign leaf certificates: a self-signed root or, with
+    ``issuer``, an intermediate CA that ``issuer`` signs (an organisation's issuing CA)."""
     start, end = _validity(valid_days, None, None)
     key = _generate_key()
     name = _name(common_name)
+    issuer_name, signing_key = (issuer.cert.subject, issuer.key) if issuer else (name, key)
     builder = (
         x509.CertificateBuilder()
         .subject_name(name)
-        .issuer_name(name)
+        .issuer_name(issuer_name)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(start)
@@ -234,7 +238,7 @@ def create_ca(
         )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
     )
-    return CertificateAuthority(cert=_sign(builder, key), key=key)
+    return CertificateAuthority(cert=_sign(builder, signing_key), key=key)
 
 
 def issue_server_cert(

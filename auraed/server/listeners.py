@@ -31,7 +31,7 @@ def _read(path: Path, what: str) -> bytes:
         raise ConfigError(f"cannot read the {what} {path}: {exc.strerror}") from exc
 
 
-def _no_password() -> bytes:
+def no_password() -> bytes:
     # An encrypted key must fail to load, not make OpenSSL prompt on a terminal for a password.
     return b""
 
@@ -70,7 +70,7 @@ def _serving(server_crt: Path, server_key: Path) -> ssl.SSLContext:
     except (ssl.SSLError, ValueError):
         raise ConfigError(f"the server certificate {server_crt} holds no valid PEM certificate") from None
     try:
-        context.load_cert_chain(str(server_crt), str(server_key), password=_no_password)
+        context.load_cert_chain(str(server_crt), str(server_key), password=no_password)
     except ssl.SSLError as exc:
         if "mismatch" in _ssl_reason(exc):
             raise ConfigError(

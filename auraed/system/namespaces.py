@@ -1,4 +1,5 @@
-"""Linux namespace primitives through ctypes on libc (Python 3.11 has no os.unshare/os.setns).
+"""Linux namespace primitives, and the other system calls Python 3.11 lacks (syncfs, fallocate's
+hole punching), through ctypes on libc (Python 3.11 has no os.unshare/os.setns).
 
 Stdlib only and lean at import (ctypes + os): the per-executable monitor imports this module only when
 an executable asks for namespaces. socket/fcntl/struct/threading are imported inside the functions
@@ -64,6 +65,17 @@ _prctl = _libc.prctl
 _prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 _prctl.restype = ctypes.c_int
 
+_syncfs = _libc.syncfs
+_syncfs.argtypes = [ctypes.c_int]
+_syncfs.restype = ctypes.c_int
+
+_fallocate = _libc.fallocate
+_fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_fallocate.restype = ctypes.c_int
+
+FALLOC_FL_KEEP_SIZE = 0x01  # linux/falloc.h
+FALLOC_FL_PUNCH_HOLE = 0x02
+
 PR_SET_CHILD_SUBREAPER = 36
 PR_GET_CHILD_SUBREAPER = 37
 PR_SET_NAME = 15
@@ -114,6 +126,18 @@ def sethostname(name: str) -> None:
     raw = name.encode()
     if _sethostname(raw, len(raw)) != 0:
         _raise(f"sethostname {name!r}")
+
+
+def syncfs(fd: int) -> None:
+    """Write out everything cached for the filesystem holding ``fd``."""
+    if _syncfs(fd) != 0:
+        _raise("syncfs")
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Free ``length`` bytes at ``offset`` of the file, keeping its size (they read as zeros)."""
+    if _fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        _raise("fallocate")
 
 
 def set_child_subreaper(enabled: bool = True) -> None:

@@ -35,8 +35,6 @@ THREAD_TAIL_BYTES = 256 * 1024
 # small enough for hundreds of VMs. (A candidate for a daemon setting, vm_console_log_limit.)
 LOG_LIMIT = 4 * 1024 * 1024
 TRIM_INTERVAL = 1.0  # seconds between checks of a running VM's log size
-FALLOC_FL_KEEP_SIZE = 0x01  # linux/falloc.h
-FALLOC_FL_PUNCH_HOLE = 0x02
 # What the Linux kernel prints as it powers off or reboots: the guest ended itself.
 POWER_OFF_LINES = ("reboot: Power down", "reboot: Restarting system", "reboot: System halted")
 
@@ -105,7 +103,9 @@ def trim(path: Path, limit: int = LOG_LIMIT) -> int:
         start = _data_start(fd, 0)
         if start is None or end <= start:
             return 0
-        _punch_hole(fd, start, end - start)
+        from auraed.system.namespaces import punch_hole  # here: only hosts running VMs need it
+
+        punch_hole(fd, start, end - start)
         return end - start
     except OSError as exc:
         if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
@@ -114,16 +114,6 @@ def trim(path: Path, limit: int = LOG_LIMIT) -> int:
         return 0
     finally:
         os.close(fd)
-
-
-def _punch_hole(fd: int, offset: int, length: int) -> None:
-    import ctypes  # here: only hosts running VMs need it
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
-    if libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code))
 
 
 def _data_start(fd: int, offset: int) -> int | None:

@@ -9,6 +9,7 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -147,20 +148,31 @@ async def test_an_executable_left_starting_by_a_killed_daemon_is_found(
         shutil.rmtree(elsewhere, ignore_errors=True)
 
 
+@contextlib.asynccontextmanager
+async def start_held(
+    daemon: DaemonProcess, client: AuraeClient, cell: str, name: str
+) -> AsyncIterator[asyncio.Task[int]]:
+    """A Start of ``name`` in ``cell`` held mid-launch for as long as the block runs: the cell's
+    freezer holds the monitor's spawning thread as it joins the cell; thawed on the way out."""
+    freezer = cgroup_dir(daemon, "freezer", cell)
+    (freezer / "freezer.state").write_text("FROZEN")
+    try:
+        starting = asyncio.create_task(start(client, cell, name, "exec sleep 600"))
+        await wait_until(lambda: (freezer / "cgroup.procs").read_text().strip())
+        yield starting
+    finally:
+        (freezer / "freezer.state").write_text("THAWED")
+
+
 async def _killed_while_starting(daemon: DaemonProcess) -> None:
     freezer = cgroup_dir(daemon, "freezer", "crash")
     async with daemon.client() as client:
         await allocate(client, "crash")
-        (freezer / "freezer.state").write_text("FROZEN")
-        try:
-            starting = asyncio.create_task(start(client, "crash", "orphan", "exec sleep 600"))
-            await wait_until(lambda: (freezer / "cgroup.procs").read_text().strip())
+        async with start_held(daemon, client, "crash", "orphan") as starting:
             daemon.kill9()
             with contextlib.suppress(ClientError):
                 await starting
             daemon.start()
-        finally:
-            (freezer / "freezer.state").write_text("THAWED")
     await asyncio.sleep(SETTLE)  # what the monitor would do once thawed, it has done
     assert not cell_pids(daemon, "crash")
     assert not (freezer / "cgroup.procs").read_text().strip()
@@ -170,18 +182,12 @@ async def _killed_while_starting(daemon: DaemonProcess) -> None:
 
 
 async def test_an_executable_being_started_is_listed_as_starting(daemon: DaemonProcess) -> None:
-    """Not RUNNING with pid 0: the cell's freezer holds its Start mid-launch while List looks."""
-    freezer = cgroup_dir(daemon, "freezer", "slow")
+    """Not RUNNING with pid 0: its Start is held mid-launch while List looks."""
     async with daemon.client() as client:
         await allocate(client, "slow")
-        (freezer / "freezer.state").write_text("FROZEN")
-        try:
-            starting = asyncio.create_task(start(client, "slow", "late", "exec sleep 600"))
-            await wait_until(lambda: (freezer / "cgroup.procs").read_text().strip())
+        async with start_held(daemon, client, "slow", "late") as starting:
             listed = await status(client, "slow", "late")
             assert (listed.state, listed.pid) == (pb.ExecutableState.STARTING, 0)
-        finally:
-            (freezer / "freezer.state").write_text("THAWED")
         await starting
         listed = await status(client, "slow", "late")
         assert listed.state == pb.ExecutableState.RUNNING and listed.pid > 0

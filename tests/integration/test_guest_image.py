@@ -241,8 +241,9 @@ runtime_dir = "/run/aurae/run"
 """
 
 
-def config_disk(pki: PkiPaths, work: Path) -> Path:
-    """A squashfs config disk as PID 1 mounts it at /etc/aurae (serial "config")."""
+def config_disk(pki: PkiPaths, work: Path, config_text: str = UNIX_ONLY_GUEST_CONFIG) -> Path:
+    """A squashfs config disk as PID 1 mounts it at /etc/aurae (serial "config"): the server's
+    credentials and ``config_text`` as auraed.toml."""
     tree = work / "config"
     (tree / "pki").mkdir(parents=True)
     for name, source in (
@@ -251,7 +252,7 @@ def config_disk(pki: PkiPaths, work: Path) -> Path:
         ("server.key", pki.server_key),
     ):
         shutil.copy(source, tree / "pki" / name)
-    (tree / "auraed.toml").write_text(UNIX_ONLY_GUEST_CONFIG)
+    (tree / "auraed.toml").write_text(config_text)
     image = work / "config.img"
     subprocess.run(["mksquashfs", str(tree), str(image), "-quiet", "-noappend", "-all-root"], check=True)
     return image

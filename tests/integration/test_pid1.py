@@ -35,6 +35,7 @@ from auraed.init.powerbutton import EV_KEY, KEY_POWER, InputEventParser, PowerBu
 from auraed.pki import PkiPaths
 from tests.conftest import DaemonProcess, remove_daemon_leftovers, wait_until
 from tests.integration.test_cells import OBSERVE, allocate, start, wait_exited
+from tests.integration.test_guest_image import config_disk
 
 REPO = Path(__file__).resolve().parents[2]
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--uts", "--ipc", "--kill-child"]
@@ -493,16 +494,6 @@ def _free_test_subnet() -> ipaddress.IPv4Network:
     raise AssertionError("no free 10.250.x.x/30 on this host")
 
 
-@pytest.fixture
-def netns() -> Iterator[str]:
-    name = f"aurae-p1-{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=False)
-
-
 def _ip_json(netns: str, *args: str) -> Any:
     return json.loads(
         subprocess.run(["ip", "-n", netns, "-j", *args], capture_output=True, check=True).stdout
@@ -575,17 +566,7 @@ def test_hostname_in_a_uts_namespace() -> None:
 
 
 def test_config_disk_is_mounted_read_only_before_the_config_is_loaded(pki: PkiPaths, tmp_path: Path) -> None:
-    source = tmp_path / "disk"
-    (source / "pki").mkdir(parents=True)
-    for name, path in (
-        ("ca.crt", pki.ca_crt),
-        ("server.crt", pki.server_crt),
-        ("server.key", pki.server_key),
-    ):
-        shutil.copy(path, source / "pki" / name)
-    (source / "auraed.toml").write_text('tcp_listen = "10.250.9.2:8080"\nlog_level = "DEBUG"\n')
-    image = tmp_path / "config.squashfs"
-    subprocess.run(["mksquashfs", str(source), str(image), "-noappend", "-quiet"], check=True)
+    image = config_disk(pki, tmp_path, 'tcp_listen = "10.250.9.2:8080"\nlog_level = "DEBUG"\n')
     loop = subprocess.run(
         ["losetup", "--find", "--show", "--read-only", str(image)], capture_output=True, text=True, check=True
     ).stdout.strip()

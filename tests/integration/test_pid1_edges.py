@@ -138,16 +138,6 @@ def test_sigpwr_stops_a_serving_pid1(pid1: Any) -> None:
     assert "Traceback" not in log, log
 
 
-@pytest.fixture
-def netns() -> Iterator[str]:
-    name = f"aurae-p1e-{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=False)
-
-
 def test_loopback_comes_up_without_an_address_for_eth0(netns: str) -> None:
     """A guest booted without auraed.ip (no network device) still needs 127.0.0.1; before the fix
     lo came up only together with eth0's address."""

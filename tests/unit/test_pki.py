@@ -14,9 +14,7 @@ from typing import Any
 import grpc
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID
 from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
 
 from auraed.pki import (
@@ -397,43 +395,10 @@ async def test_mtls_client_rejects_wrong_server_name(mtls_server: _MtlsServer, d
     assert mtls_server.seen_common_names == []
 
 
-def _intermediate(root: CertificateAuthority) -> CertificateAuthority:
-    """A CA signed by ``root``, as an organisation's issuing CA is."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.UTC)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "issuing CA")])
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(root.cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=1))
-        .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .sign(root.key, hashes.SHA256())
-    )
-    return CertificateAuthority(cert, key)
-
-
 def test_the_server_credentials_check_takes_what_grpc_takes(tmp_path: Path) -> None:
     """An intermediate CA configured as ca_crt is a trust anchor to grpc: the start-time check
     must not refuse it ("unable to get issuer certificate")."""
-    issuing = _intermediate(create_ca())
+    issuing = create_ca("issuing CA", issuer=create_ca())
     ca_crt = tmp_path / "issuing.crt"
     ca_crt.write_bytes(certificate_pem(issuing.cert))
     server_crt, server_key = write_pem_files(
