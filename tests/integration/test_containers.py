@@ -327,6 +327,14 @@ async def test_images_share_layers_and_remove_collects(loaded: AuraeClient, daem
     assert len(list(snapshots.iterdir())) == 1  # the shared base stays for busybox
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Whether the process has a handler for ``signum`` (its SigCgt mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
 async def test_kill_9_while_containers_run(daemon_factory: DaemonFactory, busybox_layout: BuiltImage) -> None:
     daemon = daemon_factory()
     async with daemon.client() as client:
@@ -346,8 +354,11 @@ async def test_kill_9_while_containers_run(daemon_factory: DaemonFactory, busybo
         )
         await start(client, "doomed")
         doomed_pid = (await status(client, "doomed")).pid
+    # Its shell is PID 1 of the container: a SIGTERM before its trap is set would be dropped (a
+    # namespace's init gets no signal it has no handler for), and it would run on for good.
+    await wait_until(lambda: catches(doomed_pid, signal.SIGTERM))
     daemon.kill9()
-    os.kill(doomed_pid, 15)
+    os.kill(doomed_pid, signal.SIGTERM)
     await wait_until(lambda: not Path(f"/proc/{doomed_pid}").exists())
     daemon.start()
     async with daemon.client() as client:
