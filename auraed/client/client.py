@@ -264,7 +264,8 @@ def connection_hint(code: grpc.StatusCode, details: str, config: ClientConfig) -
             f"its certificate does not name {config.server_name!r} (server_name under [system] in the "
             "client config)"
         )
-    if "Socket closed" in details or "Connection reset" in details:
+    # Which of these grpc reports depends on where the client was when the server hung up.
+    if any(words in details for words in ("Socket closed", "Connection reset", "Broken pipe")):
         return (
             "it hung up during the TLS handshake: it may not accept the client certificate "
             f"{config.client_crt} (from another CA, or expired)"
