@@ -189,7 +189,8 @@ def _config(args: argparse.Namespace) -> ClientConfig:
 def _timeout(args: argparse.Namespace, open_ended: bool = False, slack_ms: int | None = None) -> float | None:
     """--timeout when given; otherwise a default (plus grace) for a call, and none for one that
     takes as long as it takes: a stream that follows, or prints a log of any length as it
-    comes (a deadline cut a long one short with DEADLINE_EXCEEDED), a wait, an exec."""
+    comes (a deadline cut a long one short with DEADLINE_EXCEEDED), a wait, an exec, an image
+    imported or sent to a guest."""
     if args.timeout is not None:
         return float(args.timeout)
     return None if open_ended else DEFAULT_TIMEOUT + (slack_ms or 0) / 1000
@@ -249,9 +250,11 @@ def _call(
     *,
     slack_ms: int | None = None,
     waiting: str = "",
+    open_ended: bool = False,
 ) -> Any:
-    """One unary call; ``waiting`` is shown while it runs (see :func:`_waiting`)."""
-    timeout = _timeout(args, slack_ms=slack_ms)
+    """One unary call; ``waiting`` is shown while it runs (see :func:`_waiting`). ``open_ended``:
+    no default deadline, for a call whose length grows with its data (an image of any size)."""
+    timeout = _timeout(args, open_ended=open_ended, slack_ms=slack_ms)
     with _waiting(args, waiting):
         return _session(args, lambda client: client.call(service, method, request, timeout))
 
@@ -701,7 +704,8 @@ def cmd_image_import(args: argparse.Namespace) -> int:
         ref_name=args.ref_name or "",
         reference=args.reference or "",
     )
-    reply = _call(args, CONTAINERS, "ImportImageLayout", request)
+    waiting = f"importing {request.path}"
+    reply = _call(args, CONTAINERS, "ImportImageLayout", request, waiting=waiting, open_ended=True)
     _report(args, reply, _image_summary("imported", reply.image))
     return 0
 
@@ -817,16 +821,23 @@ def _container_call(
     *,
     slack_ms: int | None = None,
     waiting: str = "",
+    open_ended: bool = False,
 ) -> int:
     """A call whose reply carries the container's status (Create, Start, Stop)."""
-    reply = _call(args, CONTAINERS, method, request, slack_ms=slack_ms, waiting=waiting)
+    reply = _call(
+        args, CONTAINERS, method, request, slack_ms=slack_ms, waiting=waiting, open_ended=open_ended
+    )
     _report(args, reply, _status_line(verb, reply.status or containers_pb.ContainerStatus()))
     return 0
 
 
 def cmd_container_create(args: argparse.Namespace) -> int:
     request = containers_pb.ContainerServiceCreateRequest(config=_container_config(args))
-    return _container_call(args, "Create", request, "created")
+    if not args.vm:
+        return _container_call(args, "Create", request, "created")
+    # The host first sends the guest the image's missing blobs: as long as the image's size makes it.
+    waiting = f"sending the image to VM {args.vm} and creating container {args.name}"
+    return _container_call(args, "Create", request, "created", waiting=waiting, open_ended=True)
 
 
 def cmd_container_start(args: argparse.Namespace) -> int:
@@ -948,12 +959,13 @@ def cmd_container_run(args: argparse.Namespace) -> int:
     it in any case."""
     create = containers_pb.ContainerServiceCreateRequest(config=_container_config(args), start=True)
     timeout = _timeout(args)
-
-    where = f" in VM {args.vm}" if getattr(args, "vm", None) else ""
+    # In a VM, Create first sends the guest the image: no default deadline (see cmd_container_create).
+    create_timeout = _timeout(args, open_ended=bool(args.vm))
+    where = f" in VM {args.vm}" if args.vm else ""
 
     async def body(client: AuraeClient) -> containers_pb.ContainerStatus:
         with _waiting(args, f"starting container {args.name}{where}"):
-            await client.call(CONTAINERS, "Create", create, timeout)
+            await client.call(CONTAINERS, "Create", create, create_timeout)
         try:
             follow = containers_pb.ContainerServiceLogsRequest(container_id=args.name, follow=True)
             await _print_logs(args, client, follow)
@@ -1494,15 +1506,17 @@ def cmd_vm_start(args: argparse.Namespace) -> int:
 
 
 def cmd_vm_stop(args: argparse.Namespace) -> int:
-    grace = None if args.grace is None else round(args.grace * 1000)
-    request = vms_pb.VmServiceStopRequest(name=args.name, timeout_ms=grace)
-    reply = _call(args, VMS, "Stop", request, slack_ms=grace, waiting=f"stopping VM {args.name}")
+    request = vms_pb.VmServiceStopRequest(name=args.name, timeout_ms=args.grace)
+    waiting = f"stopping VM {args.name}"
+    reply = _call(args, VMS, "Stop", request, slack_ms=_grace_slack(args.grace), waiting=waiting)
     _report(args, reply, f"stopped {_vm_line(reply.status)}")
     return 0
 
 
 def cmd_vm_free(args: argparse.Namespace) -> int:
-    reply = _call(args, VMS, "Free", vms_pb.VmServiceFreeRequest(name=args.name))
+    request = vms_pb.VmServiceFreeRequest(name=args.name, timeout_ms=args.grace)
+    waiting = f"freeing VM {args.name}"  # a running one is stopped first
+    reply = _call(args, VMS, "Free", request, slack_ms=_grace_slack(args.grace), waiting=waiting)
     _report(args, reply, f"freed VM {args.name}")
     return 0
 
@@ -1560,9 +1574,12 @@ def _add_vm_commands(subparsers: Any) -> None:
         vm, "stop", cmd_vm_stop, "power off (ACPI), forced after the grace period", deadline=False
     )
     stop.add_argument("name", metavar="NAME")
-    stop.add_argument("--grace", type=seconds, default=None, metavar="SECONDS")
+    stop.add_argument(
+        "--grace", type=grace_ms, metavar="SECONDS", help="to power off before the VMM is ended"
+    )
     free = _command(vm, "free", cmd_vm_free, "stop a VM and remove its tap, files and record")
     free.add_argument("name", metavar="NAME")
+    free.add_argument("--grace", type=grace_ms, metavar="SECONDS", help="to power off, if running")
     _command(vm, "ls", cmd_vm_list, "the VMs, with state read from their VMM")
     console_ = _command(vm, "console", cmd_vm_console, "the serial console")
     console_.add_argument("name", metavar="NAME")
