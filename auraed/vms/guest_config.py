@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import os
 import subprocess
 import tempfile
 from pathlib import Path
@@ -82,16 +83,22 @@ def build_config_disk(
                 host_identity=host_identity,
             )
         )
-        output.unlink(missing_ok=True)
-        result = subprocess.run(
-            ["mksquashfs", str(root), str(output), "-quiet", "-noappend", "-all-root", "-comp", "gzip"],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-    if result.returncode != 0:
-        raise AuraeError(
-            ErrorKind.INTERNAL, f"cannot build the config disk {output}: {result.stderr.strip()}"
-        )
-    output.chmod(0o600)
+        # Created owner-only (the disk holds the guest's key), filled, then renamed over the old disk:
+        # a VMM launched meanwhile opens a whole disk, never one another Start is writing.
+        fd, staging = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.")
+        os.close(fd)
+        try:
+            result = subprocess.run(
+                ["mksquashfs", str(root), staging, "-quiet", "-noappend", "-all-root", "-comp", "gzip"],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if result.returncode != 0:
+                raise AuraeError(
+                    ErrorKind.INTERNAL, f"cannot build the config disk {output}: {result.stderr.strip()}"
+                )
+            os.replace(staging, output)
+        finally:
+            Path(staging).unlink(missing_ok=True)
     return output
