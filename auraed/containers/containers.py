@@ -35,6 +35,7 @@ from auraed.state.store import Store, StoreError
 from auraed.system.cgroupfs import CgroupError, Cgroupfs
 from auraed.system.monitor import ExitRecord, MonitorSpec, read_exit_record
 from auraed.system.supervisor import ORPHANED, MonitorStartError, Supervisor
+from auraed.system.tasks import run_to_end
 
 log = logging.getLogger(__name__)
 
@@ -497,15 +498,20 @@ class Containers:
         return record
 
     async def delete(self, record: ContainerRecord, force: bool, keep_logs: bool) -> None:
+        """Runs to its end when the caller leaves: a Delete cut short (``aer container run --rm``
+        interrupted, a deadline) left the container half removed, still listed."""
         with self._changing_now(record, "deleted"):
-            if record.state == State.RUNNING:
-                if not force:
-                    raise ContainerError.precondition(
-                        f"container {record.name} is {record.state}; stop it or force"
-                    )
-                await self.stop(record, timeout=0)
-            await self._teardown(record, keep_logs)
+            if record.state == State.RUNNING and not force:
+                raise ContainerError.precondition(
+                    f"container {record.name} is {record.state}; stop it or force"
+                )
+            await run_to_end(self._delete(record, keep_logs))
         log.info("deleted container %s (%s)", record.name, record.id)
+
+    async def _delete(self, record: ContainerRecord, keep_logs: bool) -> None:
+        if record.state == State.RUNNING:
+            await self.stop(record, timeout=0)
+        await self._teardown(record, keep_logs)
 
     async def _teardown(self, record: ContainerRecord, keep_logs: bool) -> None:
         """Remove every trace of a container; safe on half-made ones and repeatable."""

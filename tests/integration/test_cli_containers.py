@@ -302,7 +302,8 @@ def test_run_rm_cleans_up_on_ctrl_c(loaded: Path) -> None:
     finally:
         runner.kill()
     assert (runner.returncode, stderr) == (130, "")
-    assert name not in containers(loaded)
+    # aer waits a few seconds for its Delete; the daemon finishes it in any case.
+    wait_for(lambda: name not in containers(loaded))
 
 
 def test_create_start_logs_stop_rm(loaded: Path, tmp_path: Path) -> None:
@@ -431,16 +432,18 @@ def test_exec_on_a_terminal(loaded: Path, box: str) -> None:
     assert re.search(r"/dev/pts/\d+", shown.text) and "40 100" in shown.text and shown.restored
 
     # -i -t: raw mode, so ^C goes to the container; a resize follows the local terminal.
-    script = "trap 'echo got-int; stty size; exit 7' INT; echo ready; while true; do sleep 0.1; done"
+    script = (
+        "trap 'echo got-int; stty size; exit 7' INT; trap 'echo resized' WINCH; echo ready; "
+        "while true; do sleep 0.1; done"
+    )
 
-    def resize_then_interrupt(fd: int) -> None:
-        Terminal.resize(fd, 50, 120)  # SIGWINCH to aer, which sends the new size
-        time.sleep(0.5)
+    def interrupt(fd: int) -> None:
         os.write(fd, b"\x03")
 
     interrupted = (
         Terminal()
-        .when(b"ready", resize_then_interrupt)
+        .when(b"ready", lambda fd: Terminal.resize(fd, 50, 120))  # SIGWINCH to aer, which sends it
+        .when(b"resized", interrupt)  # ^C only once the container has its new size
         .run([*command, "-i", "-t", box, "--", "sh", "-c", script])
     )
     assert interrupted.returncode == 7, interrupted.text

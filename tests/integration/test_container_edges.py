@@ -216,6 +216,28 @@ async def test_a_stop_whose_caller_gives_up_still_ends_with_sigkill(loaded: Aura
     await delete(loaded, "joined")
 
 
+async def test_a_delete_whose_caller_gives_up_still_removes_everything(
+    loaded: AuraeClient, daemon: DaemonProcess
+) -> None:
+    # A Delete cut short (aer container run --rm interrupted, a deadline) once left the container
+    # half removed and still listed: its runtime delete killed mid-way, its files kept.
+    before = containers_left(daemon)
+    # The runtime's delete runs poststop hooks: this one holds it for a second.
+    hooks = pb.Hooks(poststop=[pb.Hook(path="/bin/sh", args=["-c", "sleep 1"])])
+    await create(loaded, "doomed", BUSYBOX, command=IGNORES_TERM, hooks=hooks)
+    await start(loaded, "doomed")
+    await wait_for_line(loaded, "doomed", "up")
+    request = pb.ContainerServiceDeleteRequest(container_id="doomed", force=True)
+    refused = await refusal(loaded.call(CONTAINERS, "Delete", request, timeout=0.5))
+    assert refused.code == "DEADLINE_EXCEEDED"
+
+    async def none_listed() -> bool:
+        return not (await loaded.call(CONTAINERS, "List", pb.ContainerServiceListRequest())).containers
+
+    await wait_until(none_listed, timeout=15)
+    assert containers_left(daemon) == before
+
+
 async def test_a_stop_under_way_when_auraed_stops_is_finished(
     daemon_factory: DaemonFactory, busybox_layout: BuiltImage
 ) -> None:
@@ -245,10 +267,15 @@ async def test_a_stop_under_way_when_auraed_stops_is_finished(
             await delete(client, name)
 
 
-async def test_wait_on_a_container_being_created_waits_for_its_end(loaded: AuraeClient) -> None:
+async def test_wait_on_a_container_being_created_waits_for_its_end(
+    loaded: AuraeClient, tmp_path: Path
+) -> None:
     # A Wait on a container still being created (Create with start, under way) once returned at
-    # once with state CREATED. The hook keeps the container in the making for a second.
-    async def create_started(name: str, command: list[str], hook: str = "sleep 1") -> pb.ContainerStatus:
+    # once with state CREATED. The hook keeps the container in the making until the test has seen
+    # it CREATED (or 30 s).
+    async def create_started(name: str, command: list[str], then: str = "true") -> pb.ContainerStatus:
+        go = tmp_path / f"{name}.go"
+        hook = f"i=0; while [ ! -e {go} ] && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done; {then}"
         hooks = pb.Hooks(create_runtime=[pb.Hook(path="/bin/sh", args=["-c", hook])])
         config = pb.ContainerConfig(name=name, image=BUSYBOX, command=command, hooks=hooks)
         request = pb.ContainerServiceCreateRequest(config=config, start=True)
@@ -261,7 +288,13 @@ async def test_wait_on_a_container_being_created_waits_for_its_end(loaded: Aurae
             return False
 
         await wait_until(being_created, 20, interval=0.01)
-        return await wait_exit(loaded, name)
+        waiting = asyncio.ensure_future(wait_exit(loaded, name))
+        # The Wait is in before the hook lets Create go on: a call behind it on the same channel
+        # has had its answer (calls are served in the order they come).
+        await asyncio.sleep(0.2)
+        await status(loaded, name)
+        (tmp_path / f"{name}.go").touch()
+        return await waiting
 
     creating = asyncio.ensure_future(create_started("slow", ["sh", "-c", "exit 3"]))
     final = await asyncio.wait_for(wait_while_created("slow"), 30)
@@ -269,8 +302,8 @@ async def test_wait_on_a_container_being_created_waits_for_its_end(loaded: Aurae
     await creating
     await delete(loaded, "slow")
 
-    # One whose Create fails (its hook, after a second) is removed before it ran: its Wait says so.
-    failing = asyncio.ensure_future(create_started("broken", ["true"], hook="sleep 1; exit 1"))
+    # One whose Create fails (its hook) is removed before it ran: its Wait says so.
+    failing = asyncio.ensure_future(create_started("broken", ["true"], then="exit 1"))
     refused = await refusal(asyncio.wait_for(wait_while_created("broken"), 30))
     assert (refused.code, refused.message) == ("NOT_FOUND", "container broken was removed before it ran")
     assert (await refusal(failing)).code == "FAILED_PRECONDITION"
