@@ -117,11 +117,12 @@ class Daemon:
         setup_logging(self.config, self.hub)
         self.hub.daemon_log.bind(asyncio.get_running_loop())
         self.hub.signals.bind(asyncio.get_running_loop())
-        log.info("auraed starting as %s (%s)", self.role.value, self._role_reason)
         # Before starting, not once serving: a signal in between (a SIGHUP right after "serving
         # on", a SIGTERM during recovery) took its default action and ended the daemon on the
-        # spot. A stop asked for during start follows as soon as the start is done.
+        # spot. A stop asked for during start follows as soon as the start is done. Before the
+        # first line too, which tells a watcher that signals are safe from then on.
         self._install_signal_handlers()
+        log.info("auraed starting as %s (%s)", self.role.value, self._role_reason)
         try:
             await self._start()
         except Exception as exc:
