@@ -249,6 +249,18 @@ def _client_error(exc: grpc.aio.AioRpcError, config: ClientConfig | None) -> Cli
     return ClientError(exc.code().name, details)
 
 
+# How grpc reports a server that refused the client's certificate: a hang-up, worded by where the
+# client was at that moment, or a TLS alert naming the reason.
+REFUSED_CLIENT_CERTIFICATE = (
+    "Socket closed",
+    "Connection reset",
+    "Broken pipe",
+    "alert unknown ca",
+    "alert bad certificate",
+    "alert certificate",  # required, expired, unknown, revoked
+)
+
+
 def connection_hint(code: grpc.StatusCode, details: str, config: ClientConfig) -> str:
     """What a failure to connect most likely means, in the client config's terms ("" when unsure).
 
@@ -264,8 +276,7 @@ def connection_hint(code: grpc.StatusCode, details: str, config: ClientConfig) -
             f"its certificate does not name {config.server_name!r} (server_name under [system] in the "
             "client config)"
         )
-    # Which of these grpc reports depends on where the client was when the server hung up.
-    if any(words in details for words in ("Socket closed", "Connection reset", "Broken pipe")):
+    if any(words in details for words in REFUSED_CLIENT_CERTIFICATE):
         return (
             "it hung up during the TLS handshake: it may not accept the client certificate "
             f"{config.client_crt} (from another CA, or expired)"
