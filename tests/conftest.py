@@ -260,6 +260,15 @@ async def wait_until(predicate: Callable[[], object], timeout: float = 10.0, int
     raise AssertionError("condition not met in time")
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Whether the process has a handler for ``signum`` (its SigCgt mask in /proc): a shell
+    signalled before its ``trap`` runs takes the default action instead."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
 @pytest.fixture(scope="session")
 def guest_image() -> Path:
     """guest-image/build's output directory (built once, cached by the builder)."""

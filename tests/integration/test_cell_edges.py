@@ -36,10 +36,10 @@ SETTLE_TIMEOUT = 20.0
 """Seconds for calls whose callers left to finish inside the daemon, one after the other (a
 loaded machine is slow): what they leave wrong stays wrong, so waiting longer cannot hide it."""
 
-LONG_GRACE_MS = 5000
+LONG_GRACE_MS = 8000
 """A grace period a prompt Stop must not wait out."""
 
-PROMPT = 2.0
+PROMPT = 3.0
 """Seconds within which a signalled process, or a call not held up, is done."""
 
 

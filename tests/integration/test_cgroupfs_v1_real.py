@@ -125,7 +125,10 @@ def test_processes_listed_and_killed(fs: Cgroupfs, spawn: Spawn) -> None:
     try:
         fs.add_process("web", sleeper.pid)
         forker = spawn("web/api", ["sh", "-c", "sleep 60 & sleep 60 & wait"])
-        time.sleep(0.3)
+        # The shell and its two sleeps, once it has forked them.
+        deadline = time.monotonic() + 10
+        while len(fs.pids("web/api")) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert fs.pids("web") == [sleeper.pid]
         assert forker.pid in fs.pids("web/api")
         assert len(fs.pids("web/api")) == 3

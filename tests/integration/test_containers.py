@@ -17,7 +17,7 @@ import pytest
 from auraed.api.aurae.containers import v0 as pb
 from auraed.client import AuraeClient, ClientError
 from auraed.containers.containers import ENDED_BEFORE_START
-from tests.conftest import DaemonFactory, DaemonProcess, wait_until
+from tests.conftest import DaemonFactory, DaemonProcess, catches, wait_until
 from tests.integration.containers_helpers import (
     BUSYBOX,
     CONTAINERS,
@@ -327,14 +327,6 @@ async def test_images_share_layers_and_remove_collects(loaded: AuraeClient, daem
     assert len(list(snapshots.iterdir())) == 1  # the shared base stays for busybox
 
 
-def catches(pid: int, signum: int) -> bool:
-    """Whether the process has a handler for ``signum`` (its SigCgt mask in /proc)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("SigCgt:"):
-            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
-    return False
-
-
 async def test_kill_9_while_containers_run(daemon_factory: DaemonFactory, busybox_layout: BuiltImage) -> None:
     daemon = daemon_factory()
     async with daemon.client() as client:
@@ -428,7 +420,9 @@ async def test_created_containers_run_nothing_until_start(loaded: AuraeClient) -
         loaded.call(CONTAINERS, "Wait", pb.ContainerServiceWaitRequest(container_id="never"), timeout=60)
     )
     following = asyncio.ensure_future(logs(loaded, "never", follow=True))
+    # Both are in before the Delete: a call behind them on the same channel has had its answer.
     await asyncio.sleep(0.2)
+    await status(loaded, "never")
     await delete(loaded, "never", force=False)
     with pytest.raises(ClientError) as error:
         await waiting

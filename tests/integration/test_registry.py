@@ -700,13 +700,13 @@ def test_redirect_loops_and_slow_drips_are_cut_short() -> None:
         assert caught.value.kind == "unavailable"
         assert len(fake.requests) <= 1 + 5 + 1  # /v2/ is not asked; at most the redirect limit
     # A byte now and then keeps each read within the timeout, but not the whole answer.
-    drip = FakeResponse(200, b" " * (6 * PACE_CHUNK), {"Content-Type": OCI_MANIFEST}, pace_s=0.4)
+    drip = FakeResponse(200, b" " * (12 * PACE_CHUNK), {"Content-Type": OCI_MANIFEST}, pace_s=0.4)
     with FakeRegistry({("GET", MANIFEST_PATH): drip}) as fake:
         started = time.monotonic()
         with pytest.raises(RegistryError, match="not received within 1s") as caught:
             RegistryClient(timeout=1.0).resolve(parse_reference(f"{fake.host}/{REPO}:1"))
         assert caught.value.kind == "unavailable"
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < 3.0  # the whole answer would take 4.8 s
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from pathlib import Path
 from auraed.api.aurae.cells import v0 as pb
 from auraed.client import AuraeClient
 from auraed.state.store import Store
-from tests.conftest import DaemonFactory, wait_until
+from tests.conftest import DaemonFactory, catches, wait_until
 from tests.integration.test_cells import CELLS, allocate, output, start, status, wait_exited
 
 
@@ -26,6 +26,7 @@ async def test_kill_9_and_restart_recovers_cells_and_executables(daemon_factory:
         )
         finished = await start(client, "keep/inner", "finished", "echo early; exit 4")
         await wait_exited(client, "keep/inner", "finished")
+        await wait_until(lambda: catches(doomed, signal.SIGTERM))
     assert finished
     daemon.kill9()
     # While auraed is down: one executable ends with a known status, the other keeps writing.

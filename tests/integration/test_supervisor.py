@@ -73,12 +73,15 @@ async def test_monitors_are_forked_by_one_launcher_named_after_the_runtime_dir(
 
 
 async def test_monitors_outlive_the_launcher(supervisor: Supervisor, tmp_path: Path) -> None:
-    handle = await launch(supervisor, tmp_path / "a", ["sh", "-c", "sleep 0.5; echo after; exit 3"])
+    go = tmp_path / "go"  # the child runs on until the test has seen its monitor outlive the launcher
+    script = f"until [ -e {go} ]; do sleep 0.02; done; echo after; exit 3"
+    handle = await launch(supervisor, tmp_path / "a", ["sh", "-c", script])
     launcher = supervisor.launcher_pid
     assert launcher is not None
     supervisor.close()  # as when auraed stops or dies: the launcher leaves at EOF
     assert not Path(f"/proc/{launcher}").exists()
     assert Supervisor.alive(handle)
+    go.touch()
     record = await supervisor.wait(handle, tmp_path / "a" / "exit.json")
     assert record is not None and record.exit_code == 3
     assert logged(tmp_path / "a") == ["after"]

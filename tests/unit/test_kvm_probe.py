@@ -97,8 +97,9 @@ def test_real_device_verdict_on_this_machine() -> None:
     assert result.elapsed_s < timeout_s + 1.0
     if NESTED_PVM:
         # Established here: exits are fast but every guest instruction is emulated (~1500x native).
+        # Under load the exits too may pass their limit, which the probe checks first.
         assert not result.usable, result.detail
-        assert "guest crawls" in result.detail
+        assert "guest crawls" in result.detail or "IO exits are slow" in result.detail, result.detail
     if result.usable:
         assert result.detail.startswith("KVM usable")
         assert "real mode" in result.detail and "long mode" in result.detail

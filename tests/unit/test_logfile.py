@@ -45,14 +45,14 @@ async def test_a_watched_follower_sees_a_line_at_once_and_ends_promptly(
         written = time.monotonic()
         append(log, "ready")
         assert (await asyncio.wait_for(first, 2)).content == "ready"
-        assert time.monotonic() - written < 0.2
+        assert time.monotonic() - written < 0.5  # a poll would have taken 1.25 s more
         await asyncio.sleep(1.3)
         ended = True
         (tmp_path / "exit.json").write_text("{}")  # what a monitor writes when its process ended
         stopped = time.monotonic()
         with pytest.raises(StopAsyncIteration):
             await asyncio.wait_for(anext(lines), 2)
-        assert time.monotonic() - stopped < 0.2
+        assert time.monotonic() - stopped < 0.5
     finally:
         await lines.aclose()
     assert watch.watched() == []

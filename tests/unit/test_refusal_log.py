@@ -10,7 +10,7 @@ import pytest
 from auraed.server import authz
 from auraed.server.authz import RefusalLog
 
-INTERVAL = 0.05  # seconds: short, so the test sees an interval pass
+INTERVAL = 0.3  # seconds: short, so the test sees an interval pass; long enough for six calls
 
 
 def test_repeats_are_counted_and_reported_after_the_interval(caplog: pytest.LogCaptureFixture) -> None:
