@@ -109,7 +109,8 @@ async def warm_up(client: AuraeClient) -> dict[str, Any]:
 async def check_and_delete(client: AuraeClient, names: dict[str, int]) -> None:
     for name, n in names.items():
         request = pb.ContainerServiceLogsRequest(container_id=name)
-        lines = [item.line async for item in client.stream(CONTAINERS, "Logs", request, timeout=30)]
+        replies = client.stream(CONTAINERS, "Logs", request, timeout=30)
+        lines = [line.line async for reply in replies for line in reply.lines]
         if lines != [str(n)]:
             raise RuntimeError(f"{name} logged {lines!r}, not [{str(n)!r}]")
         await client.call(

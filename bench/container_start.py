@@ -145,7 +145,7 @@ class Auraed:
         deadline = time.monotonic() + LINE_TIMEOUT
         request = pb.ContainerServiceLogsRequest(container_id=name)
         while True:
-            item = await first_item(self.client.stream(CONTAINERS, "Logs", request, timeout=LINE_TIMEOUT))
+            item = await first_line(self.client.stream(CONTAINERS, "Logs", request, timeout=LINE_TIMEOUT))
             if item is not None:
                 return item
             if time.monotonic() > deadline:
@@ -156,7 +156,7 @@ class Auraed:
         """The first line and when it arrived (perf_counter, wall clock): it may come before
         Start's reply, and the iteration only looks at it after that."""
         request = pb.ContainerServiceLogsRequest(container_id=name, follow=True)
-        item = await first_item(self.client.stream(CONTAINERS, "Logs", request, timeout=LINE_TIMEOUT))
+        item = await first_line(self.client.stream(CONTAINERS, "Logs", request, timeout=LINE_TIMEOUT))
         if item is not None:
             return item, time.perf_counter(), time.time()
         raise RuntimeError(f"{name}: the log stream ended without a line")
@@ -217,12 +217,14 @@ class Auraed:
         )
 
 
-async def first_item(stream: AsyncIterator[Any]) -> Any:
-    """The first item of a server stream (None if it ends without one); the call is then cancelled."""
+async def first_line(stream: AsyncIterator[Any]) -> Any:
+    """The first line (a LogLine) of a Logs stream (None if it ends without one); the call is then
+    cancelled."""
     generator = cast(AsyncGenerator[Any, None], stream)  # AuraeClient.stream is an async generator
     try:
-        async for item in generator:
-            return item
+        async for reply in generator:
+            if reply.lines:
+                return reply.lines[0]
         return None
     finally:
         await generator.aclose()

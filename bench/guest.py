@@ -91,7 +91,7 @@ from common import (
     temp_dir,
     verdict,
 )
-from container_start import build_image, first_item, source_state
+from container_start import build_image, first_line, source_state
 
 from auraed.api.aurae.cells import v0 as cells_pb
 from auraed.api.aurae.containers import v0 as pb
@@ -1027,7 +1027,7 @@ class InGuest:
         deadline = time.monotonic() + CALL_TIMEOUT
         request = pb.ContainerServiceLogsRequest(container_id=name)
         while True:
-            item = await first_item(client.stream(CONTAINERS, "Logs", request, timeout=CALL_TIMEOUT))
+            item = await first_line(client.stream(CONTAINERS, "Logs", request, timeout=CALL_TIMEOUT))
             if item is not None:
                 return item
             if time.monotonic() > deadline:

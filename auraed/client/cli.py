@@ -295,13 +295,17 @@ def _as_dict(message: betterproto2.Message) -> dict[str, Any]:
 
 
 def _emit(
-    args: argparse.Namespace, message: betterproto2.Message, line: str, file: IO[str] | None = None
+    args: argparse.Namespace,
+    message: betterproto2.Message,
+    line: str,
+    file: IO[str] | None = None,
+    flush: bool = True,
 ) -> None:
     """One item of a stream: its JSON on one line of stdout with --json, else ``line`` on ``file``."""
     if args.json:
-        print(json.dumps(_as_dict(message)), flush=True)
+        print(json.dumps(_as_dict(message)), flush=flush)
     else:
-        print(line, file=file or sys.stdout, flush=True)
+        print(line, file=file or sys.stdout, flush=flush)
 
 
 def _print_json(value: betterproto2.Message | dict[str, Any]) -> None:
@@ -937,9 +941,13 @@ def cmd_container_list(args: argparse.Namespace) -> int:
 async def _print_logs(
     args: argparse.Namespace, client: AuraeClient, request: containers_pb.ContainerServiceLogsRequest
 ) -> None:
-    """Each log line as it comes: stdout lines on stdout, stderr lines on stderr."""
+    """Each log line as it comes: stdout lines on stdout, stderr lines on stderr (with --json, one
+    object a line on stdout). Written out once a message, which may carry many lines."""
     async for reply in client.stream(CONTAINERS, "Logs", request, _timeout(args, open_ended=True)):
-        _emit(args, reply, reply.line, sys.stderr if reply.stream == "stderr" else sys.stdout)
+        for line in reply.lines:
+            _emit(args, line, line.line, sys.stderr if line.stream == "stderr" else sys.stdout, flush=False)
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 def cmd_container_logs(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ from auraed.errors import ErrorKind
 from auraed.images.content import remove_tree
 from auraed.images.images import Images
 from auraed.images.model import ImageRecord
-from auraed.observe.logfile import LogLine, LogWatch, stream_lines
+from auraed.observe.logfile import LogLine, LogWatch, stream_line_batches
 from auraed.state.store import Store, StoreError
 from auraed.system.cgroupfs import CgroupError, Cgroupfs
 from auraed.system.monitor import ExitRecord, MonitorSpec, read_exit_record
@@ -609,8 +609,8 @@ class Containers:
         tail: int | None,
         follow: bool,
         since: float | None,
-    ) -> AsyncIterator[LogLine]:
-        return stream_lines(
+    ) -> AsyncIterator[list[LogLine]]:
+        return stream_line_batches(
             record.log_path,
             streams,
             tail,

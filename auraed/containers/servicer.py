@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -334,16 +335,14 @@ class ContainerServicer:
             raise ContainerError.invalid("stream", "must be stdout, stderr or empty")
         if request.tail is not None and request.tail > MAX_TAIL:
             raise ContainerError.invalid("tail", f"at most {MAX_TAIL}")
-        async for line in self._containers.logs(record, streams, request.tail, request.follow, request.since):
-            yield pb.ContainerServiceLogsResponse(
-                line=line.content, stream=line.stream, timestamp=line.timestamp
-            )
+        batches = self._containers.logs(record, streams, request.tail, request.follow, request.since)
+        async for batch in batches:
+            lines = [pb.LogLine(line=x.content, stream=x.stream, timestamp=x.timestamp) for x in batch]
+            yield pb.ContainerServiceLogsResponse(lines=lines)
 
     async def stats(
         self, request: pb.ContainerServiceStatsRequest, context: Context
     ) -> pb.ContainerServiceStatsResponse:
-        import time
-
         values = await asyncio.to_thread(self._containers.stats, self._find(request.container_id))
         return pb.ContainerServiceStatsResponse(**values, timestamp=time.time())
 

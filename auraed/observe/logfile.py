@@ -322,6 +322,29 @@ def _find_tail(path: Path, streams: frozenset[str], tail: int, since: float | No
         return 0, 0, 0  # not written yet: a follower reads it from its start once it is
 
 
+BATCH_BYTES = 1 << 20
+"""The most UTF-8 a batch of lines holds (one line alone may hold more, up to MAX_LINE_CHARS
+characters): a gRPC message carrying one stays well under grpc's 4 MiB limit. A line costs its
+UTF-8 and LINE_OVERHEAD bytes more (its stream, time and framing in a message)."""
+LINE_OVERHEAD = 32
+
+
+def batches(lines: list[LogLine]) -> Iterator[list[LogLine]]:
+    """``lines`` in order, cut into batches of at most BATCH_BYTES; a longer line goes alone."""
+    batch: list[LogLine] = []
+    size = 0
+    for line in lines:
+        content = line.content
+        cost = (len(content) if content.isascii() else len(content.encode())) + LINE_OVERHEAD
+        if batch and size + cost > BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append(line)
+        size += cost
+    if batch:
+        yield batch
+
+
 async def stream_lines(
     path: Path,
     streams: frozenset[str],
@@ -332,7 +355,28 @@ async def stream_lines(
     since: float | None = None,
     watch: LogWatch | None = None,
 ) -> AsyncGenerator[LogLine, None]:
-    """The last ``tail`` lines (all when None), then, with ``follow``, new lines until ``finished()``.
+    """:func:`stream_line_batches`, a line at a time."""
+    batches = stream_line_batches(path, streams, tail, follow, finished, since=since, watch=watch)
+    try:
+        async for batch in batches:
+            for line in batch:
+                yield line
+    finally:
+        await batches.aclose()
+
+
+async def stream_line_batches(
+    path: Path,
+    streams: frozenset[str],
+    tail: int | None,
+    follow: bool,
+    finished: Callable[[], bool],
+    *,
+    since: float | None = None,
+    watch: LogWatch | None = None,
+) -> AsyncGenerator[list[LogLine], None]:
+    """The last ``tail`` lines (all when None), then, with ``follow``, new lines until ``finished()``,
+    in batches of at most BATCH_BYTES (see :func:`batches`): the lines each read completed.
 
     Lines are read in chunks and sent as they come, so a long log never sits in memory whole;
     where a tail starts is found from the end. ``watch`` wakes the follower when the log's
@@ -364,8 +408,8 @@ async def stream_lines(
                 chunk = await asyncio.to_thread(_read_from, path, offset, size)
             at_end = len(chunk) < size or offset + len(chunk) == limit
             offset += len(chunk)
-            for line in reader.feed(chunk):
-                yield line
+            for batch in batches(reader.feed(chunk)):
+                yield batch
             if done and at_end:
                 return  # everything written before the end (or before now) is read
             if chunk:

@@ -65,7 +65,8 @@ async def status(client: AuraeClient, container: str) -> pb.ContainerStatus:
 
 async def logs(client: AuraeClient, container: str, follow: bool = False, **fields: Any) -> list[str]:
     request = pb.ContainerServiceLogsRequest(container_id=container, follow=follow, **fields)
-    return [item.line async for item in client.stream(CONTAINERS, "Logs", request, timeout=60)]
+    replies = client.stream(CONTAINERS, "Logs", request, timeout=60)
+    return [line.line async for reply in replies for line in reply.lines]
 
 
 async def wait_running(client: AuraeClient, container: str) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -307,3 +308,26 @@ async def test_wait_on_a_container_being_created_waits_for_its_end(
     refused = await refusal(asyncio.wait_for(wait_while_created("broken"), 30))
     assert (refused.code, refused.message) == ("NOT_FOUND", "container broken was removed before it ran")
     assert (await refusal(failing)).code == "FAILED_PRECONDITION"
+
+
+async def test_a_long_log_comes_in_few_messages(loaded: AuraeClient) -> None:
+    # One message a line made 200 000 lines take ~10 s to read; grpc's cost is per message.
+    await create(loaded, "chatty", BUSYBOX, command=["sh", "-c", "seq 20000; echo done >&2"])
+    await start(loaded, "chatty")
+    assert (await wait_exit(loaded, "chatty")).exit_code == 0
+
+    async def replies(**fields: Any) -> list[pb.ContainerServiceLogsResponse]:
+        request = pb.ContainerServiceLogsRequest(container_id="chatty", **fields)
+        return [reply async for reply in loaded.stream(CONTAINERS, "Logs", request, timeout=60)]
+
+    everything = await replies()
+    assert len(everything) <= 3
+    lines = [(line.stream, line.line) for reply in everything for line in reply.lines]
+    assert lines == [("stdout", str(n)) for n in range(1, 20001)] + [("stderr", "done")]
+    assert [line.line for reply in await replies(tail=3) for line in reply.lines] == [
+        "19999",
+        "20000",
+        "done",
+    ]
+    assert [line.line for reply in await replies(stream="stderr") for line in reply.lines] == ["done"]
+    await delete(loaded, "chatty")

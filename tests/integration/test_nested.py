@@ -131,7 +131,7 @@ async def test_calls_to_a_guest_end_when_its_vm_dies(host: DaemonProcess, busybo
         )
         request = pb.ContainerServiceLogsRequest(container_id="ticker", follow=True)
         lines = on_guest.stream(CONTAINERS, "Logs", request, timeout=300)
-        assert (await anext(lines)).line == "up"
+        assert [line.line for line in (await anext(lines)).lines] == ["up"]
         os.kill(await qemu_pid(), signal.SIGKILL)
         killed = time.monotonic()
         with pytest.raises(ClientError) as error:
@@ -164,10 +164,11 @@ async def _run_containers_in_guest(on_guest: AuraeClient) -> None:
     )
     assert final.status.exit_code == 0
     lines = [
-        r.line
-        async for r in on_guest.stream(
+        line.line
+        async for reply in on_guest.stream(
             CONTAINERS, "Logs", pb.ContainerServiceLogsRequest(container_id="hello"), timeout=60
         )
+        for line in reply.lines
     ]
     assert lines[0] == "hello from the guest"
     assert lines[1].startswith("0::/")  # cgroup v2, inside its own cgroup namespace
@@ -198,7 +199,8 @@ async def _run_containers_in_guest(on_guest: AuraeClient) -> None:
     )
     assert final.status.exit_code == 7
     request = pb.ContainerServiceLogsRequest(container_id="oneshot")
-    assert [r.line async for r in on_guest.stream(CONTAINERS, "Logs", request, timeout=60)] == ["one"]
+    replies = on_guest.stream(CONTAINERS, "Logs", request, timeout=60)
+    assert [line.line async for reply in replies for line in reply.lines] == ["one"]
 
     # Exec, relayed both ways.
     box = pb.ContainerConfig(name="box", image=IMAGE, command=["sleep", "300"])

@@ -113,10 +113,11 @@ async def test_create_in_guest_sends_missing_blobs_then_runs(
         response_deserializer=pb.ContainerServiceLogsResponse.parse,
     )
     lines = [
-        r.line
-        async for r in logs(
+        line.line
+        async for reply in logs(
             pb.ContainerServiceLogsRequest(container_id="placed"), metadata=on_vm(), timeout=30
         )
+        for line in reply.lines
     ]
     assert lines[0] == "from the guest"
     # The guest holds the image now, and a second placement sends nothing.

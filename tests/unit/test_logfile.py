@@ -235,3 +235,29 @@ def test_a_tail_keeps_the_start_of_another_stream_s_unfinished_line(tmp_path: Pa
     lines, _, assembler = logfile.read_tail(log, STREAMS, 1)
     assert [line.content for line in lines] == ["x"]
     assert {s: list(p) for s, p in assembler.pending.items() if p} == {"stderr": ["abc"]}
+
+
+def test_batches_keep_the_order_and_stay_under_their_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    texts = ["a" * 30, "é" * 15, "b" * 200, "c"]  # é is two bytes in UTF-8
+    lines = [logfile.LogLine(float(n), "stdout", text) for n, text in enumerate(texts)]
+    overhead = logfile.LINE_OVERHEAD
+
+    def sizes(budget: int) -> list[int]:
+        monkeypatch.setattr(logfile, "BATCH_BYTES", budget)
+        batches = list(logfile.batches(lines))
+        assert [line for batch in batches for line in batch] == lines
+        return [len(batch) for batch in batches]
+
+    # The first two together (30 + 30 bytes, and their overhead); the long line alone.
+    assert sizes(60 + 2 * overhead) == [2, 1, 1]
+    # Counted in bytes: by characters (30 + 15) they would fit.
+    assert sizes(45 + 2 * overhead) == [1, 1, 1, 1]
+    assert list(logfile.batches([])) == []
+
+
+async def test_a_log_read_whole_comes_in_few_batches(tmp_path: Path) -> None:
+    log = tmp_path / "container.log"
+    write_log(log, [("stdout" if n % 3 else "stderr", False, f"line {n}") for n in range(20_000)])
+    batches = [batch async for batch in logfile.stream_line_batches(log, STREAMS, None, False, lambda: True)]
+    assert [line.content for batch in batches for line in batch] == [f"line {n}" for n in range(20_000)]
+    assert len(batches) <= 2  # 20 000 short lines: ~1 MiB of log, read a MiB at a time
