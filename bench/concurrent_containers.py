@@ -61,7 +61,7 @@ from container_start import (
 )
 
 from auraed.api.aurae.containers import v0 as pb
-from auraed.client import AuraeClient
+from auraed.client import AuraeClient, log_lines
 from auraed.containers.rootfs import mount_rootfs, unmount_rootfs
 from auraed.images.content import remove_tree
 
@@ -110,7 +110,7 @@ async def check_and_delete(client: AuraeClient, names: dict[str, int]) -> None:
     for name, n in names.items():
         request = pb.ContainerServiceLogsRequest(container_id=name)
         replies = client.stream(CONTAINERS, "Logs", request, timeout=30)
-        lines = [line.line async for reply in replies for line in reply.lines]
+        lines = [line.line async for reply in replies for line in log_lines(reply)]
         if lines != [str(n)]:
             raise RuntimeError(f"{name} logged {lines!r}, not [{str(n)!r}]")
         await client.call(

@@ -74,7 +74,7 @@ from common import (
 )
 
 from auraed.api.aurae.containers import v0 as pb
-from auraed.client import AuraeClient
+from auraed.client import AuraeClient, log_lines
 from auraed.containers.rootfs import mount_rootfs, unmount_rootfs
 from auraed.observe.logfile import POLL_LONGEST as LOGS_FOLLOW_POLL_INTERVAL
 from auraed.observe.logfile import read_tail
@@ -223,8 +223,8 @@ async def first_line(stream: AsyncIterator[Any]) -> Any:
     generator = cast(AsyncGenerator[Any, None], stream)  # AuraeClient.stream is an async generator
     try:
         async for reply in generator:
-            if reply.lines:
-                return reply.lines[0]
+            if lines := log_lines(reply):
+                return lines[0]
         return None
     finally:
         await generator.aclose()

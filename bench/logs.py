@@ -44,7 +44,7 @@ from common import (
 from container_start import CONTAINERS, IMAGE, runc_bench
 
 from auraed.api.aurae.containers import v0 as pb
-from auraed.client import AuraeClient
+from auraed.client import AuraeClient, log_lines
 
 if TYPE_CHECKING:
     from tests.support.images import BuiltImage
@@ -61,7 +61,7 @@ async def stream_count(client: AuraeClient) -> int:
     request = pb.ContainerServiceLogsRequest(container_id=NAME)
     count = 0
     async for reply in client.stream(CONTAINERS, "Logs", request, timeout=READ_TIMEOUT):
-        count += len(reply.lines)
+        count += len(log_lines(reply))
     return count
 
 

@@ -40,7 +40,14 @@ from auraed.api.aurae.discovery import v0 as discovery_pb
 from auraed.api.aurae.observe import v0 as observe_pb
 from auraed.api.aurae.system import v0 as system_pb
 from auraed.api.aurae.vms import v0 as vms_pb
-from auraed.client.client import DEFAULT_SOCKET, AuraeClient, ClientConfig, ClientError, load_client_config
+from auraed.client.client import (
+    DEFAULT_SOCKET,
+    AuraeClient,
+    ClientConfig,
+    ClientError,
+    load_client_config,
+    log_lines,
+)
 from auraed.names import MAX_WAIT_MS
 from auraed.pki import PkiError, PkiPaths, ensure_dev_pki, issue_client_cert, load_ca, write_pem_files
 from auraed.pki.certs import (
@@ -942,12 +949,17 @@ async def _print_logs(
     args: argparse.Namespace, client: AuraeClient, request: containers_pb.ContainerServiceLogsRequest
 ) -> None:
     """Each log line as it comes: stdout lines on stdout, stderr lines on stderr (with --json, one
-    object a line on stdout). Written out once a message, which may carry many lines."""
+    object a line on stdout). Written out once a message, which may carry many lines, and where
+    the stream changes: both may go to one file, in the order they were logged."""
+    last = sys.stdout
     async for reply in client.stream(CONTAINERS, "Logs", request, _timeout(args, open_ended=True)):
-        for line in reply.lines:
-            _emit(args, line, line.line, sys.stderr if line.stream == "stderr" else sys.stdout, flush=False)
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for line in log_lines(reply):
+            file = sys.stderr if line.stream == "stderr" and not args.json else sys.stdout
+            if file is not last:
+                last.flush()
+                last = file
+            _emit(args, line, line.line, file, flush=False)
+        last.flush()
 
 
 def cmd_container_logs(args: argparse.Namespace) -> int:
@@ -1270,7 +1282,8 @@ def _global_options(parser: argparse.ArgumentParser, suppress: bool, deadline: b
         "--vm",
         default=default(None),
         metavar="NAME",
-        help="run container and image commands in this VM's guest (the host sends it the image)",
+        help="run container and image commands in this VM's guest (the host sends it the image: a "
+        "create or run then has no default deadline; --timeout bounds it)",
     )
     if deadline:
         group.add_argument(

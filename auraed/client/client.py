@@ -26,6 +26,7 @@ import betterproto2
 import grpc
 
 from auraed import codec
+from auraed.api.aurae.containers import v0 as containers_pb
 from auraed.errors import AuraeError, ErrorKind
 from auraed.keepalive import MAX_KEEPALIVE_SECONDS, keepalive_options
 from auraed.server.listeners import AS_GRPC_CIPHERS, no_password
@@ -258,6 +259,7 @@ REFUSED_CLIENT_CERTIFICATE = (
     "alert unknown ca",
     "alert bad certificate",
     "alert certificate",  # required, expired, unknown, revoked
+    "alert unsupported certificate",
 )
 
 
@@ -278,12 +280,21 @@ def connection_hint(code: grpc.StatusCode, details: str, config: ClientConfig) -
         )
     if any(words in details for words in REFUSED_CLIENT_CERTIFICATE):
         return (
-            "it hung up during the TLS handshake: it may not accept the client certificate "
+            "it ended the TLS handshake: it may not accept the client certificate "
             f"{config.client_crt} (from another CA, or expired)"
         )
     if "Connection refused" in details or "No such file or directory" in details:
         return "nothing accepts connections there"
     return ""
+
+
+def log_lines(reply: containers_pb.ContainerServiceLogsResponse) -> list[containers_pb.LogLine]:
+    """The lines of a ContainerService.Logs reply, also from an auraed that sent one line a message
+    in ``line``, ``stream`` and ``timestamp`` (a guest still running an older image): such a reply
+    always names its stream."""
+    if reply.lines or not reply.stream:
+        return list(reply.lines)
+    return [containers_pb.LogLine(line=reply.line, stream=reply.stream, timestamp=reply.timestamp)]
 
 
 def _decoded(response: type[betterproto2.Message], data: bytes) -> Any:

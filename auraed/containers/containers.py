@@ -15,7 +15,7 @@ import re
 import secrets
 import signal as signals
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -506,12 +506,12 @@ class Containers:
                     f"container {record.name} is {record.state}; stop it or force"
                 )
             await run_to_end(self._delete(record, keep_logs))
-        log.info("deleted container %s (%s)", record.name, record.id)
 
     async def _delete(self, record: ContainerRecord, keep_logs: bool) -> None:
         if record.state == State.RUNNING:
             await self.stop(record, timeout=0)
         await self._teardown(record, keep_logs)
+        log.info("deleted container %s (%s)", record.name, record.id)  # also when its caller left
 
     async def _teardown(self, record: ContainerRecord, keep_logs: bool) -> None:
         """Remove every trace of a container; safe on half-made ones and repeatable."""
@@ -609,7 +609,7 @@ class Containers:
         tail: int | None,
         follow: bool,
         since: float | None,
-    ) -> AsyncIterator[list[LogLine]]:
+    ) -> AsyncGenerator[list[LogLine], None]:
         return stream_line_batches(
             record.log_path,
             streams,

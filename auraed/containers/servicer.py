@@ -336,9 +336,10 @@ class ContainerServicer:
         if request.tail is not None and request.tail > MAX_TAIL:
             raise ContainerError.invalid("tail", f"at most {MAX_TAIL}")
         batches = self._containers.logs(record, streams, request.tail, request.follow, request.since)
-        async for batch in batches:
-            lines = [pb.LogLine(line=x.content, stream=x.stream, timestamp=x.timestamp) for x in batch]
-            yield pb.ContainerServiceLogsResponse(lines=lines)
+        async with contextlib.aclosing(batches):  # its file watch ends with the call, not at GC
+            async for batch in batches:
+                lines = [pb.LogLine(line=x.content, stream=x.stream, timestamp=x.timestamp) for x in batch]
+                yield pb.ContainerServiceLogsResponse(lines=lines)
 
     async def stats(
         self, request: pb.ContainerServiceStatsRequest, context: Context

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -100,15 +101,16 @@ class ObserveServicer:
             return record.state not in (State.RUNNING, State.STARTING)
 
         lines = stream_lines(record.log_path, streams, tail, request.follow, finished, watch=self._log_watch)
-        async for line in lines:
-            yield pb.ObserveServiceGetSubProcessStreamResponse(
-                item=pb.LogItem(
-                    item=workload,
-                    channel=STREAM_CHANNEL[line.stream],
-                    line=line.content,
-                    timestamp=line.timestamp,
+        async with contextlib.aclosing(lines):  # its file watch ends with the call, not at GC
+            async for line in lines:
+                yield pb.ObserveServiceGetSubProcessStreamResponse(
+                    item=pb.LogItem(
+                        item=workload,
+                        channel=STREAM_CHANNEL[line.stream],
+                        line=line.content,
+                        timestamp=line.timestamp,
+                    )
                 )
-            )
 
     async def get_posix_signals_stream(
         self, request: pb.ObserveServiceGetPosixSignalsStreamRequest, context: Context

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from auraed.api.aurae.containers import v0 as pb
-from auraed.client import AuraeClient, ClientError
+from auraed.client import AuraeClient, ClientError, log_lines
 from tests.conftest import wait_until
 
 CONTAINERS = "aurae.containers.v0.ContainerService"
@@ -66,7 +66,7 @@ async def status(client: AuraeClient, container: str) -> pb.ContainerStatus:
 async def logs(client: AuraeClient, container: str, follow: bool = False, **fields: Any) -> list[str]:
     request = pb.ContainerServiceLogsRequest(container_id=container, follow=follow, **fields)
     replies = client.stream(CONTAINERS, "Logs", request, timeout=60)
-    return [line.line async for reply in replies for line in reply.lines]
+    return [line.line async for reply in replies for line in log_lines(reply)]
 
 
 async def wait_running(client: AuraeClient, container: str) -> None:

@@ -288,6 +288,24 @@ def test_run_rm_prints_output_and_exits_as_the_container(loaded: Path) -> None:
     assert (result.returncode, result.stdout) == (0, "/srv\n1000\nread-only\n"), result.stderr
 
 
+def test_logs_keep_their_order_when_stdout_and_stderr_go_to_one_file(loaded: Path, tmp_path: Path) -> None:
+    """A message carries many lines: those of both streams must still come out in the log's order."""
+    name = unique("mixed")
+    # Pairs 0.1 s apart: the monitor logs them interleaved (it reads the two pipes as they fill).
+    script = "for i in 1 2 3 4 5 6; do echo out$i; echo err$i >&2; sleep 0.1; done"
+    ok("container", "run", name, BUSYBOX, "--", "sh", "-c", script, config=loaded)
+    as_json = ok("container", "logs", name, "--json", config=loaded).splitlines()
+    logged = [json.loads(line)["line"] for line in as_json]
+    assert sorted(logged) == sorted(f"{stream}{i}" for stream in ("out", "err") for i in range(1, 7))
+    both = tmp_path / "both"
+    with both.open("w") as file:
+        command = [*AER, "--config", str(loaded), "container", "logs", name]
+        buffered = {k: v for k, v in environment().items() if k != "PYTHONUNBUFFERED"}  # as most users run it
+        subprocess.run(command, stdout=file, stderr=subprocess.STDOUT, check=True, env=buffered, timeout=60)
+    assert both.read_text().split() == logged
+    ok("container", "rm", name, config=loaded)
+
+
 def test_run_rm_cleans_up_on_ctrl_c(loaded: Path) -> None:
     name = unique("talker")
     command = [*AER, "--config", str(loaded), "container", "run", "--rm", name, BUSYBOX, "--",

@@ -18,7 +18,7 @@ from auraed.api.aurae.cells import v0 as cells
 from auraed.api.aurae.containers import v0 as pb
 from auraed.api.aurae.discovery import v0 as discovery
 from auraed.api.aurae.vms import v0 as vms
-from auraed.client import AuraeClient, ClientConfig, ClientError
+from auraed.client import AuraeClient, ClientConfig, ClientError, log_lines
 from auraed.pki import PkiPaths, create_ca, issue_client_cert, write_pem_files
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
 from tests.integration.containers_helpers import CONTAINERS, import_layout
@@ -131,7 +131,7 @@ async def test_calls_to_a_guest_end_when_its_vm_dies(host: DaemonProcess, busybo
         )
         request = pb.ContainerServiceLogsRequest(container_id="ticker", follow=True)
         lines = on_guest.stream(CONTAINERS, "Logs", request, timeout=300)
-        assert [line.line for line in (await anext(lines)).lines] == ["up"]
+        assert [line.line for line in log_lines(await anext(lines))] == ["up"]
         os.kill(await qemu_pid(), signal.SIGKILL)
         killed = time.monotonic()
         with pytest.raises(ClientError) as error:
@@ -168,7 +168,7 @@ async def _run_containers_in_guest(on_guest: AuraeClient) -> None:
         async for reply in on_guest.stream(
             CONTAINERS, "Logs", pb.ContainerServiceLogsRequest(container_id="hello"), timeout=60
         )
-        for line in reply.lines
+        for line in log_lines(reply)
     ]
     assert lines[0] == "hello from the guest"
     assert lines[1].startswith("0::/")  # cgroup v2, inside its own cgroup namespace
@@ -200,7 +200,7 @@ async def _run_containers_in_guest(on_guest: AuraeClient) -> None:
     assert final.status.exit_code == 7
     request = pb.ContainerServiceLogsRequest(container_id="oneshot")
     replies = on_guest.stream(CONTAINERS, "Logs", request, timeout=60)
-    assert [line.line async for reply in replies for line in reply.lines] == ["one"]
+    assert [line.line async for reply in replies for line in log_lines(reply)] == ["one"]
 
     # Exec, relayed both ways.
     box = pb.ContainerConfig(name="box", image=IMAGE, command=["sleep", "300"])

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from auraed.api.aurae.containers import v0 as pb
-from auraed.client import AuraeClient, ClientError
+from auraed.client import AuraeClient, ClientError, log_lines
 from auraed.client.client import VM_METADATA_KEY
 from auraed.containers.containers import Containers
 from auraed.containers.servicer import SERVICE_NAME, ContainerServicer
@@ -117,7 +117,7 @@ async def test_create_in_guest_sends_missing_blobs_then_runs(
         async for reply in logs(
             pb.ContainerServiceLogsRequest(container_id="placed"), metadata=on_vm(), timeout=30
         )
-        for line in reply.lines
+        for line in log_lines(reply)
     ]
     assert lines[0] == "from the guest"
     # The guest holds the image now, and a second placement sends nothing.

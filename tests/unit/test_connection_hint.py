@@ -32,7 +32,7 @@ PREFIX = "failed to connect to all addresses; last error: UNAVAILABLE: unix:/run
 )
 def test_a_hang_up_during_the_handshake_names_the_client_certificate(last_error: str) -> None:
     hint = connection_hint(grpc.StatusCode.UNAVAILABLE, PREFIX + last_error, CONFIG)
-    assert hint.startswith("it hung up during the TLS handshake") and "/c/client.crt" in hint
+    assert hint.startswith("it ended the TLS handshake") and "/c/client.crt" in hint
 
 
 @pytest.mark.parametrize(
