@@ -45,6 +45,7 @@ from container_start import CONTAINERS, IMAGE, runc_bench
 
 from auraed.api.aurae.containers import v0 as pb
 from auraed.client import AuraeClient, log_lines
+from auraed.client.client import client_config_text
 
 if TYPE_CHECKING:
     from tests.support.images import BuiltImage
@@ -65,16 +66,13 @@ async def stream_count(client: AuraeClient) -> int:
     return count
 
 
-def aer_command(daemon: Daemon, config: Path) -> list[str]:
+def aer_command(config: Path) -> list[str]:
     return [sys.executable, "-m", "auraed.aer", "--config", str(config), "container", "logs", NAME]
 
 
 def write_client_config(daemon: Daemon, path: Path) -> Path:
     config = daemon.client_config()
-    path.write_text(
-        f'[auth]\nca_crt = "{config.ca_crt}"\nclient_crt = "{config.client_crt}"\n'
-        f'client_key = "{config.client_key}"\n[system]\nsocket = "{daemon.socket}"\n'
-    )
+    path.write_text(client_config_text(config.ca_crt, config.client_crt, config.client_key, daemon.socket))
     return path
 
 
@@ -108,7 +106,7 @@ async def run(
         final = await client.call(CONTAINERS, "Wait", wait, timeout=WAIT_TIMEOUT)
         if final.status.exit_code != 0:
             raise RuntimeError(f"the writer exited with {final.status.exit_code}")
-        aer = aer_command(daemon, write_client_config(daemon, root / "client.toml"))
+        aer = aer_command(write_client_config(daemon, root / "client.toml"))
         peer = ["sed", "-e", CRI_HEADER, log_path]
         for series, command in (("aer", aer), ("file", peer)):
             if (printed := await asyncio.to_thread(lines_printed, command)) != args.lines:

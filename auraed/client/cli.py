@@ -45,6 +45,7 @@ from auraed.client.client import (
     AuraeClient,
     ClientConfig,
     ClientError,
+    client_config_text,
     load_client_config,
     log_lines,
 )
@@ -1169,18 +1170,6 @@ def cmd_container_exec(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- pki
 
 
-def _client_config_text(ca_crt: Path, client_crt: Path, client_key: Path, socket: str) -> str:
-    def quoted(value: object) -> str:  # a JSON string is a valid TOML basic string
-        return json.dumps(str(value))
-
-    return (
-        "# aer client config, written by `aer pki init`\n"
-        f"[auth]\nca_crt = {quoted(ca_crt)}\n"
-        f"client_crt = {quoted(client_crt)}\nclient_key = {quoted(client_key)}\n\n"
-        f"[system]\nsocket = {quoted(socket)}\n"
-    )
-
-
 def _pki_summary(paths: PkiPaths, config: Path) -> dict[str, Any]:
     clients = {name: {"crt": str(crt), "key": str(key)} for name, (crt, key) in paths.clients.items()}
     return {
@@ -1207,7 +1196,10 @@ def cmd_pki_init(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     config = directory / "config"
     crt, key = paths.clients[clients[0]]
-    config.write_text(_client_config_text(paths.ca_crt, crt, key, args.socket))
+    config.write_text(
+        "# aer client config, written by `aer pki init`\n"
+        + client_config_text(paths.ca_crt, crt, key, args.socket)
+    )
     summary = _pki_summary(paths, config)
     if args.json:
         _print_json(summary)

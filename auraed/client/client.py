@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import re
 import ssl
@@ -159,6 +160,19 @@ def _address_problem(target: str) -> str:
     if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= MAX_PORT:
         return f"the port must be a number from 1 to {MAX_PORT}"
     return ""
+
+
+def client_config_text(ca_crt: Path, client_crt: Path, client_key: Path, socket: str | Path) -> str:
+    """A client config that :func:`load_client_config` reads: these credentials, a unix socket."""
+
+    def quoted(value: object) -> str:  # a JSON string is a valid TOML basic string
+        return json.dumps(str(value))
+
+    return (
+        f"[auth]\nca_crt = {quoted(ca_crt)}\n"
+        f"client_crt = {quoted(client_crt)}\nclient_key = {quoted(client_key)}\n\n"
+        f"[system]\nsocket = {quoted(socket)}\n"
+    )
 
 
 def _config_error(config_path: Path, problem: str) -> ClientError:

@@ -17,6 +17,7 @@ import pytest
 
 from auraed.client import load_client_config
 from auraed.client.cli import size
+from auraed.client.client import client_config_text
 from auraed.pki import ensure_dev_pki
 from tests.conftest import DaemonProcess, free_all_cells
 
@@ -64,10 +65,7 @@ def config(daemon: DaemonProcess, tmp_path: Path) -> Path:
     """An Aurae-style client config for ``daemon``."""
     crt, key = daemon.pki.clients["aurae-client"]
     path = tmp_path / "aer-config"
-    path.write_text(
-        f'[auth]\nca_crt = "{daemon.pki.ca_crt}"\nclient_crt = "{crt}"\nclient_key = "{key}"\n\n'
-        f'[system]\nsocket = "{daemon.socket}"\n'
-    )
+    path.write_text(client_config_text(daemon.pki.ca_crt, crt, key, daemon.socket))
     return path
 
 

@@ -23,6 +23,7 @@ import pytest
 
 from auraed.api.aurae.containers import v0 as containers_pb
 from auraed.client import ClientError
+from auraed.client.client import client_config_text
 from tests.conftest import DaemonProcess
 from tests.integration.test_cli import AER, assert_one_line_error, environment, unique
 from tests.integration.test_cli_edges import run_with_stdin_closed
@@ -37,10 +38,7 @@ ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")
 def config(daemon: DaemonProcess, tmp_path: Path) -> Path:
     crt, key = daemon.pki.clients["aurae-client"]
     path = tmp_path / "aer-config"
-    path.write_text(
-        f'[auth]\nca_crt = "{daemon.pki.ca_crt}"\nclient_crt = "{crt}"\nclient_key = "{key}"\n\n'
-        f'[system]\nsocket = "{daemon.socket}"\n'
-    )
+    path.write_text(client_config_text(daemon.pki.ca_crt, crt, key, daemon.socket))
     return path
 
 

@@ -21,7 +21,7 @@ from auraed.api.aurae.cells import v0 as cells
 from auraed.api.aurae.discovery import v0 as discovery
 from auraed.api.aurae.system import v0 as system
 from auraed.client import AuraeClient, ClientConfig, ClientError
-from auraed.client.client import channel_for
+from auraed.client.client import channel_for, client_config_text
 from auraed.pki import PkiPaths
 from tests.conftest import DaemonFactory, DaemonProcess, remove_daemon_leftovers, start_refused, wait_until
 
@@ -293,8 +293,7 @@ def test_aer_system_shutdown(daemon: DaemonProcess) -> None:
     config = daemon.client_config()
     client_config = daemon.root / "aer.toml"
     client_config.write_text(
-        f'[auth]\nca_crt = "{config.ca_crt}"\nclient_crt = "{config.client_crt}"\n'
-        f'client_key = "{config.client_key}"\n[system]\nsocket = "{daemon.socket}"\n'
+        client_config_text(config.ca_crt, config.client_crt, config.client_key, daemon.socket)
     )
     aer = [sys.executable, "-m", "auraed.aer", "--config", str(client_config), "system", "shutdown"]
     result = subprocess.run(
