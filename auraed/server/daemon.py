@@ -232,11 +232,12 @@ class Daemon:
         )
         handlers += standard.handlers
         if self.role is Role.HOST and self.guests is not None and self.images is not None:
-            from auraed.vms.placement import GuestRouter
+            from auraed.server.guest_router import GuestRouter
+            from auraed.vms.placement import ImagePlacer
 
             # Around every service: it relays ContainerService calls naming a VM to that guest,
             # and refuses a VM named on any other method it knows.
-            return [GuestRouter(self.guests.lookup, self.images, handlers)]
+            return [GuestRouter(self.guests.lookup, ImagePlacer(self.images), handlers)]
         return handlers
 
     async def _vm_service(self, capabilities: Capabilities) -> grpc.GenericRpcHandler:

@@ -1,34 +1,28 @@
-"""The host placing work in guests: image blobs over ImportImage, then ContainerService calls.
+"""The host placing its images in guests: only the blobs a guest lacks, sent over its ImportImage.
 
-A client targets a VM by sending the gRPC metadata ``aurae-vm: <name>`` with a ContainerService
-call to the host (``aer --vm NAME container ...``). The host then forwards the call, byte for byte,
-to the guest's ContainerService over mTLS with the host's guest-client certificate — after making
-sure, for Create, that the guest has the image: the host's store holds it (pulled once per host),
-the guest is asked which blobs it lacks, and only those are streamed. Guests never reach a registry.
-Once an image is placed in a guest, later Creates with it go straight through (two round trips to
-the guest fewer) until the VM boots again; a guest that lost it otherwise answers NOT_FOUND, and
-then it is placed again.
+For a Create in a guest, the host's store holds the image (pulled once per host); the guest is
+asked which of its blobs it lacks (MissingBlobs) and only those are streamed. Guests never reach a
+registry. The placer remembers what it placed in each boot of a guest, so later Creates with that
+image need no placing (two round trips to the guest fewer) until the VM boots again; a guest that
+lost it otherwise answers NOT_FOUND, and then it is placed again. Relaying the calls themselves to
+a guest is the server's (``auraed/server/guest_router.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
 
 import grpc
 
 from auraed import codec
 from auraed.api.aurae.containers import v0 as pb
-from auraed.client.client import VM_METADATA_KEY
-from auraed.errors import AuraeError, ErrorKind
+from auraed.errors import ErrorKind
 from auraed.images.content import ContentStore
 from auraed.images.images import Images
 from auraed.images.model import MAX_MANIFEST_BYTES, ImageRecord
-from auraed.server.rpc import Context, first_handler, status_for
 from auraed.vms.errors import VmError
 
 log = logging.getLogger(__name__)
@@ -144,206 +138,43 @@ def _unreadable(digest: str, reference: str, exc: OSError) -> VmError:
     )
 
 
-class GuestRouter(grpc.GenericRpcHandler):  # type: ignore[misc]
-    """Serves ``local``; its ContainerService calls that name a VM go to that VM's guest instead."""
+class ImagePlacer:
+    """Places the host's images in guests, and remembers what it placed in each boot of a guest."""
 
-    def __init__(self, guests: GuestLookup, images: Images, local: Sequence[grpc.GenericRpcHandler]) -> None:
-        self._guests = guests
+    def __init__(self, images: Images) -> None:
         self._images = images
-        self._local = tuple(local)
-        # One forwarder per method, reused: the VM is read from each call's metadata.
-        self._forwarders: dict[str, grpc.RpcMethodHandler] = {}
-        self._refusals: dict[str, grpc.RpcMethodHandler] = {}  # likewise, for other services
-        # (VM name, boot, reference, image id) this router has placed in that boot of the guest.
+        # (VM name, boot, reference, image id) placed in that boot of the guest.
         self._placed: set[tuple[str, float, str, str]] = set()
 
-    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        local = first_handler(self._local, details)
-        vm = _vm_named(details.invocation_metadata)
-        if not details.method.startswith(f"/{CONTAINERS}/"):
-            # Only ContainerService calls go to guests: any other call naming a VM would be
-            # served by the host instead, with the caller believing it ran in the guest. One
-            # refusal per method served (the caller's wrapper caches handlers by identity, and
-            # unknown methods must not grow that): ``local`` is every service of the daemon.
-            if local is None or not vm:
-                return local
-            refusal = self._refusals.get(details.method)
-            if refusal is None:
-                refusal = self._refusals[details.method] = _refusal(details.method)
-            return refusal
-        if local is None or not vm:
-            return local
-        forwarder = self._forwarders.get(details.method)
-        if forwarder is None:
-            forwarder = self._forwarders[details.method] = self._forwarder(local, details.method)
-        return forwarder
+    def image(self, reference: str) -> ImageRecord:
+        """The host's image named ``reference`` (Images.find's errors when there is none)."""
+        return self._images.find(reference)
 
-    def _forwarder(self, local: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        router = self
+    def placed(self, guest: GuestEndpoint, reference: str, image: ImageRecord) -> bool:
+        """Whether ``image`` was placed under ``reference`` in this boot of ``guest``."""
+        return _key(guest, reference, image) in self._placed
 
-        async def unary_unary(request: bytes, context: Context) -> bytes:
-            guest = await router._guest(context)
-            call = guest.channel.unary_unary(method)
-            async with _while_guest_open(guest, context):
-                if method.endswith("/Create"):
-                    return await router._create(guest, call, request, context)
-                if method.endswith("/RemoveImage"):
-                    router._forget_placed(guest.name)
-                return await _relay(call(request, metadata=_forwarded(context)), context)  # type: ignore[no-any-return]
+    async def place(self, guest: GuestEndpoint, reference: str, image: ImageRecord) -> int:
+        """Send ``guest`` what it lacks of ``image`` (send_image); the number of blobs sent.
 
-        async def unary_stream(request: bytes, context: Context) -> AsyncIterator[bytes]:
-            guest = await router._guest(context)
-            call = guest.channel.unary_stream(method)(request, metadata=_forwarded(context))
-            async for reply in _relay_stream(guest, call, context):
-                yield reply
+        The guest's own failures come as its grpc.aio.AioRpcError, a reply that cannot be read
+        as codec.CodecError.
+        """
+        sent = await send_image(guest.channel, image, self._images.content, reference)
+        log.info("image %s placed in guest %s (%d blobs sent)", reference, guest.name, sent)
+        self.forget(guest.name, keep_boot=guest.booted_at)  # earlier boots' entries
+        self._placed.add(_key(guest, reference, image))
+        return sent
 
-        async def stream_unary(requests: AsyncIterator[bytes], context: Context) -> bytes:
-            guest = await router._guest(context)
-            call = guest.channel.stream_unary(method)
-            async with _while_guest_open(guest, context):
-                return await _relay(call(requests, metadata=_forwarded(context)), context)  # type: ignore[no-any-return]
+    def lost(self, guest: GuestEndpoint, reference: str, image: ImageRecord) -> None:
+        """The guest no longer has ``image`` (it answered NOT_FOUND): place it again next time."""
+        self._placed.discard(_key(guest, reference, image))
 
-        async def stream_stream(requests: AsyncIterator[bytes], context: Context) -> AsyncIterator[bytes]:
-            guest = await router._guest(context)
-            call = guest.channel.stream_stream(method)(requests, metadata=_forwarded(context))
-            async for reply in _relay_stream(guest, call, context):
-                yield reply
-
-        # Raw bytes in and out: the guest parses and validates; the host only relays.
-        if local.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(unary_unary)
-        if local.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(unary_stream)
-        if local.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(stream_unary)
-        return grpc.stream_stream_rpc_method_handler(stream_stream)
-
-    async def _guest(self, context: Context) -> GuestEndpoint:
-        vm = _vm_named(context.invocation_metadata())
-        try:
-            return await self._guests(vm)
-        except AuraeError as exc:
-            self._forget_placed(vm)  # freed, stopped or never there
-            code, detail = status_for(exc)
-            await context.abort(code, detail)
-            raise
-
-    async def _create(
-        self, guest: GuestEndpoint, call: grpc.aio.UnaryUnaryMultiCallable, request: bytes, context: Context
-    ) -> bytes:
-        """Relay a Create; place its image in the guest first unless it was placed before."""
-        name, image = await self._host_image(request, context)
-        key = (guest.name, guest.booted_at, name, image.id)
-        if key in self._placed:
-            try:
-                return await call(request, metadata=_forwarded(context))  # type: ignore[no-any-return]
-            except Exception as exc:
-                if not (isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.NOT_FOUND):
-                    await _abort_relayed(context, exc)
-                # The guest may have lost the image (removed there, or rebooted): place it again.
-                self._placed.discard(key)
-        await self._place(guest, name, image, context)
-        self._forget_placed(guest.name, keep_boot=guest.booted_at)  # earlier boots' entries
-        self._placed.add(key)
-        return await _relay(call(request, metadata=_forwarded(context)), context)  # type: ignore[no-any-return]
-
-    async def _host_image(self, request: bytes, context: Context) -> tuple[str, ImageRecord]:
-        try:
-            config = codec.decode(pb.ContainerServiceCreateRequest, request).config
-            name = config.image if config is not None else ""
-            return name, self._images.find(name)
-        except codec.CodecError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise
-        except AuraeError as exc:
-            code, detail = status_for(exc)
-            await context.abort(code, detail)
-            raise
-
-    async def _place(self, guest: GuestEndpoint, name: str, image: ImageRecord, context: Context) -> None:
-        try:
-            sent = await send_image(guest.channel, image, self._images.content, name)
-            log.info("image %s placed in guest %s (%d blobs sent)", name, guest.name, sent)
-        except AuraeError as exc:
-            code, detail = status_for(exc)
-            await context.abort(code, detail)
-        except grpc.aio.AioRpcError as exc:
-            await context.abort(exc.code(), f"guest {guest.name}: {exc.details()}")
-        except codec.CodecError as exc:
-            log.error("guest %s answered a reply that cannot be read: %s", guest.name, exc)
-            await context.abort(grpc.StatusCode.INTERNAL, f"guest {guest.name}: {exc}")
-
-    def _forget_placed(self, vm: str, keep_boot: float | None = None) -> None:
-        """Forget what was placed in ``vm``, except in its boot ``keep_boot``."""
+    def forget(self, vm: str, keep_boot: float | None = None) -> None:
+        """Forget what was placed in ``vm`` (freed, stopped, its images removed), except in its
+        boot ``keep_boot``."""
         self._placed = {key for key in self._placed if key[0] != vm or key[1] == keep_boot}
 
 
-def _refusal(method: str) -> grpc.RpcMethodHandler:
-    """A handler refusing ``method`` for naming a VM; streaming both ways, so it fits any call
-    (the caller's arity does not show on the wire, and its requests are never read)."""
-
-    async def refuse(requests: AsyncIterator[bytes], context: Context) -> None:
-        vm = _vm_named(context.invocation_metadata())
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"{method} names VM {vm[:MAX_DIGEST_CHARS]!r} ({VM_METADATA_KEY}), but only "
-            "ContainerService calls are placed in guests; call it without the VM",
-        )
-
-    return grpc.stream_stream_rpc_method_handler(refuse)
-
-
-def _vm_named(metadata: Any) -> str:
-    """The VM a call names in its metadata ("" for none)."""
-    return next((value for key, value in metadata or () if key == VM_METADATA_KEY), "")
-
-
-def _forwarded(context: Context) -> list[tuple[str, Any]]:
-    return [
-        (k, v)
-        for k, v in context.invocation_metadata() or ()
-        if k not in (VM_METADATA_KEY,) and not k.startswith(":")
-    ]
-
-
-@contextlib.asynccontextmanager
-async def _while_guest_open(guest: GuestEndpoint, context: Context) -> AsyncIterator[None]:
-    """Answer UNAVAILABLE, naming why, when the host closes the guest's channel mid-call.
-
-    Closing a channel cancels its calls: the relay sees CancelledError from the guest's call, not
-    a status. Without this a call to a guest whose VM died waited for the dead connection (TCP
-    gives up after many minutes) or its deadline.
-    """
-    try:
-        yield
-    except asyncio.CancelledError:
-        why = guest.why_closed()
-        if not why:
-            raise  # the host's own call was cancelled
-        await context.abort(grpc.StatusCode.UNAVAILABLE, f"guest {guest.name}: {why}")
-
-
-async def _relay_stream(guest: GuestEndpoint, call: Any, context: Context) -> AsyncIterator[bytes]:
-    """The guest's replies, then its status as the host's."""
-    async with _while_guest_open(guest, context):
-        try:
-            async for reply in call:
-                yield reply
-        except grpc.aio.AioRpcError as exc:
-            await context.abort(exc.code(), exc.details() or "")
-        finally:
-            call.cancel()  # the host's caller went away: so does the guest's call (a no-op once done)
-
-
-async def _relay(call: Any, context: Context) -> Any:
-    try:
-        return await call
-    except Exception as exc:
-        await _abort_relayed(context, exc)
-
-
-async def _abort_relayed(context: Context, exc: Exception) -> None:
-    """End the host's call as the guest's ended: its status, or UNAVAILABLE when it never answered."""
-    if isinstance(exc, grpc.aio.AioRpcError):
-        await context.abort(exc.code(), exc.details() or "")
-    await context.abort(grpc.StatusCode.UNAVAILABLE, f"guest unreachable: {exc}")
+def _key(guest: GuestEndpoint, reference: str, image: ImageRecord) -> tuple[str, float, str, str]:
+    return (guest.name, guest.booted_at, reference, image.id)

@@ -23,9 +23,10 @@ from auraed.containers.servicer import SERVICE_NAME, ContainerServicer
 from auraed.errors import AuraeError
 from auraed.images.content import ContentStore
 from auraed.images.images import Images
+from auraed.server.guest_router import GuestRouter
 from auraed.server.rpc import generic_handler
 from auraed.state.store import Store
-from auraed.vms.placement import GuestEndpoint, GuestRouter, send_image
+from auraed.vms.placement import GuestEndpoint, ImagePlacer, send_image
 from tests.conftest import DaemonProcess
 from tests.support.images import BuiltImage
 
@@ -62,7 +63,7 @@ async def host(
     server = grpc.aio.server()
     # Every call to the host names a VM, so the local servicer is never reached.
     local = generic_handler(SERVICE_NAME, ContainerServicer(images, cast(Containers, None)))
-    server.add_generic_rpc_handlers([GuestRouter(lookup, images, [local])])
+    server.add_generic_rpc_handlers([GuestRouter(lookup, ImagePlacer(images), [local])])
     socket = Path(tempfile.mkdtemp(prefix="aurae-host-", dir="/tmp")) / "host.sock"
     server.add_insecure_port(f"unix:{socket}")
     await server.start()

@@ -26,9 +26,10 @@ from auraed.images.content import ContentStore
 from auraed.images.images import Images
 from auraed.images.model import ImageRecord, LayerRecord
 from auraed.pki import PrivateKey, create_ca, load_ca_files, write_pem_files
+from auraed.server.guest_router import GuestRouter
 from auraed.vms.errors import VmError
 from auraed.vms.guests import HOST_IDENTITY, GuestTrust
-from auraed.vms.placement import CONTAINERS, GuestEndpoint, GuestRouter, send_image
+from auraed.vms.placement import CONTAINERS, GuestEndpoint, ImagePlacer, send_image
 
 REFERENCE = "localhost/placed:1"
 # Long enough for a placement that works; a hung one is caught well before the test's own timeout.
@@ -187,7 +188,7 @@ async def test_a_call_naming_a_vm_is_refused_unless_it_can_go_to_the_guest(tmp_p
         ),
     ]
     server = grpc.aio.server()
-    router = GuestRouter(lookup, cast(Images, None), [local, *others])  # around every service
+    router = GuestRouter(lookup, ImagePlacer(cast(Images, None)), [local, *others])  # around every service
     server.add_generic_rpc_handlers([router])
     socket = tmp_path / "host.sock"
     server.add_insecure_port(f"unix:{socket}")
