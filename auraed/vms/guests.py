@@ -19,7 +19,6 @@ from pathlib import Path
 
 import grpc
 
-from auraed.api.aurae.vms import v0 as vms_pb
 from auraed.client.client import channel_options
 from auraed.errors import AuraeError, ErrorKind
 from auraed.init.pid1 import GUEST_CONFIG_SERIAL
@@ -31,10 +30,20 @@ from auraed.pki import (
     load_ca_files,
 )
 from auraed.system.tasks import run_to_end
+from auraed.vms.errors import VmError
 from auraed.vms.guest_config import GuestIdentity, build_config_disk
-from auraed.vms.model import DiskSpec, State, VmRecord, VmSpec
+from auraed.vms.model import (
+    GUEST_ROLE,
+    DiskSpec,
+    State,
+    VmRecord,
+    VmSpec,
+    check_file,
+    parse_kernel_args,
+    parse_path,
+)
 from auraed.vms.placement import GuestEndpoint
-from auraed.vms.vms import Vms
+from auraed.vms.vms import DEFAULT_START_TIMEOUT, Vms
 
 log = logging.getLogger(__name__)
 
@@ -166,14 +175,26 @@ def identity_for(name: str, guest_address: str, host_address: str, port: int) ->
 
 CONFIG_DISK = "config.img"
 GUEST_IMAGE_FILES = {"kernel": "vmlinuz", "initramfs": "initramfs.img", "root_disk": "rootfs.img"}
+# Transparent huge pages cost a small guest 2-4 MiB of RSS for nothing.
+THP_ARG = "transparent_hugepage=madvise"
+
+
+@dataclasses.dataclass(frozen=True)
+class Booted:
+    """A VM that Guests.boot started: its record, and the seconds from launching its VMM until it
+    was ready (a guest: its auraed serving; another VM: its console marker; None: not waited for)."""
+
+    record: VmRecord
+    ready: float | None
 
 
 class Guests:
     """VMs whose role is "guest": booted from the guest image with a config disk, ready when serving.
 
-    Allocate fills in the guest image and the config disk; Start writes the config disk (the
+    Allocate fills in the guest image and the config disk; Boot writes the config disk (the
     guest's address is known only once allocated), boots, and returns once the guest's auraed
-    answers health SERVING over mTLS — or stops the VM and reports its console.
+    answers health SERVING over mTLS — or stops the VM and reports its console. VMs of other roles
+    go through the same operations, as plain VMs.
     """
 
     def __init__(self, vms: Vms, trust: GuestTrust, image_dir: Path, ready_timeout: float) -> None:
@@ -185,26 +206,45 @@ class Guests:
 
     @staticmethod
     def is_guest(spec: VmSpec) -> bool:
-        return spec.role == "guest"
+        return spec.role == GUEST_ROLE
 
-    def complete(self, message: vms_pb.VirtualMachine) -> None:
-        """Defaults for a guest: the guest image, a network; fills the message in place."""
-        if message.role != "guest":
-            return
-        for field, filename in GUEST_IMAGE_FILES.items():
-            if not getattr(message, field):
-                path = self._image_dir / filename
-                if not path.is_file():
-                    raise AuraeError(
-                        ErrorKind.FAILED_PRECONDITION,
-                        f"no guest image at {self._image_dir} ({filename} missing): build one with "
-                        "hack/guest-image and set guest_image",
-                    )
-                setattr(message, field, str(path))
-        message.network = True
-        # Transparent huge pages cost a small guest 2-4 MiB of RSS for nothing.
-        if not any(arg.startswith("transparent_hugepage=") for arg in message.kernel_args):
-            message.kernel_args = [*message.kernel_args, "transparent_hugepage=madvise"]
+    async def allocate(self, spec: VmSpec) -> VmRecord:
+        """Allocate the VM of ``spec`` (parse_vm's), a guest completed with its image and config disk."""
+        return await self.vms.allocate(self.with_config_disk(self.complete(spec)))
+
+    def complete(self, spec: VmSpec) -> VmSpec:
+        """Defaults for a guest: the guest image's files where the spec names none, a network.
+
+        What is filled in is held to the rules of a requested VM (parse_vm's).
+        """
+        if not self.is_guest(spec):
+            return spec
+        kernel, initramfs, root_disk = (
+            getattr(spec, field) or self._image_file(field, filename)
+            for field, filename in GUEST_IMAGE_FILES.items()
+        )
+        kernel_args = spec.kernel_args
+        if not any(arg.startswith("transparent_hugepage=") for arg in kernel_args):
+            kernel_args = parse_kernel_args([*kernel_args, THP_ARG])
+        return dataclasses.replace(
+            spec,
+            kernel=kernel,
+            initramfs=initramfs,
+            root_disk=root_disk,
+            network=True,
+            kernel_args=kernel_args,
+        )
+
+    def _image_file(self, field: str, filename: str) -> str:
+        path = self._image_dir / filename
+        if not path.is_file():
+            raise VmError.precondition(
+                f"no guest image at {self._image_dir} ({filename} missing): build one with "
+                "hack/guest-image and set guest_image",
+            )
+        checked = parse_path(str(path), f"vm.{field}", True)
+        check_file(f"vm.{field}", checked)
+        return checked
 
     def with_config_disk(self, spec: VmSpec) -> VmSpec:
         if not self.is_guest(spec):
@@ -229,16 +269,28 @@ class Guests:
             self.vms.guest_port,
         )
 
-    async def before_start(self, name: str) -> None:
+    async def boot(
+        self, name: str, *, wait_for_console: str = "", timeout: float = DEFAULT_START_TIMEOUT
+    ) -> Booted:
+        """Start the allocated VM ``name``; a guest is ready once its auraed serves.
+
+        ``wait_for_console`` and ``timeout`` are Vms.start's (the guest's wait for serving is
+        ``ready_timeout`` on top). A guest not serving in time is stopped, its console's tail in
+        the VmError; a boot cancelled by its caller is undone.
+        """
         record = self.vms.get(name)
         if self.is_guest(record.spec):
             output = self.vms.run_dir(name) / CONFIG_DISK
             await asyncio.to_thread(self.trust.config_disk, output, self.identity(record))
+        record, ready = await self.vms.start(name, wait_for_console=wait_for_console, timeout=timeout)
+        if self.is_guest(record.spec):
+            serving = await self._wait_serving(name)
+            ready = serving if serving is not None else ready
+        return Booted(record, ready)
 
-    async def after_start(self, name: str) -> float | None:
+    async def _wait_serving(self, name: str) -> float | None:
+        """Seconds from launching the VMM until the guest serves (None without a launch time)."""
         record = self.vms.get(name)
-        if not self.is_guest(record.spec):
-            return None
         endpoint = await self.lookup(name)
         handle = self.vms.handle(name)
         try:
@@ -249,7 +301,7 @@ class Guests:
             tail = self.vms.console_tail(name)
             stopped = "; stopped it" if record.state == State.RUNNING else ""
             await self.vms.stop(name, 0.0)
-            raise AuraeError(exc.kind, f"{exc.message}{stopped}. Console tail:\n" + "\n".join(tail)) from None
+            raise VmError(exc.kind, f"{exc.message}{stopped}. Console tail:\n" + "\n".join(tail)) from None
         except asyncio.CancelledError:
             # The caller went before its guest served: the boot it asked for is undone.
             await run_to_end(self.vms.stop_boot(name, handle, "the Start was cancelled"))

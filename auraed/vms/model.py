@@ -26,6 +26,9 @@ MAX_KERNEL_ARGS = 256
 MAX_KERNEL_ARGS_BYTES = 1700
 SERIAL = re.compile(r"^[A-Za-z0-9_-]{1,20}$")
 ROOT_SERIAL = "root"
+# A VM of this role runs a guest auraed booted from the guest image, whose files fill in those
+# it does not name (vms/guests.py).
+GUEST_ROLE = "guest"
 
 
 class State:
@@ -221,7 +224,8 @@ def check_file(field: str, path: str) -> None:
         raise VmError.invalid(field, f"{path} is not readable")
 
 
-def _path(value: str, field: str, required: bool) -> str:
+def parse_path(value: str, field: str, required: bool) -> str:
+    """A file a VM boots from, normalized: absolute, and one a VMM command line can carry."""
     if not value:
         if required:
             raise VmError.invalid(field, "is required")
@@ -236,7 +240,7 @@ def _path(value: str, field: str, required: bool) -> str:
     return os.path.normpath(value)
 
 
-def _kernel_args(values: list[str]) -> tuple[str, ...]:
+def parse_kernel_args(values: list[str]) -> tuple[str, ...]:
     if len(values) > MAX_KERNEL_ARGS:
         raise VmError.invalid("vm.kernel_args", f"more than {MAX_KERNEL_ARGS} arguments")
     for index, arg in enumerate(values):
@@ -265,12 +269,15 @@ def _disks(values: list[pb.Disk]) -> tuple[DiskSpec, ...]:
         if serial in seen:
             raise VmError.invalid(f"{field}.serial", f"{serial!r} is used by another disk")
         seen.add(serial)
-        disks.append(DiskSpec(_path(disk.path, f"{field}.path", True), bool(disk.writable), serial))
+        disks.append(DiskSpec(parse_path(disk.path, f"{field}.path", True), bool(disk.writable), serial))
     return tuple(disks)
 
 
 def parse_vm(message: pb.VirtualMachine | None, *, memory_limit_mib: int | None = None) -> VmSpec:
-    """Validate a request's VM into a VmSpec; every file must exist (NOT_FOUND names the path)."""
+    """Validate a request's VM into a VmSpec; every file must exist (NOT_FOUND names the path).
+
+    A guest's kernel may be left out: Guests.complete fills in the guest image's.
+    """
     if message is None:
         raise VmError.invalid("vm", "is required")
     name = validate_label(message.name, "vm.name")
@@ -299,15 +306,16 @@ def parse_vm(message: pb.VirtualMachine | None, *, memory_limit_mib: int | None 
         name=name,
         vcpus=vcpus,
         memory_mib=memory,
-        kernel=_path(message.kernel, "vm.kernel", True),
-        initramfs=_path(message.initramfs, "vm.initramfs", False),
-        root_disk=_path(message.root_disk, "vm.root_disk", False),
+        kernel=parse_path(message.kernel, "vm.kernel", role != GUEST_ROLE),
+        initramfs=parse_path(message.initramfs, "vm.initramfs", False),
+        root_disk=parse_path(message.root_disk, "vm.root_disk", False),
         extra_disks=_disks(list(message.extra_disks)),
-        kernel_args=_kernel_args(list(message.kernel_args)),
+        kernel_args=parse_kernel_args(list(message.kernel_args)),
         network=bool(message.network),
         backend=backend,
         role=role,
     )
     for field, path in spec.files():
-        check_file(field, path)
+        if path:  # a guest's kernel left out: the guest image's, checked as it is filled in
+            check_file(field, path)
     return spec

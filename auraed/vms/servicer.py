@@ -70,10 +70,7 @@ class VmServicer:
     async def allocate(
         self, request: pb.VmServiceAllocateRequest, context: Context
     ) -> pb.VmServiceAllocateResponse:
-        if request.vm is not None:
-            self._guests.complete(request.vm)
-        spec = self._guests.with_config_disk(parse_vm(request.vm))
-        record = await self._vms.allocate(spec)
+        record = await self._guests.allocate(parse_vm(request.vm))
         return pb.VmServiceAllocateResponse(status=status_message(await self._vms.view(record)))
 
     async def free(self, request: pb.VmServiceFreeRequest, context: Context) -> pb.VmServiceFreeResponse:
@@ -89,17 +86,14 @@ class VmServicer:
         timeout = seconds_from_ms(request.timeout_ms, "timeout_ms")
         if timeout is not None and timeout <= 0:
             raise VmError.invalid("timeout_ms", "must be positive")
-        await self._guests.before_start(name)
-        record, ready = await self._vms.start(
+        booted = await self._guests.boot(
             name, wait_for_console=marker, timeout=timeout or DEFAULT_START_TIMEOUT
         )
-        serving = await self._guests.after_start(name)
-        ready = serving if serving is not None else ready
-        view = await self._vms.view(record)
+        view = await self._vms.view(booted.record)
         return pb.VmServiceStartResponse(
             address=view.address,
             status=status_message(view),
-            console_ready_ms=round(ready * 1000) if ready is not None else 0,
+            console_ready_ms=round(booted.ready * 1000) if booted.ready is not None else 0,
         )
 
     async def stop(self, request: pb.VmServiceStopRequest, context: Context) -> pb.VmServiceStopResponse:

@@ -345,12 +345,7 @@ async def test_a_start_cancelled_while_its_guest_is_awaited_stops_the_vm(env: En
     guests = Guests(vms, GuestTrust(pki.ca_crt, pki.ca_key, env.root / "pki"), env.root, GUEST_READY_TIMEOUT)
     record = await vms.allocate(guests.with_config_disk(env.spec("guest", role="guest")))
 
-    async def start() -> None:  # as VmService.Start does
-        await guests.before_start("guest")
-        await vms.start("guest")
-        await guests.after_start("guest")
-
-    task = asyncio.create_task(start())
+    task = asyncio.create_task(guests.boot("guest"))  # as VmService.Start does
     await cancel_when(task, lambda: vms.get("guest").state == State.RUNNING, GUEST_WAITED)
     assert task.cancelled()
     assert common.processes_referencing(Path(record.run_dir)) == []
