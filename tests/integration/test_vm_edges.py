@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import pytest
@@ -501,3 +501,35 @@ async def test_a_guest_s_disk_may_not_take_the_config_disk_s_serial(env: Env) ->
     # Any other serial: the config disk comes after the VM's own disks.
     serials = [d.serial for d in guests.with_config_disk(guest_with("data")).extra_disks]
     assert serials == ["data", "config"]
+
+
+async def test_a_guest_left_without_files_gets_the_guest_image_s(env: Env) -> None:
+    """Allocate completes a guest's spec: the guest image's files for those it names none of, a
+    network, transparent huge pages on madvise; a guest image lacking a file is refused."""
+    image = env.root / "guest-image"
+    image.mkdir()
+    for filename in ("vmlinuz", "initramfs.img", "rootfs.img"):
+        shutil.copy(env.kernel, image / filename)  # any readable file stands for one here
+    nowhere = Path("/nonexistent")
+    guests = Guests(env.vms(), GuestTrust(nowhere / "ca.crt", nowhere / "ca.key", nowhere), image, 1.0)
+
+    def guest(**fields: Any) -> VmSpec:
+        return parse_vm(pb.VirtualMachine(name="g", memory_mib=MEMORY_MIB, role="guest", **fields))
+
+    spec = guests.complete(guest())
+    assert (spec.kernel, spec.initramfs, spec.root_disk) == tuple(
+        str(image / f) for f in ("vmlinuz", "initramfs.img", "rootfs.img")
+    )
+    assert spec.network and spec.kernel_args == ("transparent_hugepage=madvise",)
+    # What the guest names itself stays.
+    own = guests.complete(guest(kernel=str(env.kernel), kernel_args=["transparent_hugepage=never"]))
+    assert own.kernel == str(env.kernel) and own.kernel_args == ("transparent_hugepage=never",)
+    # Not a guest: nothing is filled in, and a kernel is required.
+    assert guests.complete(env.spec("plain", network=False)).initramfs == ""
+    with pytest.raises(AuraeError) as refused:
+        parse_vm(pb.VirtualMachine(name="plain", memory_mib=MEMORY_MIB))
+    assert refused.value.kind == ErrorKind.INVALID_ARGUMENT and "vm.kernel" in refused.value.message
+    (image / "rootfs.img").unlink()
+    with pytest.raises(AuraeError) as refused:
+        guests.complete(guest())
+    assert refused.value.kind == ErrorKind.FAILED_PRECONDITION and "rootfs.img" in refused.value.message
