@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from auraed.errors import ConfigError
-from auraed.keepalive import MAX_KEEPALIVE_SECONDS
 from auraed.names import MAX_WAIT_MS
+from auraed.wire.channel import MAX_KEEPALIVE_SECONDS
 
 DEFAULT_CONFIG_FILE = Path("/etc/aurae/auraed.toml")
 ENV_PREFIX = "AURAED_"

@@ -1,7 +1,7 @@
 """The error vocabulary every subsystem speaks.
 
 Each subsystem raises its own subclass of :class:`AuraeError` (``CellError``, ``ConfigError``, ...)
-carrying an :class:`ErrorKind`; ``auraed.server.rpc`` maps kinds to gRPC status codes, in that one
+carrying an :class:`ErrorKind`; ``auraed.wire.status`` maps kinds to gRPC status codes, in that one
 place. Anything else is a bug of ours and is answered with INTERNAL, except the machine running
 out of something (:data:`RESOURCE_ERRNOS`, a full state store), which is RESOURCE_EXHAUSTED.
 """

@@ -8,12 +8,12 @@ Discover with. It is the floor grpc + TLS + asyncio impose on any Python server;
 needs beyond it is our overhead. Six series run interleaved on one channel per server (so a
 change of load on the machine hits all of them alike):
 
-* ``auraed``         - the way users call it: AuraeClient.call, auraed.codec on both ends;
+* ``auraed``         - the way users call it: AuraeClient.call, auraed.wire.codec on both ends;
 * ``auraed_raw``     - the same server, but the client sends and keeps raw bytes: the server's share;
 * ``bare_rpc_layer`` - a bare server serving a fixed DiscoveryService reply through auraed's
-                       rpc layer (auraed.server.rpc.generic_handler: request check, auraed.codec
+                       rpc layer (auraed.server.rpc.generic_handler: request check, auraed.wire.codec
                        reply encoding) behind its authorization handler: auraed's path minus the daemon;
-* ``bare_encode``    - the bare server behind the authorization, encoding the reply with auraed.codec
+* ``bare_encode``    - the bare server behind the authorization, encoding the reply with auraed.wire.codec
                        on every call (as auraed does);
 * ``bare_authz``     - the bare server behind auraed's AuthorizedHandlers;
 * ``bare``           - the bare server, raw bytes both ends: the floor.
@@ -53,7 +53,6 @@ from common import (
     verdict,
 )
 
-from auraed import codec
 from auraed.api.aurae.discovery import v0 as pb
 from auraed.client import AuraeClient
 from auraed.client.client import channel_for
@@ -62,6 +61,7 @@ from auraed.pki import PkiPaths
 from auraed.server import rpc
 from auraed.server.authz import AuthorizedHandlers, is_allowed
 from auraed.server.listeners import server_credentials
+from auraed.wire import codec
 
 DISCOVERY = "aurae.discovery.v0.DiscoveryService"
 DISCOVER_PATH = f"/{DISCOVERY}/Discover"
@@ -92,8 +92,8 @@ class FixedDiscovery:
 async def serve_bare(socket: Path, pki_dir: Path, payload: bytes, mode: str) -> None:
     """A peer server. ``bare``: one unary method answering the pre-serialized payload, bytes in and
     out. ``authz``: the same behind auraed's AuthorizedHandlers (default policy). ``encode``:
-    behind the authorization, encoding the reply with auraed.codec on every call. ``rpc``:
-    DiscoveryService through auraed.server.rpc.generic_handler (request check, auraed.codec
+    behind the authorization, encoding the reply with auraed.wire.codec on every call. ``rpc``:
+    DiscoveryService through auraed.server.rpc.generic_handler (request check, auraed.wire.codec
     encoding of the reply) behind the authorization: auraed's request path without the daemon.
     """
 

@@ -7,7 +7,7 @@ from auraed.cells.cells import Cells
 from auraed.cells.executables import ExecutableRecord, State
 from auraed.cells.model import parse_cell, parse_executable
 from auraed.names import seconds_from_ms, validate_label, validate_path
-from auraed.server.rpc import Context
+from auraed.wire.handlers import Context
 
 SERVICE_NAME = "aurae.cells.v0.CellService"
 

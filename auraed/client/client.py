@@ -26,47 +26,27 @@ from typing import Any
 import betterproto2
 import grpc
 
-from auraed import codec
 from auraed.api.aurae.containers import v0 as containers_pb
 from auraed.errors import AuraeError, ErrorKind
-from auraed.keepalive import MAX_KEEPALIVE_SECONDS, keepalive_options
-from auraed.server.listeners import AS_GRPC_CIPHERS, no_password
-from auraed.server.rpc import message_class, service_descriptor, snake_case
+from auraed.wire import codec, tls
+from auraed.wire.channel import (
+    DEFAULT_KEEPALIVE_TIME,
+    DEFAULT_KEEPALIVE_TIMEOUT,
+    MAX_KEEPALIVE_SECONDS,
+    channel_options,
+)
+from auraed.wire.descriptors import message_class, service_descriptor, snake_case
+from auraed.wire.metadata import VM_METADATA_KEY
 
-# The metadata key by which a host routes a ContainerService call to a guest (vms/placement.py).
-VM_METADATA_KEY = "aurae-vm"
 CONFIG_PATHS = (Path("~/.aurae/config"), Path("/etc/aurae/config"))
 DEFAULT_SERVER_NAME = "server.unsafe.aurae.io"
 DEFAULT_SOCKET = "/var/run/aurae/aurae.sock"
-# How long one connection attempt (TCP, TLS, HTTP/2 settings) may take. grpc reads it from
-# min_reconnect_backoff_ms; a small value there fails every link or server slower than that
-# (a far client, a guest busy booting under TCG) at once with UNAVAILABLE. 20 s is grpc's default.
-CONNECT_ATTEMPT_TIMEOUT_MS = 20_000
-# Retry a refused connection every 100 ms (grpc's floor) instead of grpc's 1 s growing to 2 min:
-# a booting guest is reachable the moment it listens.
-RECONNECT_BACKOFF_MS = 100
-# Pings on a silent connection with calls open (auraed.keepalive); auraed accepts one every
-# keepalive_client_min_interval (10 s) or more.
-DEFAULT_KEEPALIVE_TIME = 30.0
-DEFAULT_KEEPALIVE_TIMEOUT = 20.0
 # TCP ports are 16 bits; grpc takes a bigger one modulo 65536 (99999 is 34463), an empty one as 443.
 MAX_PORT = 65535
 # An address grpc reads as host:port, [IPv6]:port or IPv4:port, unless its "host" is one of
 # grpc's URI schemes (unix:path, unix-abstract:name, dns:, ipv4:, ipv6:, vsock:).
 HOST_PORT = re.compile(r"(?:\[[^\]]*\]|(?P<host>[^:/\[\]]*)):(?P<port>[^:/]*)")
 GRPC_SCHEMES = frozenset({"unix", "unix-abstract", "dns", "ipv4", "ipv6", "vsock"})
-
-
-def channel_options(
-    keepalive_time: float = DEFAULT_KEEPALIVE_TIME, keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
-) -> list[tuple[str, int]]:
-    """The grpc arguments of every channel auraed's clients open, the host's to its guests too."""
-    return [
-        ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
-        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
-        ("grpc.min_reconnect_backoff_ms", CONNECT_ATTEMPT_TIMEOUT_MS),
-        *keepalive_options(keepalive_time, keepalive_timeout),
-    ]
 
 
 class ClientError(AuraeError):
@@ -209,42 +189,34 @@ def _seconds(system: dict[str, Any], key: str, default: float, config_path: Path
     return float(value)
 
 
-def _read(path: Path, what: str) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise ClientError("FAILED_PRECONDITION", f"cannot read the {what} {path}: {exc.strerror}") from exc
+def _precondition(message: str) -> ClientError:
+    return ClientError("FAILED_PRECONDITION", message)
 
 
 def _check_credentials(config: ClientConfig, ca_crt: bytes, client_crt: bytes) -> None:
     """Refuse files grpc cannot use, naming them: grpc only logs its reasons (several lines in
     its developers' words) and fails every call with "Failed to create security handshaker"."""
     for path, data, what in ((config.ca_crt, ca_crt, "CA"), (config.client_crt, client_crt, "client")):
-        try:  # parsed as trust anchors: that reads every PEM certificate in the file
-            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=data.decode("latin-1"))
-        except (ssl.SSLError, ValueError):
-            raise ClientError(
-                "FAILED_PRECONDITION", f"the {what} certificate {path} holds no PEM certificate"
-            ) from None
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.set_ciphers(AS_GRPC_CIPHERS)  # a key grpc would use must not be refused here
+        if not tls.holds_certificate(data):
+            raise _precondition(f"the {what} certificate {path} holds no PEM certificate")
+    context = tls.context_as_grpc(server_side=False)  # a key grpc would use must not be refused here
     try:
-        context.load_cert_chain(config.client_crt, config.client_key, password=no_password)
+        tls.load_key_pair(context, config.client_crt, config.client_key)
     except ssl.SSLError as exc:
         problem = (
             f"is not the key of the client certificate {config.client_crt}"
-            if exc.reason == "KEY_VALUES_MISMATCH"
+            if tls.is_key_mismatch(exc)
             else "holds no unencrypted PEM private key"
         )
-        raise ClientError("FAILED_PRECONDITION", f"the client key {config.client_key} {problem}") from None
+        raise _precondition(f"the client key {config.client_key} {problem}") from None
     except OSError as exc:  # changed since it was read
-        raise ClientError("FAILED_PRECONDITION", f"cannot read {exc.filename}: {exc.strerror}") from None
+        raise _precondition(f"cannot read {exc.filename}: {exc.strerror}") from None
 
 
 def channel_for(config: ClientConfig) -> grpc.aio.Channel:
-    ca_crt = _read(config.ca_crt, "CA certificate")
-    client_key = _read(config.client_key, "client key")
-    client_crt = _read(config.client_crt, "client certificate")
+    ca_crt = tls.read_credential(config.ca_crt, "CA certificate", _precondition)
+    client_key = tls.read_credential(config.client_key, "client key", _precondition)
+    client_crt = tls.read_credential(config.client_crt, "client certificate", _precondition)
     _check_credentials(config, ca_crt, client_crt)
     credentials = grpc.ssl_channel_credentials(
         root_certificates=ca_crt, private_key=client_key, certificate_chain=client_crt

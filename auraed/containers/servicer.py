@@ -21,7 +21,7 @@ from auraed.containers.model import ContainerRecord, State
 from auraed.images.images import Images, PullProgress
 from auraed.images.model import ImageRecord
 from auraed.names import seconds_from_ms, validate_label
-from auraed.server.rpc import Context
+from auraed.wire.handlers import Context
 
 SERVICE_NAME = "aurae.containers.v0.ContainerService"
 MAX_TAIL = 1_000_000

@@ -5,12 +5,13 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable, Sequence
 
-from auraed import __version__, codec
+from auraed import __version__
 from auraed.api.aurae.discovery import v0 as pb
 from auraed.discovery.capabilities import Capabilities
 from auraed.init.roles import Role
-from auraed.server.rpc import Context
 from auraed.system.cgroupfs import CgroupLayout
+from auraed.wire import codec
+from auraed.wire.handlers import Context
 
 SERVICE_NAME = "aurae.discovery.v0.DiscoveryService"
 LAYOUTS = {

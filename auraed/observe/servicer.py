@@ -13,7 +13,7 @@ from auraed.errors import AuraeError, ErrorKind
 from auraed.names import validate_label, validate_path
 from auraed.observe.events import ObserveHub, SignalEvent
 from auraed.observe.logfile import LogWatch, stream_lines
-from auraed.server.rpc import Context
+from auraed.wire.handlers import Context
 
 SERVICE_NAME = "aurae.observe.v0.ObserveService"
 MAX_TAIL = 1_000_000

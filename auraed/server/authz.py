@@ -14,7 +14,8 @@ import grpc
 
 from auraed.config import AuthorizationPolicy
 from auraed.server.gate import CallGate
-from auraed.server.rpc import Context, capped, first_handler
+from auraed.wire.handlers import Context, first_handler
+from auraed.wire.status import capped
 
 log = logging.getLogger(__name__)
 

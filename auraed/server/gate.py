@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from auraed.server.rpc import Context
+from auraed.wire.handlers import Context
 
 
 class CallGate:

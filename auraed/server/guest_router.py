@@ -17,13 +17,14 @@ from typing import Any
 
 import grpc
 
-from auraed import codec
 from auraed.api.aurae.containers import v0 as pb
-from auraed.client.client import VM_METADATA_KEY
 from auraed.errors import AuraeError
 from auraed.images.model import ImageRecord
-from auraed.server.rpc import Context, first_handler, status_for
 from auraed.vms.placement import CONTAINERS, MAX_DIGEST_CHARS, GuestEndpoint, GuestLookup, ImagePlacer
+from auraed.wire import codec
+from auraed.wire.handlers import Context, first_handler
+from auraed.wire.metadata import VM_METADATA_KEY
+from auraed.wire.status import status_for
 
 log = logging.getLogger(__name__)
 

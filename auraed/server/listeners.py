@@ -15,7 +15,8 @@ import grpc
 
 from auraed.config import DaemonConfig
 from auraed.errors import ConfigError
-from auraed.keepalive import keepalive_options, milliseconds
+from auraed.wire import tls
+from auraed.wire.channel import keepalive_options, milliseconds
 
 log = logging.getLogger(__name__)
 
@@ -24,55 +25,30 @@ _X509_V_ERR_CERT_NOT_YET_VALID = 9  # OpenSSL's verify code for a notBefore in t
 _HANDSHAKE_MAX_ROUNDS = 10
 
 
-def _read(path: Path, what: str) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the {what} {path}: {exc.strerror}") from exc
-
-
-def no_password() -> bytes:
-    # An encrypted key must fail to load, not make OpenSSL prompt on a terminal for a password.
-    return b""
-
-
-def _ssl_reason(exc: ssl.SSLError) -> str:
-    return str(exc.reason or exc.strerror or exc).lower().replace("_", " ")
-
-
-# OpenSSL's security level 0: grpc's TLS (BoringSSL) has no such levels, and the check below is
-# of what grpc would do with the files, not a policy of its own (Debian's default level 2 refuses,
-# say, a 1024-bit RSA key that grpc serves with).
-AS_GRPC_CIPHERS = "DEFAULT:@SECLEVEL=0"
-
-
 def _trusting(ca_crt: Path) -> ssl.SSLContext:
     """A client's TLS context trusting only ``ca_crt``, as auraed's clients do: an intermediate CA
     there is a trust anchor of its own, as it is to grpc."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context = tls.context_as_grpc(server_side=False)
     context.check_hostname = False  # names are the clients' business (server_name), not ours
     context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
-    context.set_ciphers(AS_GRPC_CIPHERS)
     try:
         context.load_verify_locations(cafile=str(ca_crt))
     except ssl.SSLError as exc:
         raise ConfigError(
-            f"the CA certificate {ca_crt} holds no valid certificate ({_ssl_reason(exc)})"
+            f"the CA certificate {ca_crt} holds no valid certificate ({tls.ssl_reason(exc)})"
         ) from None
     return context
 
 
 def _serving(server_crt: Path, server_key: Path) -> ssl.SSLContext:
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.set_ciphers(AS_GRPC_CIPHERS)
-    try:  # the certificate alone first, so that its problems are not blamed on the key
-        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=server_crt.read_text("ascii"))
-    except (ssl.SSLError, ValueError):
-        raise ConfigError(f"the server certificate {server_crt} holds no valid PEM certificate") from None
+    context = tls.context_as_grpc(server_side=True)
+    # The certificate alone first, so that its problems are not blamed on the key.
+    if not tls.holds_certificate(server_crt.read_bytes()):
+        raise ConfigError(f"the server certificate {server_crt} holds no valid PEM certificate")
     try:
-        context.load_cert_chain(str(server_crt), str(server_key), password=no_password)
+        tls.load_key_pair(context, server_crt, server_key)
     except ssl.SSLError as exc:
-        if "mismatch" in _ssl_reason(exc):
+        if tls.is_key_mismatch(exc):
             raise ConfigError(
                 f"the server key {server_key} does not belong to the server certificate {server_crt}"
             ) from None
@@ -94,7 +70,7 @@ def check_server_credentials(ca_crt: Path, server_crt: Path, server_key: Path) -
         (server_crt, "server certificate"),
         (server_key, "server key"),
     ):
-        _read(path, what)
+        tls.read_credential(path, what, ConfigError)
     client = _Tls(_trusting(ca_crt), server_side=False)
     server = _Tls(_serving(server_crt, server_key), server_side=True)
     try:
@@ -111,7 +87,8 @@ def check_server_credentials(ca_crt: Path, server_crt: Path, server_key: Path) -
         ) from None
     except ssl.SSLError as exc:
         raise ConfigError(
-            f"the server certificate {server_crt} and key {server_key} cannot serve TLS: {_ssl_reason(exc)}"
+            f"the server certificate {server_crt} and key {server_key} cannot serve TLS: "
+            f"{tls.ssl_reason(exc)}"
         ) from None
 
 
@@ -146,11 +123,10 @@ def _handshake(client: _Tls, server: _Tls) -> None:
 def server_credentials(ca_crt: Path, server_crt: Path, server_key: Path) -> grpc.ServerCredentials:
     """mTLS: a client must present a certificate signed by ``ca_crt``; nothing else is accepted."""
     check_server_credentials(ca_crt, server_crt, server_key)
-    return grpc.ssl_server_credentials(
-        [(_read(server_key, "server key"), _read(server_crt, "server certificate"))],
-        root_certificates=_read(ca_crt, "CA certificate"),
-        require_client_auth=True,
-    )
+    key = tls.read_credential(server_key, "server key", ConfigError)
+    crt = tls.read_credential(server_crt, "server certificate", ConfigError)
+    ca = tls.read_credential(ca_crt, "CA certificate", ConfigError)
+    return grpc.ssl_server_credentials([(key, crt)], root_certificates=ca, require_client_auth=True)
 
 
 def server_options(config: DaemonConfig) -> list[tuple[str, int]]:

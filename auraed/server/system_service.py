@@ -8,7 +8,7 @@ from collections.abc import Callable
 from auraed.api.aurae.system import v0 as pb
 from auraed.errors import AuraeError
 from auraed.server.authz import peer_identities
-from auraed.server.rpc import Context
+from auraed.wire.handlers import Context
 
 SERVICE_NAME = "aurae.system.v0.SystemService"
 MAX_REASON_CHARS = 256  # a reason is one line of the daemon's log, not a document

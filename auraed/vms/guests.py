@@ -2,7 +2,7 @@
 
 The host CA (``ca_crt`` + ``ca_key``) issues each guest a server certificate on its config disk
 (guest_config.py) and the host a client certificate with the identity ``aurae-host``, the only
-identity a guest lets in. Channels to guests use the client's options (auraed.client.client): a
+identity a guest lets in. Channels to guests use the client's options (auraed.wire.channel): a
 short reconnect backoff, so a booting guest is reached the moment it listens, grpc's full
 connect timeout, so a guest slow to finish a handshake is still reached, and keepalive pings, so
 calls to a guest that stopped answering end.
@@ -19,7 +19,6 @@ from pathlib import Path
 
 import grpc
 
-from auraed.client.client import channel_options
 from auraed.errors import AuraeError, ErrorKind
 from auraed.init.pid1 import GUEST_CONFIG_SERIAL
 from auraed.pki import (
@@ -44,6 +43,7 @@ from auraed.vms.model import (
 )
 from auraed.vms.placement import GuestEndpoint
 from auraed.vms.vms import DEFAULT_START_TIMEOUT, Vms
+from auraed.wire.channel import channel_options
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 
-from auraed import codec
 from auraed.api.aurae.containers import v0 as pb
 from auraed.errors import ErrorKind
 from auraed.images.content import ContentStore
 from auraed.images.images import Images
 from auraed.images.model import MAX_MANIFEST_BYTES, ImageRecord
 from auraed.vms.errors import VmError
+from auraed.wire import codec
 
 log = logging.getLogger(__name__)
 

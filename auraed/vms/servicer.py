@@ -6,11 +6,11 @@ from collections.abc import AsyncIterator
 
 from auraed.api.aurae.vms import v0 as pb
 from auraed.names import seconds_from_ms, validate_label
-from auraed.server.rpc import Context
 from auraed.vms.errors import VmError
 from auraed.vms.guests import Guests
 from auraed.vms.model import State, parse_vm
 from auraed.vms.vms import DEFAULT_START_TIMEOUT, TAIL_LINE_MAX, Vms, VmView
+from auraed.wire.handlers import Context
 
 SERVICE_NAME = "aurae.vms.v0.VmService"
 MAX_TAIL = 1_000_000

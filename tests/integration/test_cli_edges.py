@@ -59,10 +59,13 @@ def test_certificates_and_keys_grpc_cannot_use_are_named(daemon: DaemonProcess, 
     handshaker", naming no file."""
     junk = tmp_path / "junk.pem"
     junk.write_text("not a PEM file\n")
+    accented = tmp_path / "accented.pem"
+    accented.write_bytes("not a PEM file, café\n".encode())  # not ASCII: aer failed with a TypeError
     other_key = daemon.pki.server_key  # a real key, of another certificate
     cases = {
         f"the CA certificate {junk} holds no PEM certificate": {"ca_crt": junk},
         f"the client certificate {junk} holds no PEM certificate": {"client_crt": junk},
+        f"the CA certificate {accented} holds no PEM certificate": {"ca_crt": accented},
         f"the client key {junk} holds no unencrypted PEM private key": {"client_key": junk},
         f"the client key {other_key} is not the key of the client certificate": {"client_key": other_key},
     }

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from auraed.api.aurae.cells import v0 as cells_pb
 from auraed.api.aurae.vms import v0 as vms_pb
-from auraed.server.rpc import message_class, service_descriptor
 from auraed.system.monitor_launcher import SPARE_NAME
+from auraed.wire.descriptors import message_class, service_descriptor
 from tests.conftest import DaemonProcess
 
 SERVICES = [

@@ -24,7 +24,6 @@ from auraed.api.aurae.containers import v0 as containers
 from auraed.api.aurae.discovery import v0 as discovery
 from auraed.api.aurae.observe import v0 as observe
 from auraed.client import AuraeClient, ClientConfig, ClientError
-from auraed.client.client import DEFAULT_KEEPALIVE_TIME, DEFAULT_KEEPALIVE_TIMEOUT
 from auraed.errors import ConfigError
 from auraed.pki import (
     CertificateAuthority,
@@ -37,6 +36,7 @@ from auraed.pki import (
 )
 from auraed.pki.certs import load_ca
 from auraed.server.listeners import check_server_credentials
+from auraed.wire.channel import DEFAULT_KEEPALIVE_TIME, DEFAULT_KEEPALIVE_TIMEOUT
 from tests.conftest import DaemonFactory, DaemonProcess, start_refused
 
 CONTAINERS = "aurae.containers.v0.ContainerService"

@@ -17,7 +17,6 @@ import pytest
 
 from auraed.api.aurae.containers import v0 as pb
 from auraed.client import AuraeClient, ClientError, log_lines
-from auraed.client.client import VM_METADATA_KEY
 from auraed.containers.containers import Containers
 from auraed.containers.servicer import SERVICE_NAME, ContainerServicer
 from auraed.errors import AuraeError
@@ -27,6 +26,7 @@ from auraed.server.guest_router import GuestRouter
 from auraed.server.rpc import generic_handler
 from auraed.state.store import Store
 from auraed.vms.placement import GuestEndpoint, ImagePlacer, send_image
+from auraed.wire.metadata import VM_METADATA_KEY
 from tests.conftest import DaemonProcess
 from tests.support.images import BuiltImage
 

@@ -1,6 +1,6 @@
 """How a call's failure reaches the client, through auraed's rpc layer on a real grpc.aio server.
 
-Errors map to status codes in one place (auraed.server.rpc): an AuraeError to its kind's code, with
+Errors map to status codes in one place (auraed.wire.status): an AuraeError to its kind's code, with
 details capped so that no message can outgrow what grpc carries in trailers; grpc's own abort
 (context.abort) passes through as the servicer meant it; any other exception, a failed call of
 our own to another server included, is INTERNAL and logged.
@@ -20,7 +20,8 @@ import pytest
 from auraed.api.aurae.cells import v0 as pb
 from auraed.client import AuraeClient, ClientError
 from auraed.errors import AuraeError, ErrorKind
-from auraed.server.rpc import MAX_DETAIL_BYTES, generic_handler, wire_size
+from auraed.server.rpc import generic_handler
+from auraed.wire.status import MAX_DETAIL_BYTES, wire_size
 
 CELLS = "aurae.cells.v0.CellService"
 HUGE = 1 << 20  # a message far beyond what trailers carry (grpc's metadata limit is 8 KiB)

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from auraed import codec
 from auraed.api.aurae.containers import v0 as pb
 from auraed.client import log_lines
+from auraed.wire import codec
 
 
 def test_a_batched_reply_gives_its_lines_in_order() -> None:

@@ -1,4 +1,4 @@
-"""auraed.codec against betterproto2's own wire code, on every message of every API we serve.
+"""auraed.wire.codec against betterproto2's own wire code, on every message of every API we serve.
 
 Random messages are built from the proto descriptors with protobuf (the reference encoder): every
 scalar type over its whole range, unknown enum numbers, presence of optional fields, oneofs,
@@ -18,10 +18,10 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from auraed import codec
 from auraed.api.aurae.cells import v0 as cells_pb
 from auraed.api.aurae.discovery import v0 as discovery_pb
 from auraed.api.message_pool import default_message_pool
+from auraed.wire import codec
 
 API_MODULES = (
     "auraed.api.aurae.cells.v0",

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from auraed.client.client import DEFAULT_KEEPALIVE_TIME, ClientError, load_client_config
+from auraed.client.client import ClientError, load_client_config
 from auraed.config import load_config
 from auraed.errors import ConfigError
+from auraed.wire.channel import DEFAULT_KEEPALIVE_TIME
 
 
 def write_config(directory: Path, text: str) -> Path:

@@ -1,4 +1,4 @@
-"""The one mapping from exceptions to gRPC status codes (auraed.server.rpc.status_for)."""
+"""The one mapping from exceptions to gRPC status codes (auraed.wire.status.status_for)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from auraed.errors import AuraeError, ErrorKind
-from auraed.server.rpc import status_for
+from auraed.wire.status import status_for
 
 
 def test_an_aurae_error_keeps_its_kind_and_message() -> None:

@@ -18,9 +18,7 @@ import grpc
 import pytest
 from cryptography import x509
 
-from auraed import codec
 from auraed.api.aurae.containers import v0 as pb
-from auraed.client.client import VM_METADATA_KEY
 from auraed.errors import AuraeError, ErrorKind
 from auraed.images.content import ContentStore
 from auraed.images.images import Images
@@ -30,6 +28,8 @@ from auraed.server.guest_router import GuestRouter
 from auraed.vms.errors import VmError
 from auraed.vms.guests import HOST_IDENTITY, GuestTrust
 from auraed.vms.placement import CONTAINERS, GuestEndpoint, ImagePlacer, send_image
+from auraed.wire import codec
+from auraed.wire.metadata import VM_METADATA_KEY
 
 REFERENCE = "localhost/placed:1"
 # Long enough for a placement that works; a hung one is caught well before the test's own timeout.

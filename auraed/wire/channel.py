@@ -1,4 +1,5 @@
-"""grpc keepalive arguments, the same for auraed's server and its clients.
+"""grpc arguments of auraed's connections: keepalive, the same for the server and its clients, and
+the options of every channel a client opens (``aer``'s, the host's to its guests).
 
 grpc pings a connection that has calls open and has been silent for the keepalive time; a ping
 unanswered within the timeout drops the connection and ends its calls with UNAVAILABLE. Without
@@ -11,6 +12,17 @@ from __future__ import annotations
 # The longest keepalive time or timeout a configuration may ask for: grpc takes milliseconds in a
 # C int (at most ~24.8 days), and a day is already far longer than any useful setting.
 MAX_KEEPALIVE_SECONDS = 86400.0
+# How long one connection attempt (TCP, TLS, HTTP/2 settings) may take. grpc reads it from
+# min_reconnect_backoff_ms; a small value there fails every link or server slower than that
+# (a far client, a guest busy booting under TCG) at once with UNAVAILABLE. 20 s is grpc's default.
+CONNECT_ATTEMPT_TIMEOUT_MS = 20_000
+# Retry a refused connection every 100 ms (grpc's floor) instead of grpc's 1 s growing to 2 min:
+# a booting guest is reachable the moment it listens.
+RECONNECT_BACKOFF_MS = 100
+# A client's pings on a silent connection with calls open; auraed accepts one every
+# keepalive_client_min_interval (10 s) or more.
+DEFAULT_KEEPALIVE_TIME = 30.0
+DEFAULT_KEEPALIVE_TIMEOUT = 20.0
 
 
 def milliseconds(seconds: float) -> int:
@@ -30,4 +42,16 @@ def keepalive_options(keepalive_time: float, keepalive_timeout: float) -> list[t
         # By default grpc stops pinging after two pings with no data sent: a quiet followed stream
         # would go unwatched.
         ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def channel_options(
+    keepalive_time: float = DEFAULT_KEEPALIVE_TIME, keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
+) -> list[tuple[str, int]]:
+    """The grpc arguments of every channel auraed's clients open, the host's to its guests too."""
+    return [
+        ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+        ("grpc.min_reconnect_backoff_ms", CONNECT_ATTEMPT_TIMEOUT_MS),
+        *keepalive_options(keepalive_time, keepalive_timeout),
     ]
