@@ -73,7 +73,8 @@ from auraed.observe.events import ObserveHub
 from auraed.state.store import Store
 from auraed.system import processes
 from auraed.system.cgroupfs import Cgroupfs, CgroupLayout, CgroupLimits, detect_layout, find_v1_mounts
-from auraed.system.monitor import MONITOR_PATH, MonitorSpec, monitor_command
+from auraed.system.monitor import MONITOR_PATH, monitor_command
+from auraed.system.monitor_protocol import MonitorSpec
 from auraed.system.supervisor import Supervisor
 
 CELLS = "aurae.cells.v0.CellService"

@@ -79,7 +79,7 @@ from auraed.containers.rootfs import mount_rootfs, unmount_rootfs
 from auraed.observe.logfile import POLL_LONGEST as LOGS_FOLLOW_POLL_INTERVAL
 from auraed.observe.logfile import read_tail
 from auraed.system import namespaces
-from auraed.system.monitor import MonitorSpec
+from auraed.system.monitor_protocol import MonitorSpec
 from auraed.system.supervisor import Supervisor
 
 if TYPE_CHECKING:

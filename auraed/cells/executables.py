@@ -24,7 +24,7 @@ from auraed.errors import ErrorKind
 from auraed.observe.events import ObserveHub, SignalEvent
 from auraed.state.store import Store, StoreError, flat_doc
 from auraed.system import processes
-from auraed.system.monitor import ExitRecord, MonitorSpec, read_exit_record
+from auraed.system.monitor_protocol import ExitRecord, MonitorSpec, read_exit_record
 from auraed.system.supervisor import ORPHANED, MonitorStartError, Supervised, Supervisor
 
 log = logging.getLogger(__name__)

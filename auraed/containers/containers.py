@@ -33,7 +33,7 @@ from auraed.images.model import ImageRecord
 from auraed.observe.logfile import LogLine, LogWatch, stream_line_batches
 from auraed.state.store import Store, StoreError
 from auraed.system.cgroupfs import CgroupError, Cgroupfs
-from auraed.system.monitor import ExitRecord, MonitorSpec, read_exit_record
+from auraed.system.monitor_protocol import ExitRecord, MonitorSpec, read_exit_record
 from auraed.system.supervisor import ORPHANED, MonitorStartError, Supervisor
 from auraed.system.tasks import run_to_end
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from auraed.containers.runtime import OciRuntime, OciRuntimeError, check_container_id
 from auraed.system import processes
-from auraed.system.monitor import MonitorSpec, read_exit_record
+from auraed.system.monitor_protocol import MonitorSpec, read_exit_record
 from auraed.system.pty import CONSOLE_RECEIVE_TIMEOUT, receive_pty_master, set_window_size
 from auraed.system.supervisor import Supervisor, read_report
 

@@ -13,7 +13,7 @@ from typing import BinaryIO
 
 from asyncinotify import Inotify, Mask, Watch
 
-from auraed.system.monitor import parse_cri_log_line
+from auraed.system.cri_log import parse_cri_log_line
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ off the request's path. A monitor is the same code as before, in its own session
 Protocol, on a SOCK_SEQPACKET socketpair with auraed:
 
 - request: the monitor spec's path (UTF-8), carrying four descriptors (SCM_RIGHTS) that become the
-  monitor's stdin, stdout, stderr and sync fd (``auraed.system.monitor``'s protocol from there).
+  monitor's stdin, stdout, stderr and sync fd (``auraed.system.monitor_protocol`` from there).
 - reply: the monitor's pid in decimal, or ``error: <why>``.
 
 Requests are read by the spare (the launcher reads one itself only when it cannot fork, to
@@ -34,6 +34,7 @@ import sys
 import time
 
 from auraed.system import monitor, namespaces  # the monitor loads namespaces anyway (preload)
+from auraed.system.monitor_io import log_error
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ RESPAWN_DELAY = 0.1
 def main(argv: list[str]) -> int:
     """``monitor_launcher CONTROL_FD LABEL``: serve until EOF; LABEL only names us in ps."""
     if len(argv) != 2 or not argv[0].isdigit():
-        monitor.log_error("usage: monitor_launcher CONTROL_FD LABEL")
+        log_error("usage: monitor_launcher CONTROL_FD LABEL")
         return 2
     # Monitors are reaped by the kernel; interactive signals are not for us (own session anyway).
     _signal.signal(_signal.SIGCHLD, _signal.SIG_IGN)
@@ -114,7 +115,7 @@ def _receive(control: socket.socket) -> tuple[bytes, list[int]] | None:
     try:
         payload, fds, _flags, _address = socket.recv_fds(control, REQUEST_MAX, DESCRIPTORS)
     except OSError as exc:
-        monitor.log_error(f"launcher: receive: {exc}")
+        log_error(f"launcher: receive: {exc}")
         return None
     return (payload, fds) if payload or fds else None
 
@@ -129,7 +130,7 @@ def _refuse_one(control: socket.socket, why: str) -> bytes:
     try:
         control.send(f"error: {why}".encode())
     except OSError as exc:
-        monitor.log_error(f"launcher: reply: {exc}")
+        log_error(f"launcher: reply: {exc}")
     return b""
 
 
@@ -141,7 +142,7 @@ def _spare(control: socket.socket, news_w: int) -> None:
             namespaces.set_process_name(SPARE_NAME)
             monitor.prepare_ahead()
         except Exception as exc:
-            monitor.log_error(f"launcher spare: preparing: {exc!r}")
+            log_error(f"launcher spare: preparing: {exc!r}")
         request = _receive(control)
         if request is None:
             code = 0
@@ -161,7 +162,7 @@ def _spare(control: socket.socket, news_w: int) -> None:
         control.send(str(os.getpid()).encode())
         code = _become_monitor(control, payload.decode(), fds)
     except BaseException as exc:
-        monitor.log_error(f"launcher spare: {exc!r}")
+        log_error(f"launcher spare: {exc!r}")
     finally:
         os._exit(code)
 
@@ -189,7 +190,7 @@ def _become_monitor(control: socket.socket, spec_path: str, fds: list[int]) -> i
             os.close(fd)
         code = monitor.main([spec_path, str(sync_fd)])
     except Exception as exc:
-        monitor.log_error(f"launcher child: {exc!r}")
+        log_error(f"launcher child: {exc!r}")
     return code
 
 

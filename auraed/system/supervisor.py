@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import os
 import select
 import signal
@@ -23,8 +22,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from auraed.system import processes
-from auraed.system.monitor import ExitRecord, MonitorSpec, read_exit_record
 from auraed.system.monitor_launcher import DESCRIPTORS, REPLY_MAX, launcher_command
+from auraed.system.monitor_protocol import ExitRecord, MonitorSpec, parse_report, read_exit_record
 
 START_TIMEOUT = 30.0  # seconds; generous because guests run under slow emulation
 _APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
@@ -351,14 +350,3 @@ async def read_report(pipe: BinaryIO) -> dict[str, Any]:
         return parse_report(await reader.read())
     finally:
         transport.close()
-
-
-def parse_report(line: bytes) -> dict[str, Any]:
-    """A monitor's sync report: {"pid": N, "start_ticks": T} or {"error": ..., "errno": N}."""
-    if not line.strip():
-        return {"error": "the monitor exited without reporting (see monitor.log in the run directory)"}
-    try:
-        report = json.loads(line.decode().strip().splitlines()[0])
-    except (ValueError, UnicodeDecodeError):
-        return {"error": f"the monitor reported garbage: {line[:200]!r}"}
-    return dict(report) if isinstance(report, dict) else {"error": f"the monitor reported {report!r}"}

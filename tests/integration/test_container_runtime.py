@@ -26,13 +26,9 @@ import pytest
 
 from auraed.containers.exec import ExecSession
 from auraed.containers.runtime import OciRuntime, OciRuntimeError, runtime_message
-from auraed.system.monitor import (
-    ExitRecord,
-    MonitorSpec,
-    monitor_command,
-    parse_cri_log_line,
-    read_exit_record,
-)
+from auraed.system.cri_log import parse_cri_log_line
+from auraed.system.monitor import monitor_command
+from auraed.system.monitor_protocol import ExitRecord, MonitorSpec, read_exit_record
 from auraed.system.supervisor import Supervisor
 from tests.integration.test_monitor import kill_if_same, read_sync, start_ticks, wait_for
 from tests.support.busybox import make_busybox_rootfs

@@ -23,16 +23,9 @@ from typing import Any
 
 import pytest
 
-from auraed.system.monitor import (
-    LOG_LINE_MAX,
-    ExitRecord,
-    MonitorSpec,
-    format_cri_timestamp,
-    monitor_command,
-    parse_cri_log_line,
-    parse_rfc3339_ns,
-    read_exit_record,
-)
+from auraed.system.cri_log import LOG_LINE_MAX, format_cri_timestamp, parse_cri_log_line, parse_rfc3339_ns
+from auraed.system.monitor import monitor_command
+from auraed.system.monitor_protocol import ExitRecord, MonitorSpec, read_exit_record
 from auraed.system.namespaces import create_network_namespace, remove_network_namespace
 
 CGROUP_V1 = Path("/sys/fs/cgroup")
@@ -647,12 +640,12 @@ def test_unusable_log_path_is_a_start_error(monitors: Monitors) -> None:
 
 CRASHING_MONITOR = """
 import sys
-from auraed.system import monitor
+from auraed.system import cri_log, monitor
 
 def boom(self, stream, data):
     raise RuntimeError("injected")
 
-monitor._CriLog.feed = boom
+cri_log.CriLogWriter.feed = boom
 sys.exit(monitor.main(sys.argv[1:]))
 """
 

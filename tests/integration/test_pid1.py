@@ -51,7 +51,7 @@ from pathlib import Path
 from auraed.init import pid1
 from auraed.init.pid1 import BootArgs, Pid1, Pid1Layout
 from auraed.system import processes
-from auraed.system.monitor import MonitorSpec
+from auraed.system.monitor_protocol import MonitorSpec
 from auraed.system.supervisor import Supervisor
 
 ORPHANS = int(sys.argv[1])

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from auraed.system import processes
-from auraed.system.monitor import MonitorSpec, parse_cri_log_line
+from auraed.system.cri_log import parse_cri_log_line
 from auraed.system.monitor_launcher import MONITOR_NAME, SPARE_NAME
+from auraed.system.monitor_protocol import MonitorSpec
 from auraed.system.supervisor import MonitorStartError, Supervised, Supervisor
 from tests.conftest import wait_until
 from tests.integration.test_container_runtime import children_of

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from auraed.observe import logfile
 from auraed.observe.logfile import LogWatch, stream_lines
-from auraed.system.monitor import format_cri_timestamp
+from auraed.system.cri_log import format_cri_timestamp
 
 STREAMS = frozenset({"stdout", "stderr"})
 
