@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from auraed.client import load_client_config
-from auraed.client.cli import size
+from auraed.client.cli.arguments import size
 from auraed.client.client import client_config_text
 from auraed.pki import ensure_dev_pki
 from tests.conftest import DaemonProcess, free_all_cells

@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from auraed.client.cli import DEFAULT_TIMEOUT
+from auraed.client.cli.calls import DEFAULT_TIMEOUT
 from tests.conftest import DaemonFactory, DaemonProcess
 from tests.integration.test_cli import AER, aer, assert_one_line_error, config, environment
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from auraed.client import cli
+from auraed.client.cli import build_parser, calls
 from auraed.client.client import AuraeClient, ClientConfig
 from auraed.names import MAX_WAIT_MS
 
@@ -36,19 +36,19 @@ class Recorder:
 def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     recorder = Recorder()
     config = ClientConfig(Path("/ca"), Path("/crt"), Path("/key"), "unix:/nowhere")
-    monkeypatch.setattr(cli, "_config", lambda args: config)
+    monkeypatch.setattr(calls, "client_config", lambda args: config)
     monkeypatch.setattr(AuraeClient, "connect", staticmethod(lambda config, vm="": recorder))
     return recorder
 
 
 def first_call(recorder: Recorder, *argv: str) -> tuple[str, float | None]:
-    args = cli.build_parser().parse_args(list(argv))
+    args = build_parser().parse_args(list(argv))
     with pytest.raises(Called):
         args.handler(args)
     return recorder.calls[0]
 
 
-DEFAULT = cli.DEFAULT_TIMEOUT
+DEFAULT = calls.DEFAULT_TIMEOUT
 LONGEST_GRACE = DEFAULT + MAX_WAIT_MS / 1000  # the daemon's stop_grace_period may be this long
 
 
@@ -87,9 +87,9 @@ def test_vm_grace_goes_to_the_daemon_in_milliseconds(
 
     monkeypatch.setattr(recorder, "call", call)
     for command in ("stop", "free"):
-        args = cli.build_parser().parse_args(["vm", command, "g1", "--grace", "2.5"])
+        args = build_parser().parse_args(["vm", command, "g1", "--grace", "2.5"])
         with pytest.raises(Called):
             args.handler(args)
     assert [request.timeout_ms for request in sent] == [2500, 2500]
     with pytest.raises(SystemExit):  # a uint32 of milliseconds at most, refused before any call
-        cli.build_parser().parse_args(["vm", "free", "g1", "--grace", "5000000"])
+        build_parser().parse_args(["vm", "free", "g1", "--grace", "5000000"])

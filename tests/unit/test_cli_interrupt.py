@@ -8,14 +8,14 @@ import subprocess
 import sys
 import time
 
-from auraed.client.cli import EXIT_INTERRUPT_GRACE, EXIT_INTERRUPTED
+from auraed.client.cli.calls import EXIT_INTERRUPT_GRACE, EXIT_INTERRUPTED
 
 STUBBORN = """
 import asyncio, os, signal, sys
-from auraed.client.cli import _ends_soon_after_interrupt
+from auraed.client.cli.calls import ends_soon_after_interrupt
 
 async def main():
-    with _ends_soon_after_interrupt():
+    with ends_soon_after_interrupt():
         print("ready", flush=True)
         while True:  # a tear-down that never ends: cancellation is swallowed
             try:

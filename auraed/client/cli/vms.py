@@ -1,0 +1,138 @@
+"""``aer vm``: virtual machines, guests with their own auraed or any kernel."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from auraed.api.aurae.vms import v0 as vms_pb
+from auraed.client.cli.arguments import add_command, add_group, grace_ms, unsigned
+from auraed.client.cli.calls import VMS, call, call_timeout, grace_slack, session
+from auraed.client.cli.output import console, emit, print_json, report
+from auraed.client.client import AuraeClient
+
+VM_START_SLACK_MS = 300_000  # a guest booting under emulation takes a while to answer
+
+
+def _vm_line(status: Any) -> str:
+    state = vms_pb.VmState(status.state).name
+    where = f" at {status.address}" if status.address else ""
+    reason = f" ({status.reason})" if status.reason else ""
+    return f"{status.vm.name}: {state}{where}{reason}"
+
+
+def cmd_vm_allocate(args: argparse.Namespace) -> int:
+    vm = vms_pb.VirtualMachine(
+        name=args.name,
+        vcpus=args.vcpus,
+        memory_mib=args.memory,
+        kernel=_absolute(args.kernel),
+        initramfs=_absolute(args.initramfs),
+        root_disk=_absolute(args.root_disk),
+        kernel_args=args.kernel_arg or [],
+        network=args.network or args.guest,
+        role="guest" if args.guest else (args.role or ""),
+    )
+    reply = call(args, VMS, "Allocate", vms_pb.VmServiceAllocateRequest(vm=vm))
+    report(args, reply, f"allocated {_vm_line(reply.status)}")
+    return 0
+
+
+def _absolute(path: str | None) -> str:
+    return str(Path(path).absolute()) if path else ""
+
+
+def cmd_vm_start(args: argparse.Namespace) -> int:
+    request = vms_pb.VmServiceStartRequest(name=args.name, wait_for_console=args.wait_for_console or "")
+    waiting = f"starting VM {args.name}" + (
+        f" until {args.wait_for_console!r} is on its console" if args.wait_for_console else ""
+    )
+    reply = call(args, VMS, "Start", request, slack_ms=VM_START_SLACK_MS, waiting=waiting)
+    ready = f", ready in {reply.console_ready_ms / 1000:.1f} s" if reply.console_ready_ms else ""
+    report(args, reply, f"started {_vm_line(reply.status)}{ready}")
+    return 0
+
+
+def cmd_vm_stop(args: argparse.Namespace) -> int:
+    request = vms_pb.VmServiceStopRequest(name=args.name, timeout_ms=args.grace)
+    waiting = f"stopping VM {args.name}"
+    reply = call(args, VMS, "Stop", request, slack_ms=grace_slack(args.grace), waiting=waiting)
+    report(args, reply, f"stopped {_vm_line(reply.status)}")
+    return 0
+
+
+def cmd_vm_free(args: argparse.Namespace) -> int:
+    request = vms_pb.VmServiceFreeRequest(name=args.name, timeout_ms=args.grace)
+    waiting = f"freeing VM {args.name}"  # a running one is stopped first
+    reply = call(args, VMS, "Free", request, slack_ms=grace_slack(args.grace), waiting=waiting)
+    report(args, reply, f"freed VM {args.name}")
+    return 0
+
+
+def cmd_vm_list(args: argparse.Namespace) -> int:
+    reply = call(args, VMS, "List", vms_pb.VmServiceListRequest())
+    if args.json:
+        print_json(reply)
+        return 0
+    table = Table("NAME", "STATE", "BACKEND", "ADDRESS", "PID", "TAP", box=None, header_style="bold")
+    for status in reply.vms:
+        table.add_row(
+            status.vm.name,
+            vms_pb.VmState(status.state).name,
+            f"{status.backend}/{status.accelerator}",
+            status.address or "-",
+            str(status.pid or "-"),
+            status.tap or "-",
+        )
+    console.print(table if reply.vms else "no VMs")
+    return 0
+
+
+def cmd_vm_console(args: argparse.Namespace) -> int:
+    request = vms_pb.VmServiceGetConsoleRequest(name=args.name, tail=args.tail, follow=args.follow)
+    timeout = call_timeout(args, open_ended=True)
+
+    async def body(client: AuraeClient) -> None:
+        async for reply in client.stream(VMS, "GetConsole", request, timeout):
+            emit(args, reply, reply.line)
+
+    session(args, body)
+    return 0
+
+
+def add_commands(subparsers: Any) -> None:
+    vm = add_group(subparsers, "vm", "virtual machines: guests with their own auraed, or any kernel")
+    allocate = add_command(vm, "allocate", cmd_vm_allocate, "define a VM (and its tap and addresses)")
+    allocate.add_argument("name", metavar="NAME")
+    allocate.add_argument("--guest", action="store_true", help="boot the guest image with auraed as PID 1")
+    allocate.add_argument("--vcpus", type=unsigned(32), default=0, help="virtual CPUs (default 1)")
+    allocate.add_argument(
+        "--memory", type=unsigned(64), default=0, metavar="MIB", help="memory in MiB (default 512)"
+    )
+    allocate.add_argument("--kernel", help="kernel image (the guest image's with --guest)")
+    allocate.add_argument("--initramfs")
+    allocate.add_argument("--root-disk", help="read-only root disk image")
+    allocate.add_argument("--kernel-arg", action="append", metavar="ARG", help="extra kernel argument")
+    allocate.add_argument("--network", action="store_true", help="a tap and an address pair")
+    allocate.add_argument("--role", help="auraed role passed on the kernel command line")
+    start = add_command(vm, "start", cmd_vm_start, "boot a VM; a guest is ready once its auraed serves")
+    start.add_argument("name", metavar="NAME")
+    start.add_argument("--wait-for-console", metavar="TEXT", help="return once TEXT is on the console")
+    stop = add_command(
+        vm, "stop", cmd_vm_stop, "power off (ACPI), forced after the grace period", deadline=False
+    )
+    stop.add_argument("name", metavar="NAME")
+    stop.add_argument(
+        "--grace", type=grace_ms, metavar="SECONDS", help="to power off before the VMM is ended"
+    )
+    free = add_command(vm, "free", cmd_vm_free, "stop a VM and remove its tap, files and record")
+    free.add_argument("name", metavar="NAME")
+    free.add_argument("--grace", type=grace_ms, metavar="SECONDS", help="to power off, if running")
+    add_command(vm, "ls", cmd_vm_list, "the VMs, with state read from their VMM")
+    console_ = add_command(vm, "console", cmd_vm_console, "the serial console")
+    console_.add_argument("name", metavar="NAME")
+    console_.add_argument("-f", "--follow", action="store_true")
+    console_.add_argument("--tail", type=unsigned(32), default=None, metavar="N")
