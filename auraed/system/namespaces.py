@@ -174,29 +174,17 @@ def bring_loopback_up() -> None:
             fcntl.ioctl(sock.fileno(), _SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | _IFF_UP))
 
 
-def create_network_namespace(path: str | os.PathLike[str]) -> None:
-    """Create a new network namespace with lo up, pinned by a bind mount on ``path``.
+def pin_namespace(source: str, target: str | os.PathLike[str]) -> None:
+    """Bind-mount the namespace file ``source`` (``/proc/<id>/ns/<kind>``) on a new empty file
+    ``target``: the namespace then lives, with no process in it, until unpin_namespace.
 
-    Runs in a dedicated short-lived thread: unshare(CLONE_NEWNET) changes only the calling thread,
-    so it must never happen on the caller's thread or a pool thread that is reused afterwards. The
-    bind mount lives in the caller's mount namespace, so every process of the host sees it; the
-    namespace outlives the thread and is released by remove_network_namespace. ``path`` must not
-    exist (FileExistsError); errors from the thread are raised in the caller.
+    The bind mount is made in the caller's mount namespace, so every process of the host sees
+    it. ``target`` must not exist (FileExistsError); it is removed again if the mount fails.
     """
-    import threading
-
-    target = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
     os.close(fd)
-
-    def worker() -> None:
-        unshare(CLONE_NEWNET)
-        bring_loopback_up()
-        mount(f"/proc/self/task/{threading.get_native_id()}/ns/net", target, None, MS_BIND)
-
     try:
-        in_new_thread(worker)
+        mount(source, target, None, MS_BIND)
     except BaseException:
         try:
             os.unlink(target)
@@ -205,8 +193,40 @@ def create_network_namespace(path: str | os.PathLike[str]) -> None:
         raise
 
 
+def thread_namespace(kind: str) -> str:
+    """The calling thread's own namespace file of ``kind`` (net, ipc, uts, pid_for_children...):
+    after unshare in a thread, /proc/self/ns would name the main thread's."""
+    import threading
+
+    return f"/proc/self/task/{threading.get_native_id()}/ns/{kind}"
+
+
+def create_network_namespace(path: str | os.PathLike[str]) -> None:
+    """Create a new network namespace with lo up, pinned by a bind mount on ``path``.
+
+    Runs in a dedicated short-lived thread: unshare(CLONE_NEWNET) changes only the calling thread,
+    so it must never happen on the caller's thread or a pool thread that is reused afterwards. The
+    namespace outlives the thread and is released by remove_network_namespace. ``path`` must not
+    exist (FileExistsError); errors from the thread are raised in the caller.
+    """
+    target = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+
+    def worker() -> None:
+        unshare(CLONE_NEWNET)
+        bring_loopback_up()
+        pin_namespace(thread_namespace("net"), target)
+
+    in_new_thread(worker)
+
+
 def remove_network_namespace(path: str | os.PathLike[str]) -> None:
-    """Unmount (lazily) and delete a namespace file made by create_network_namespace; idempotent.
+    """Release a network namespace made by create_network_namespace (see unpin_namespace)."""
+    unpin_namespace(path)
+
+
+def unpin_namespace(path: str | os.PathLike[str]) -> None:
+    """Unmount (lazily) and delete a namespace file made by pin_namespace; idempotent.
 
     The namespace itself disappears once no process is inside it and nothing else pins it.
     """
