@@ -1,0 +1,307 @@
+"""A pod sandbox's namespaces, pinned by bind mounts as CRI-O's pinns pins them: network, IPC and
+UTS (and PID for pods that share one), each a file in the pod's directory that runc and CNI
+plugins join by path.
+
+Network, IPC and UTS namespaces are made in a short-lived thread of the daemon (``unshare``
+changes only the calling thread; see ``namespaces.create_network_namespace``): no fork, so
+nothing of grpc's runs in a child (pyroute2's netns helpers fork, and their child crashes in a
+grpc process). The thread sets the UTS hostname, writes the namespaced sysctls (``net.*`` land
+in its network namespace, the IPC ones in its IPC namespace, as /proc/sys resolves them for the
+writing thread), brings up ``lo`` and pins each namespace; then it ends, and no process is kept.
+
+A PID namespace is the exception: the kernel names one (``pid_for_children``) only once it has a
+PID 1, and refuses every new process in it (ENOMEM) once its PID 1 has ended, pin or no pin. So
+a shared PID namespace gets a minimal init, ``aurae-pod-init``: spawned from the same thread
+(posix_spawn, no fork of the daemon), it is PID 1 there, sits in the pod's other namespaces, reaps
+the orphans of the pod's containers and exits on SIGTERM or SIGINT. Its pid and start time are
+written beside the pins, so removal finds it after a restart of auraed too.
+
+Removal is idempotent and works from the directory alone: the init is killed (the kernel then
+kills everything in the PID namespace), every pin unmounted and deleted, the directory removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from auraed.errors import RESOURCE_ERRNOS, AuraeError, ErrorKind
+from auraed.system import namespaces, processes
+from auraed.system.threads import in_new_thread
+
+NET, IPC, UTS, PID = "net", "ipc", "uts", "pid"
+PIN_NAMES = (NET, IPC, UTS, PID)
+"""The pins' file names in a pod's directory (the kinds of /proc/<pid>/ns/ they hold)."""
+INIT_RECORD = "pid-init"
+"""File beside the pins: "<pid> <start ticks> <parent pid> <parent start ticks>" of the PID
+namespace's init (its parent: only the auraed that started it may reap it)."""
+POD_INIT_NAME = "aurae-pod-init"
+"""What ps shows for a shared PID namespace's init (its argv[0])."""
+INIT_EXIT_TIMEOUT = 5.0
+"""Seconds a killed init may take to be gone (SIGKILL: milliseconds)."""
+_INIT_EXIT_POLL = 0.01
+HOST_NAME_MAX = 64
+SYSCTL_ROOT = Path("/proc/sys")
+
+# PID 1 of the pod's PID namespace: reaps every orphan, leaves on SIGTERM/SIGINT. Signals are
+# blocked and taken with sigwaitinfo, so none is lost between a reap and the wait; dispositions
+# are reset first, since an inherited SIG_IGN would discard them.
+POD_INIT_PROGRAM = """
+import os, signal
+os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+stop = {signal.SIGTERM, signal.SIGINT}
+for sig in stop:
+    signal.signal(sig, signal.SIG_DFL)
+signal.pthread_sigmask(signal.SIG_BLOCK, stop | {signal.SIGCHLD})
+while True:
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
+    if signal.sigwaitinfo(stop | {signal.SIGCHLD}).si_signo in stop:
+        os._exit(0)
+"""
+
+# IPC namespace sysctls (ipc/ipc_sysctl.c, ipc/mq_sysctl.c), the UTS one that is not the
+# hostname, and the network namespace's whole tree: all a pod may set without touching the host.
+_IPC_SYSCTLS = frozenset(
+    {"kernel.msgmax", "kernel.msgmnb", "kernel.msgmni", "kernel.sem", "kernel.shmall", "kernel.shmmax"}
+    | {"kernel.shmmni", "kernel.shm_rmid_forced"}
+)
+_IPC_PREFIXES = ("fs.mqueue.",)
+_UTS_SYSCTLS = frozenset({"kernel.domainname"})
+_NET_PREFIXES = ("net.",)
+_SYSCTL_NAME = re.compile(r"^[A-Za-z0-9_-]+([./][A-Za-z0-9_-]+)*$")
+
+
+class NamespaceError(AuraeError):
+    """Pod namespaces that cannot be made as asked; ``kind`` says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PodNamespaceSpec:
+    """Which namespaces a pod gets of its own (the others it shares with the host), its hostname
+    (empty: the host's name, copied) and its sysctls, by name as sysctl(8) spells them."""
+
+    network: bool = True
+    ipc: bool = True
+    uts: bool = True
+    pid: bool = False
+    hostname: str = ""
+    sysctls: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class PodNamespaces:
+    """A pod's pinned namespaces: the path of each pin (None where the pod shares the host's),
+    and the PID namespace's init."""
+
+    directory: str
+    net: str | None = None
+    ipc: str | None = None
+    uts: str | None = None
+    pid: str | None = None
+    init_pid: int | None = None
+    init_ticks: int | None = None
+
+    def to_doc(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, Any]) -> PodNamespaces:
+        return cls(
+            directory=str(doc["directory"]),
+            net=doc.get("net"),
+            ipc=doc.get("ipc"),
+            uts=doc.get("uts"),
+            pid=doc.get("pid"),
+            init_pid=doc.get("init_pid"),
+            init_ticks=doc.get("init_ticks"),
+        )
+
+
+def sysctl_path(name: str) -> Path:
+    """The /proc/sys file of ``name``: dots separate its parts unless a slash comes first, and
+    then dots are literal (``net.ipv4.conf.eth0/100.rp_filter`` is interface eth0.100's), as
+    sysctl(8) and Kubernetes read it."""
+    if not _SYSCTL_NAME.match(name) or ".." in name or "//" in name:
+        raise NamespaceError.invalid("sysctls", f"{name!r} is not a sysctl name")
+    separator = name[min((i for i in (name.find("."), name.find("/")) if i >= 0), default=0)]
+    if separator == "/":
+        return SYSCTL_ROOT / name
+    return SYSCTL_ROOT / name.translate(str.maketrans("./", "/."))
+
+
+def _canonical(name: str) -> str:
+    """``name`` with dots as its separators, as the classification below spells them."""
+    return ".".join(sysctl_path(name).relative_to(SYSCTL_ROOT).parts)
+
+
+def sysctl_namespace(name: str) -> str:
+    """Which namespace the sysctl ``name`` belongs to (NET, IPC or UTS); INVALID_ARGUMENT for one
+    that is not namespaced (writing it would change the host)."""
+    canonical = _canonical(name)
+    if canonical.startswith(_NET_PREFIXES):
+        return NET
+    if canonical in _IPC_SYSCTLS or canonical.startswith(_IPC_PREFIXES):
+        return IPC
+    if canonical in _UTS_SYSCTLS:
+        return UTS
+    raise NamespaceError.invalid(
+        f"sysctls.{name}", "is not namespaced (only net.*, the IPC ones and kernel.domainname are)"
+    )
+
+
+def _check(spec: PodNamespaceSpec) -> None:
+    if not (spec.network or spec.ipc or spec.uts or spec.pid):
+        raise NamespaceError.invalid("namespaces", "a pod sandbox needs at least one namespace of its own")
+    if spec.hostname and not spec.uts:
+        raise NamespaceError.invalid("hostname", "needs the pod's own UTS namespace")
+    if len(spec.hostname.encode()) > HOST_NAME_MAX or not spec.hostname.isprintable():
+        raise NamespaceError.invalid("hostname", f"must be at most {HOST_NAME_MAX} printable bytes")
+    owned = {NET: spec.network, IPC: spec.ipc, UTS: spec.uts}
+    names = {NET: "network", IPC: "IPC", UTS: "UTS"}
+    for name, value in spec.sysctls.items():
+        kind = sysctl_namespace(name)
+        if not owned[kind]:
+            raise NamespaceError.invalid(f"sysctls.{name}", f"needs the pod's own {names[kind]} namespace")
+        if not value.isprintable():
+            raise NamespaceError.invalid(f"sysctls.{name}", f"{value!r} is not a printable value")
+
+
+def _write_sysctls(sysctls: Mapping[str, str]) -> None:
+    for name, value in sysctls.items():
+        path = sysctl_path(name)
+        try:
+            with open(path, "w") as file:
+                file.write(value)
+        except OSError as exc:
+            if exc.errno in RESOURCE_ERRNOS:
+                raise
+            problem = "no such sysctl" if exc.errno == errno.ENOENT else (exc.strerror or str(exc))
+            raise NamespaceError.invalid(f"sysctls.{name}", f"cannot set {value!r}: {problem}") from None
+
+
+def _spawn_init(directory: Path) -> int:
+    """Start the PID namespace's init from the calling thread (after its unshare(CLONE_NEWPID)),
+    record it, and return its pid."""
+    pid = os.posix_spawn(
+        sys.executable,
+        [POD_INIT_NAME, "-S", "-I", "-c", POD_INIT_PROGRAM],
+        {},
+        file_actions=[
+            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDWR, 0),
+            (os.POSIX_SPAWN_DUP2, 0, 1),
+            (os.POSIX_SPAWN_DUP2, 0, 2),
+        ],
+        setsid=True,
+    )
+    parent = os.getpid()
+    fields = (pid, processes.start_ticks(pid), parent, processes.start_ticks(parent))
+    (directory / INIT_RECORD).write_text(" ".join(map(str, fields)) + "\n")
+    return pid
+
+
+def create_pod_namespaces(directory: Path, spec: PodNamespaceSpec) -> PodNamespaces:
+    """Make and pin the namespaces ``spec`` asks for under ``directory`` (created; it must not
+    hold pins already). On any failure, whatever was made is removed again before raising."""
+    _check(spec)
+    kinds = {NET: spec.network, IPC: spec.ipc, UTS: spec.uts}
+    flags = {NET: namespaces.CLONE_NEWNET, IPC: namespaces.CLONE_NEWIPC, UTS: namespaces.CLONE_NEWUTS}
+    unshare_flags = sum(flags[kind] for kind, wanted in kinds.items() if wanted)
+    if spec.pid:
+        unshare_flags |= namespaces.CLONE_NEWPID
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    taken = [name for name in (*PIN_NAMES, INIT_RECORD) if os.path.lexists(directory / name)]
+    if taken:  # another pod's: never touched, not even by the clean-up of a failure
+        raise NamespaceError.already_exists(f"pod namespaces in {directory} ({', '.join(taken)})")
+
+    def worker() -> int | None:
+        namespaces.unshare(unshare_flags)
+        if spec.hostname:
+            namespaces.sethostname(spec.hostname)
+        _write_sysctls(spec.sysctls)
+        if spec.network:
+            namespaces.bring_loopback_up()
+        for kind, wanted in kinds.items():
+            if wanted:
+                namespaces.pin_namespace(namespaces.thread_namespace(kind), directory / kind)
+        if not spec.pid:
+            return None
+        init = _spawn_init(directory)
+        namespaces.pin_namespace(f"/proc/{init}/ns/pid", directory / PID)
+        return init
+
+    try:
+        init = in_new_thread(worker)
+    except BaseException:
+        remove_pod_namespaces(directory)
+        raise
+    paths = {kind: str(directory / kind) if wanted else None for kind, wanted in kinds.items()}
+    return PodNamespaces(
+        str(directory),
+        net=paths[NET],
+        ipc=paths[IPC],
+        uts=paths[UTS],
+        pid=str(directory / PID) if spec.pid else None,
+        init_pid=init,
+        init_ticks=None if init is None else processes.start_ticks(init),
+    )
+
+
+def _read_init(directory: Path) -> tuple[int, int | None, bool] | None:
+    """The init's pid and start ticks, and whether this process is its parent."""
+    try:
+        words = (directory / INIT_RECORD).read_text().split()
+        fields = [None if word == "None" else int(word) for word in words]
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return None  # cut short by a crash right at its write: its process cannot be named
+    if len(fields) != 4:
+        return None
+    pid, ticks, parent, parent_ticks = fields
+    if pid is None:
+        return None
+    ours = parent == os.getpid() and parent_ticks == processes.start_ticks(os.getpid())
+    return pid, ticks, ours
+
+
+def _stop_init(directory: Path) -> None:
+    """SIGKILL the PID namespace's init if it is still the process recorded, wait until it has
+    ended, and reap it where this process is its parent (a zombie keeps its pid from reuse until
+    then, so no other child's status can be taken instead)."""
+    found = _read_init(directory)
+    if found is None:
+        return
+    pid, ticks, ours = found
+    processes.send_signal(pid, signal.SIGKILL, ticks)
+    deadline = time.monotonic() + INIT_EXIT_TIMEOUT
+    while processes.is_alive(pid, ticks):  # a zombie is not alive
+        if time.monotonic() > deadline:
+            raise NamespaceError(ErrorKind.INTERNAL, f"{POD_INIT_NAME} {pid} did not end after SIGKILL")
+        time.sleep(_INIT_EXIT_POLL)
+    if ours:
+        with contextlib.suppress(ChildProcessError):  # reaped already
+            os.waitpid(pid, 0)
+
+
+def remove_pod_namespaces(directory: Path) -> None:
+    """Stop the init, unpin every namespace of the pod and remove its directory; idempotent (a
+    directory already gone, or half made, is fine)."""
+    _stop_init(directory)
+    for name in PIN_NAMES:
+        namespaces.unpin_namespace(directory / name)
+    (directory / INIT_RECORD).unlink(missing_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        directory.rmdir()
