@@ -30,17 +30,23 @@ REQUIRED_PROGRAMS = (
     "docker-registry",
     "qemu-system-x86_64",
     "ip",
+    "nsenter",
+    "iptables",
 )
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Tests never skip for something missing: the machine must have it, or the run fails here."""
     from auraed.system.cgroupfs import CgroupLayout, detect_layout
+    from tests.support.cni import missing_plugins
 
     problems = []
     if os.geteuid() != 0:
         problems.append("the tests run as root")
     problems += [f"{name} is not installed" for name in REQUIRED_PROGRAMS if shutil.which(name) is None]
+    problems += [
+        f"CNI plugin {name} is not installed (containernetworking-plugins)" for name in missing_plugins()
+    ]
     if not Path("/bin/busybox").exists():
         problems.append("busybox-static (/bin/busybox) is not installed")
     if detect_layout() is CgroupLayout.V2:
