@@ -703,8 +703,8 @@ class Containers:
         size: tuple[int, int] | None,
     ) -> ExecSession:
         try:
-            return await self._runtime.exec_process(
-                record.id, process, tty, stdin=stdin, size=size, supervisor=self._supervisor
+            return await ExecSession.start(
+                self._runtime, record.id, process, tty, stdin=stdin, size=size, supervisor=self._supervisor
             )
         except OciRuntimeError as exc:
             raise runtime_error(exc, f"exec in container {record.name}") from None

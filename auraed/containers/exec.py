@@ -82,7 +82,7 @@ class _Monitor:
 
 
 class ExecSession:
-    """A process started by ``OciRuntime.exec_process``; use as ``async with`` or call close()."""
+    """A process run in a container by :meth:`start`; use as ``async with`` or call close()."""
 
     def __init__(self, runtime: OciRuntime, container_id: str, tty: bool, work_dir: Path) -> None:
         self.runtime = runtime
@@ -121,9 +121,14 @@ class ExecSession:
         timeout: float = START_TIMEOUT,
         supervisor: Supervisor,
     ) -> ExecSession:
-        """Start ``process`` in the container. With a terminal, ``size`` (rows, cols) becomes the
+        """Start ``process`` (an OCI process spec: args, env, cwd, user, ...) in a running container.
+
+        ``terminal`` is set from ``tty``. With a terminal, ``size`` (rows, cols) becomes the
         process's ``consoleSize``: the runtime sizes the terminal before the process runs (a
-        resize() after start() races with the process reading its size)."""
+        resize() after start() races with the process reading its size). Without ``stdin`` its
+        stdin is /dev/null. ``supervisor`` forks its monitor. Raises OciRuntimeError when the
+        runtime cannot start it ("invalid" for a stopped container, "not_found" for an unknown one).
+        """
         check_container_id(container_id)
         if tty and size is not None and size[0] > 0 and size[1] > 0:
             process = {**process, "consoleSize": {"height": size[0], "width": size[1]}}

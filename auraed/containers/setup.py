@@ -8,7 +8,7 @@ from pathlib import Path
 
 from auraed.config import DaemonConfig
 from auraed.containers.containers import Containers
-from auraed.containers.runtime import OciRuntime
+from auraed.containers.oci_cli import runtime_for
 from auraed.images.content import ContentStore
 from auraed.images.images import Images
 from auraed.observe.logfile import LogWatch
@@ -57,9 +57,9 @@ def build(
         registry_factory(config),  # type: ignore[arg-type]
         allow_device_nodes=config.allow_device_nodes,
     )
-    runtime = OciRuntime(
-        binary=runtime_binary(config, cgroups.layout),
-        root=config.runtime_dir / "runtime",
+    runtime = runtime_for(
+        runtime_binary(config, cgroups.layout),
+        config.runtime_dir / "runtime",
         scratch_dir=config.runtime_dir / "exec",
     )
     containers = Containers(

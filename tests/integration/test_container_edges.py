@@ -13,7 +13,8 @@ import pytest
 
 from auraed.api.aurae.containers import v0 as pb
 from auraed.client import AuraeClient, ClientError
-from auraed.containers.runtime import OciRuntime, OciRuntimeError
+from auraed.containers.oci_cli import Runc
+from auraed.containers.runtime import OciRuntimeError
 from auraed.containers.spec import (
     MAX_CFS_QUOTA_US,
     MAX_HOOK_TIMEOUT_SECONDS,
@@ -103,7 +104,7 @@ async def test_exec_of_a_missing_program_is_not_a_missing_container(loaded: Aura
 
 async def test_the_runtime_is_taken_at_its_own_word_for_a_missing_container(tmp_path: Path) -> None:
     # runc's state directory exists, its state does not: runc's exact words decide.
-    runtime = OciRuntime("runc", tmp_path)
+    runtime = Runc("runc", tmp_path)
     (tmp_path / "half").mkdir()
     with pytest.raises(OciRuntimeError) as gone:
         await runtime.kill("half", signal.SIGTERM)

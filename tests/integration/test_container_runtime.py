@@ -1,5 +1,5 @@
 """Containers under our monitor with a real runc: auraed.system.monitor (subreaper, pid_file,
-console_socket), auraed.containers.runtime (OciRuntime) and auraed.containers.exec (ExecSession).
+console_socket), auraed.containers.oci_cli (Runc) and auraed.containers.exec (ExecSession).
 
 Needs root and runc. Every fixture cleans up what it made even when a test fails: every container
 id is deleted with ``runc delete --force``, monitors are killed (pid + start ticks), the cgroup
@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 
 from auraed.containers.exec import ExecSession
-from auraed.containers.runtime import OciRuntime, OciRuntimeError, runtime_message
+from auraed.containers.oci_cli import Crun, Runc
+from auraed.containers.runtime import OciRuntimeError, runtime_message
 from auraed.system.cri_log import parse_cri_log_line
 from auraed.system.monitor import monitor_command
 from auraed.system.monitor_protocol import ExitRecord, MonitorSpec, read_exit_record
@@ -181,7 +182,7 @@ class Lab:
     def __init__(self, base: Path, rootfs: Path) -> None:
         self.base = base
         self.rootfs = rootfs
-        self.runtime = OciRuntime(binary=str(RUNC), root=base / "state", scratch_dir=base / "x")
+        self.runtime = Runc(binary=str(RUNC), root=base / "state", scratch_dir=base / "x")
         self.supervisor = Supervisor(base / "run")
         self.count = 0
         self.ids: list[str] = []
@@ -339,7 +340,7 @@ def test_runtime_message_extracts_logrus_messages() -> None:
 
 
 def test_argv_shapes(tmp_path: Path) -> None:
-    runtime = OciRuntime(binary="/usr/bin/crun", root=Path("/run/r"))
+    runtime = Crun(binary="/usr/bin/crun", root=Path("/run/r"))
     assert runtime.create_argv("c1", Path("/b"), Path("/p"), None) == [
         "/usr/bin/crun", "--root", "/run/r", "create", "--bundle", "/b", "--pid-file", "/p", "c1",
     ]  # fmt: skip
@@ -499,7 +500,7 @@ async def test_unknown_container(lab: Lab) -> None:
         assert info.value.kind == "not_found", info.value
     await runtime.delete("nope")
     with pytest.raises(OciRuntimeError) as info:
-        await runtime.exec_process("nope", exec_process(["true"]), tty=False, supervisor=lab.supervisor)
+        await ExecSession.start(runtime, "nope", exec_process(["true"]), tty=False, supervisor=lab.supervisor)
     assert info.value.kind == "not_found"
     assert not list((lab.base / "x").iterdir())  # the exec session removed its files
 
@@ -626,8 +627,8 @@ async def collect(session: ExecSession) -> dict[str, bytes]:
 
 async def test_exec_with_stdin(running: Container) -> None:
     runtime = running.lab.runtime
-    async with await runtime.exec_process(
-        running.id, exec_process(["cat"]), tty=False, supervisor=running.lab.supervisor
+    async with await ExecSession.start(
+        runtime, running.id, exec_process(["cat"]), tty=False, supervisor=running.lab.supervisor
     ) as session:
         assert session.pid > 0 and session.pid != running.pid
         output = session.output()
@@ -647,8 +648,8 @@ async def test_exec_with_stdin(running: Container) -> None:
 async def test_exec_exit_code_and_stderr(running: Container) -> None:
     runtime = running.lab.runtime
     process = exec_process(["sh", "-c", "echo out; echo err >&2; exit 3"])
-    async with await runtime.exec_process(
-        running.id, process, tty=False, stdin=False, supervisor=running.lab.supervisor
+    async with await ExecSession.start(
+        runtime, running.id, process, tty=False, stdin=False, supervisor=running.lab.supervisor
     ) as session:
         out = await asyncio.wait_for(collect(session), 10)
         assert out == {"stdout": b"out\n", "stderr": b"err\n"}
@@ -657,14 +658,14 @@ async def test_exec_exit_code_and_stderr(running: Container) -> None:
 
 async def test_exec_kill(running: Container) -> None:
     runtime = running.lab.runtime
-    async with await runtime.exec_process(
-        running.id, exec_process(["sleep", "100"]), tty=False, supervisor=running.lab.supervisor
+    async with await ExecSession.start(
+        runtime, running.id, exec_process(["sleep", "100"]), tty=False, supervisor=running.lab.supervisor
     ) as session:
         await session.kill()
         assert await asyncio.wait_for(session.wait(), 10) == 128 + signal.SIGKILL
     # Closing a session whose process still runs kills it.
-    session = await runtime.exec_process(
-        running.id, exec_process(["sleep", "100"]), tty=False, supervisor=running.lab.supervisor
+    session = await ExecSession.start(
+        runtime, running.id, exec_process(["sleep", "100"]), tty=False, supervisor=running.lab.supervisor
     )
     pid, ticks = session.pid, session.ticks
     await session.close()
@@ -674,8 +675,8 @@ async def test_exec_kill(running: Container) -> None:
 async def test_exec_with_a_terminal(running: Container) -> None:
     runtime = running.lab.runtime
     process = exec_process(["sh", "-c", "tty; stty size; read line; echo got $line; stty size"])
-    async with await runtime.exec_process(
-        running.id, process, tty=True, size=(24, 80), supervisor=running.lab.supervisor
+    async with await ExecSession.start(
+        runtime, running.id, process, tty=True, size=(24, 80), supervisor=running.lab.supervisor
     ) as session:
         text = b""
         output = session.output()
@@ -700,8 +701,8 @@ async def test_exec_with_a_terminal(running: Container) -> None:
 
 async def test_exec_tty_close_stdin_sends_eof(running: Container) -> None:
     runtime = running.lab.runtime
-    async with await runtime.exec_process(
-        running.id, exec_process(["cat"]), tty=True, supervisor=running.lab.supervisor
+    async with await ExecSession.start(
+        runtime, running.id, exec_process(["cat"]), tty=True, supervisor=running.lab.supervisor
     ) as session:
         await session.write_stdin(b"abc\n")
         await session.close_stdin()
@@ -716,8 +717,8 @@ async def test_exec_into_a_stopped_container_fails(lab: Lab) -> None:
     await container.async_wait_exit()
     for tty in (False, True):
         with pytest.raises(OciRuntimeError) as info:
-            await lab.runtime.exec_process(
-                container.id, exec_process(["true"]), tty=tty, supervisor=lab.supervisor
+            await ExecSession.start(
+                lab.runtime, container.id, exec_process(["true"]), tty=tty, supervisor=lab.supervisor
             )
         assert info.value.kind == "invalid", info.value
         assert "stopped" in str(info.value)
