@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from auraed.containers import spec as oci
 from auraed.containers.errors import ContainerError
 from auraed.containers.exec import ExecSession
 from auraed.containers.model import ContainerRecord, State
+from auraed.containers.oci_spec import build_spec, image_runtime_config, stop_signal
+from auraed.containers.request import ContainerRequest, SpecError
 from auraed.containers.rootfs import is_mounted, mount_rootfs, unmount_rootfs
 from auraed.containers.runtime import OciRuntime, OciRuntimeError
 from auraed.errors import ErrorKind
@@ -53,7 +54,7 @@ SPEC_ERROR_KINDS = {
 }
 
 
-def spec_error(exc: oci.SpecError) -> ContainerError:
+def spec_error(exc: SpecError) -> ContainerError:
     return ContainerError(SPEC_ERROR_KINDS.get(exc.kind, ErrorKind.INVALID_ARGUMENT), str(exc))
 
 
@@ -143,7 +144,7 @@ class Containers:
     # -- create ----------------------------------------------------------------------------
 
     async def create(
-        self, request: oci.ContainerRequest, image_name: str, labels: dict[str, str], start: bool = False
+        self, request: ContainerRequest, image_name: str, labels: dict[str, str], start: bool = False
     ) -> ContainerRecord:
         """Create a container: its rootfs and bundle, and with ``start`` its process.
 
@@ -220,18 +221,18 @@ class Containers:
         return record
 
     def _prepare(
-        self, record: ContainerRecord, image: ImageRecord, request: oci.ContainerRequest
+        self, record: ContainerRecord, image: ImageRecord, request: ContainerRequest
     ) -> dict[str, Any]:
         """Mount the rootfs and write the bundle; its spec. Runs in a worker thread."""
         record.path.mkdir(mode=0o700, parents=True)
         self._mount(record, image)
         try:
-            image_config = oci.image_runtime_config({"config": image.config})
-            record.stop_signal = oci.stop_signal(image_config, request)
-            spec = oci.build_spec(
+            image_config = image_runtime_config({"config": image.config})
+            record.stop_signal = stop_signal(image_config, request)
+            spec = build_spec(
                 image_config, request, record.rootfs, self._cgroups.cgroup_path(self.cgroup(record))
             )
-        except oci.SpecError as exc:
+        except SpecError as exc:
             raise spec_error(exc) from None
         record.process = spec["process"]
         record.bundle.mkdir(mode=0o700)

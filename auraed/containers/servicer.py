@@ -1,6 +1,6 @@
 """aurae.containers.v0.ContainerService over gRPC: images and containers.
 
-Requests are validated here into typed values (``spec.ContainerRequest``, names, signals); the
+Requests are validated here into typed values (``request.ContainerRequest``, names, signals); the
 domain code in images/ and containers/ never sees a raw message.
 """
 
@@ -13,11 +13,22 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from auraed.api.aurae.containers import v0 as pb
-from auraed.containers import spec as oci
 from auraed.containers.containers import Containers, spec_error
 from auraed.containers.errors import ContainerError
 from auraed.containers.exec import ExecSession
 from auraed.containers.model import ContainerRecord, State
+from auraed.containers.oci_spec import exec_process, image_runtime_config, resolve_user
+from auraed.containers.request import (
+    ContainerRequest,
+    Hook,
+    Hooks,
+    Mount,
+    Resources,
+    Rlimit,
+    Security,
+    SpecError,
+    parse_signal,
+)
 from auraed.images.images import Images, PullProgress
 from auraed.images.model import ImageRecord
 from auraed.names import seconds_from_ms, validate_label
@@ -50,15 +61,15 @@ def _required(value: str, field: str) -> str:
 # -- messages -> typed values ----------------------------------------------------------------
 
 
-def container_request(config: pb.ContainerConfig) -> oci.ContainerRequest:
+def container_request(config: pb.ContainerConfig) -> ContainerRequest:
     resources = config.resources or pb.Resources()
     security = config.security or pb.Security()
     hooks = config.hooks or pb.Hooks()
 
-    def hook_list(values: list[pb.Hook]) -> tuple[oci.Hook, ...]:
-        return tuple(oci.Hook(h.path, tuple(h.args), tuple(h.env), h.timeout_seconds) for h in values)
+    def hook_list(values: list[pb.Hook]) -> tuple[Hook, ...]:
+        return tuple(Hook(h.path, tuple(h.args), tuple(h.env), h.timeout_seconds) for h in values)
 
-    return oci.ContainerRequest(
+    return ContainerRequest(
         name=validate_label(config.name, "config.name"),
         command=tuple(config.command),
         args=tuple(config.args),
@@ -66,9 +77,9 @@ def container_request(config: pb.ContainerConfig) -> oci.ContainerRequest:
         working_dir=config.working_dir,
         hostname=config.hostname,
         mounts=tuple(
-            oci.Mount(m.destination, m.source, m.type, tuple(m.options), m.read_only) for m in config.mounts
+            Mount(m.destination, m.source, m.type, tuple(m.options), m.read_only) for m in config.mounts
         ),
-        resources=oci.Resources(
+        resources=Resources(
             cpu_weight=resources.cpu_weight,
             cpu_max=resources.cpu_max,
             cpu_period=resources.cpu_period,
@@ -77,7 +88,7 @@ def container_request(config: pb.ContainerConfig) -> oci.ContainerRequest:
             memory_max=resources.memory_max,
             pids_max=resources.pids_max,
         ),
-        security=oci.Security(
+        security=Security(
             capabilities_add=tuple(security.capabilities_add),
             capabilities_drop=tuple(security.capabilities_drop),
             no_new_privileges=security.no_new_privileges,
@@ -89,9 +100,9 @@ def container_request(config: pb.ContainerConfig) -> oci.ContainerRequest:
             seccomp_profile=security.seccomp_profile,
             oom_score_adj=security.oom_score_adj,
         ),
-        rlimits=tuple(oci.Rlimit(r.type, r.soft, r.hard) for r in config.rlimits),
+        rlimits=tuple(Rlimit(r.type, r.soft, r.hard) for r in config.rlimits),
         sysctls=dict(config.sysctls),
-        hooks=oci.Hooks(
+        hooks=Hooks(
             hook_list(hooks.create_runtime),
             hook_list(hooks.create_container),
             hook_list(hooks.start_container),
@@ -115,8 +126,8 @@ def _labels(values: dict[str, str], field: str) -> dict[str, str]:
 
 def _signal(value: str) -> int:
     try:
-        return oci.parse_signal(value, "signal")
-    except oci.SpecError as exc:
+        return parse_signal(value, "signal")
+    except SpecError as exc:
         raise spec_error(exc) from None
 
 
@@ -126,7 +137,7 @@ def _signal(value: str) -> int:
 def image_message(image: ImageRecord) -> pb.Image:
     # Lenient: the images subsystem stores configs Create would refuse (Env ["FOO"]), and one of
     # them must not make every ListImages fail. Create still parses strictly and names the field.
-    config = oci.image_runtime_config({"config": image.config}, lenient=True)
+    config = image_runtime_config({"config": image.config}, lenient=True)
     return pb.Image(
         id=image.id,
         references=list(image.references),
@@ -380,11 +391,11 @@ class ContainerServicer:
     def _exec_process(self, record: ContainerRecord, start: pb.ExecStart) -> dict[str, Any]:
         defaults = self._containers.process_defaults(record)
         try:
-            process = oci.exec_process(defaults, start.command, start.env, start.working_dir)
+            process = exec_process(defaults, start.command, start.env, start.working_dir)
             if start.user:
-                uid, gid, groups = oci.resolve_user(record.rootfs, start.user, where="start.user")
+                uid, gid, groups = resolve_user(record.rootfs, start.user, where="start.user")
                 process["user"] = {"uid": uid, "gid": gid, "additionalGids": groups}
-        except oci.SpecError as exc:
+        except SpecError as exc:
             raise spec_error(exc) from None
         return process
 

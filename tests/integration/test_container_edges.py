@@ -14,15 +14,17 @@ import pytest
 from auraed.api.aurae.containers import v0 as pb
 from auraed.client import AuraeClient, ClientError
 from auraed.containers.oci_cli import Runc
-from auraed.containers.runtime import OciRuntimeError
-from auraed.containers.spec import (
-    MAX_CFS_QUOTA_US,
-    MAX_HOOK_TIMEOUT_SECONDS,
+from auraed.containers.oci_spec import (
     ONLINE_CPUS,
     ONLINE_MEMORY_NODES,
-    PID_MAX_LIMIT,
     read_index_list,
 )
+from auraed.containers.request import (
+    MAX_CFS_QUOTA_US,
+    MAX_HOOK_TIMEOUT_SECONDS,
+    PID_MAX_LIMIT,
+)
+from auraed.containers.runtime import OciRuntimeError
 from auraed.system.cgroupfs import format_cpu_list
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
 from tests.integration.containers_helpers import (

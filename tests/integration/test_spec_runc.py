@@ -1,4 +1,4 @@
-"""Specs from auraed.containers.spec run by the real runc over a busybox root filesystem (root only).
+"""Specs from auraed.containers.oci_spec run by the real runc over a busybox root filesystem (root only).
 
 Every container lives below the cgroup ``/aurae-spectest-<pid>``; fixtures delete containers with
 ``runc delete --force`` and remove that cgroup parent (runc leaves parents behind) in every
@@ -20,20 +20,22 @@ from typing import Any
 
 import pytest
 
-from auraed.containers.spec import (
+from auraed.containers.oci_spec import (
     ALL_CAPABILITIES,
     DEFAULT_CAPABILITIES,
+    ImageRuntimeConfig,
+    build_spec,
+    read_oom_score_adj,
+)
+from auraed.containers.request import (
     ContainerRequest,
     Hook,
     Hooks,
-    ImageRuntimeConfig,
     Mount,
     Resources,
     Rlimit,
     Security,
     SpecError,
-    build_spec,
-    read_oom_score_adj,
 )
 from auraed.system.cgroupfs import cpu_weight_to_shares
 from tests.support.busybox import make_busybox_rootfs

@@ -1,4 +1,4 @@
-"""auraed.containers.spec: OCI runtime specs from images and requests, without a runtime."""
+"""auraed.containers.oci_spec: OCI runtime specs from images and requests, without a runtime."""
 
 from __future__ import annotations
 
@@ -12,26 +12,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from auraed.containers.spec import (
+from auraed.containers.oci_spec import (
     ALL_CAPABILITIES,
     DEFAULT_CAPABILITIES,
     DEFAULT_MASKED_PATHS,
     DEFAULT_PATH,
     DEFAULT_READONLY_PATHS,
-    MAX_CFS_QUOTA_US,
-    MAX_HOOK_TIMEOUT_SECONDS,
     ONLINE_CPUS,
-    PID_MAX_LIMIT,
-    ContainerRequest,
-    Hook,
-    Hooks,
     HostFacts,
     ImageRuntimeConfig,
-    Mount,
-    Resources,
-    Rlimit,
-    Security,
-    SpecError,
     build_spec,
     default_seccomp_profile,
     ensure_working_dir,
@@ -39,6 +28,19 @@ from auraed.containers.spec import (
     image_runtime_config,
     resolve_user,
     stop_signal,
+)
+from auraed.containers.request import (
+    MAX_CFS_QUOTA_US,
+    MAX_HOOK_TIMEOUT_SECONDS,
+    PID_MAX_LIMIT,
+    ContainerRequest,
+    Hook,
+    Hooks,
+    Mount,
+    Resources,
+    Rlimit,
+    Security,
+    SpecError,
 )
 from auraed.system.cgroupfs import cpu_weight_to_shares, parse_cpu_list
 

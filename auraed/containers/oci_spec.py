@@ -1,7 +1,7 @@
 """Build an OCI runtime spec (a bundle's config.json, as a dict) from an image and a request.
 
-Everything a client sends is validated here and a bad value raises :class:`SpecError` naming the
-field ("security.capabilities_add[0]: CAP_FOO is not a capability") before a runtime ever sees it.
+The request (auraed.containers.request) is checked as its spec is built, together with the image's
+config and what the host allows: a bad value raises :class:`SpecError` naming the field.
 
 Decisions worth knowing:
 
@@ -37,8 +37,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import posixpath
-import re
 import resource
 import signal
 import stat
@@ -46,47 +44,43 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from auraed.containers.runtime import DELETE_TIMEOUT
+from auraed.containers.request import (
+    MAX_CFS_QUOTA_US,
+    MAX_HOOK_TIMEOUT_SECONDS,
+    MAX_ID,
+    MAX_INT64,
+    MAX_UINT64,
+    MIN_MEMORY_BYTES,
+    PID_MAX_LIMIT,
+    ContainerRequest,
+    Hooks,
+    Mount,
+    Resources,
+    Security,
+    SpecError,
+    check_hostname,
+    check_int,
+    check_path,
+    check_sysctls,
+    check_text,
+    env_entry,
+    is_decimal,
+    parse_signal,
+    quoted,
+)
 from auraed.system.cgroupfs import CgroupError, cpu_weight_to_shares, format_cpu_list, parse_cpu_list
-from auraed.system.supervisor import START_TIMEOUT
 
 OCI_VERSION = "1.0.2"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_NOFILE = 1024
 DEFAULT_CPU_PERIOD_US = 100_000
-# Docker's floor: below it the runtime's own init process is OOM-killed before the container starts.
-MIN_MEMORY_BYTES = 6 * 1024 * 1024
-MAX_INT64 = (1 << 63) - 1
-MAX_UINT64 = (1 << 64) - 1
-MAX_ID = (1 << 32) - 2  # (uid_t)-1 means "no change" to the kernel
-# include/linux/threads.h PID_MAX_LIMIT on 64-bit kernels: pids.max refuses more (EINVAL).
-PID_MAX_LIMIT = 4 * 1024 * 1024
-# kernel/sched/core.c max_cfs_runtime: MAX_BW = 2^(64 - BW_SHIFT 20) - 1 µs; cpu.max and
-# cpu.cfs_quota_us refuse a larger quota (EINVAL).
-MAX_CFS_QUOTA_US = (1 << 44) - 1
-# Every hook runs inside a runtime command auraed waits for at most this long: create, start and
-# poststart hooks within the monitor's START_TIMEOUT, poststop hooks within `delete`'s
-# DELETE_TIMEOUT. A longer hook timeout could never fire: auraed would give up on the runtime first.
-MAX_HOOK_TIMEOUT_SECONDS = int(min(START_TIMEOUT, DELETE_TIMEOUT))
 ONLINE_CPUS = Path("/sys/devices/system/cpu/online")
 ONLINE_MEMORY_NODES = Path("/sys/devices/system/node/online")
 # /etc/passwd and /etc/group larger than this are refused rather than read into memory.
 MAX_ID_FILE_BYTES = 4 * 1024 * 1024
-HOST_NAME_MAX = 64
 _MAX_SYMLINKS = 40
-
-SpecErrorKind = Literal["invalid", "not_found", "unsupported"]
-
-
-class SpecError(Exception):
-    """A request or image that cannot become a runtime spec; the message names the field."""
-
-    def __init__(self, kind: SpecErrorKind, message: str) -> None:
-        super().__init__(message)
-        self.kind: SpecErrorKind = kind
-        self.message = message
 
 
 # ------------------------------------------------------------------------------------ constants
@@ -156,20 +150,6 @@ RLIMITS: dict[str, int] = {
     "RLIMIT_RTPRIO": 14, "RLIMIT_RTTIME": 15,
 }  # fmt: skip
 
-# Sysctls that live in a namespace the container owns (runc's list); net.* needs its own netns.
-_IPC_SYSCTLS = frozenset(
-    {
-        "kernel.msgmax",
-        "kernel.msgmnb",
-        "kernel.msgmni",
-        "kernel.sem",
-        "kernel.shmall",
-        "kernel.shmmax",
-        "kernel.shmmni",
-        "kernel.shm_rmid_forced",
-    }
-)
-_SYSCTL_NAME = re.compile(r"[a-z][a-z0-9_]*(\.[A-Za-z0-9_@:+-]+)+")
 
 # Mount types a request may ask for; "bind" is the default.
 MOUNT_TYPES = frozenset(
@@ -191,11 +171,9 @@ _PROC_MOUNT_ALLOWED = frozenset(
     }
 )
 _PROPAGATION = frozenset({"private", "rprivate", "shared", "rshared", "slave", "rslave"})
-_HOSTNAME_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
-_SIGRT = re.compile(r"RTMIN\+([0-9]{1,2})|RTMAX-([0-9]{1,2})")
 
 
-# ------------------------------------------------------------------------------- typed inputs
+# ---------------------------------------------------------------------- image and host facts
 
 
 @dataclass(frozen=True)
@@ -211,90 +189,6 @@ class ImageRuntimeConfig:
     volumes: tuple[str, ...] = ()
     exposed_ports: tuple[str, ...] = ()
     labels: Mapping[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Mount:
-    destination: str
-    source: str = ""
-    # "bind" (also when empty) or a filesystem type such as "tmpfs".
-    type: str = ""
-    options: tuple[str, ...] = ()
-    read_only: bool = False
-
-
-@dataclass(frozen=True)
-class Resources:
-    cpu_weight: int | None = None  # cgroup v2 cpu.weight, 1..10000
-    cpu_max: int | None = None  # quota in µs per period
-    cpu_period: int | None = None  # µs
-    cpuset_cpus: str | None = None
-    cpuset_mems: str | None = None
-    memory_max: int | None = None  # bytes
-    pids_max: int | None = None
-
-
-@dataclass(frozen=True)
-class Security:
-    capabilities_add: tuple[str, ...] = ()
-    capabilities_drop: tuple[str, ...] = ()
-    no_new_privileges: bool = False
-    read_only_rootfs: bool = False
-    # Replace the defaults when non-empty.
-    masked_paths: tuple[str, ...] = ()
-    readonly_paths: tuple[str, ...] = ()
-    # "name", "uid", "uid:gid" or "name:group"; the image's User when empty.
-    user: str = ""
-    additional_gids: tuple[int, ...] = ()
-    # "default" (also when empty), "unconfined", or the path of an OCI seccomp JSON on this machine.
-    seccomp_profile: str = ""
-    oom_score_adj: int | None = None
-
-
-@dataclass(frozen=True)
-class Rlimit:
-    type: str  # "RLIMIT_NOFILE", "nofile", ...
-    soft: int
-    hard: int
-
-
-@dataclass(frozen=True)
-class Hook:
-    path: str
-    # Arguments after the program: the spec's argv is [path, *args].
-    args: tuple[str, ...] = ()
-    env: tuple[str, ...] = ()
-    timeout_seconds: int | None = None
-
-
-@dataclass(frozen=True)
-class Hooks:
-    create_runtime: tuple[Hook, ...] = ()
-    create_container: tuple[Hook, ...] = ()
-    start_container: tuple[Hook, ...] = ()
-    poststart: tuple[Hook, ...] = ()
-    poststop: tuple[Hook, ...] = ()
-
-
-@dataclass(frozen=True)
-class ContainerRequest:
-    """The typed equivalent of the API's ContainerConfig (without image and labels)."""
-
-    name: str
-    command: tuple[str, ...] = ()
-    args: tuple[str, ...] = ()
-    env: tuple[str, ...] = ()
-    working_dir: str = ""
-    hostname: str = ""
-    mounts: tuple[Mount, ...] = ()
-    resources: Resources = field(default_factory=Resources)
-    security: Security = field(default_factory=Security)
-    rlimits: tuple[Rlimit, ...] = ()
-    sysctls: Mapping[str, str] = field(default_factory=dict)
-    hooks: Hooks = field(default_factory=Hooks)
-    tty: bool = False
-    stop_signal: str = ""
-    host_network: bool = False
 
 
 @dataclass(frozen=True)
@@ -376,61 +270,6 @@ def _read_capabilities(status: Path = Path("/proc/self/status")) -> frozenset[st
     return frozenset(name for index, name in enumerate(ALL_CAPABILITIES) if mask >> index & 1)
 
 
-# ---------------------------------------------------------------------------------- validation
-
-
-def _text(value: str, where: str, *, allow_empty: bool = True) -> str:
-    if not isinstance(value, str):
-        raise SpecError("invalid", f"{where}: must be a string")
-    if "\0" in value:
-        raise SpecError("invalid", f"{where}: contains a NUL character")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise SpecError("invalid", f"{where}: is not valid UTF-8") from None
-    if not allow_empty and not value:
-        raise SpecError("invalid", f"{where}: must not be empty")
-    return value
-
-
-def _short(value: str) -> str:
-    return repr(value if len(value) <= 80 else value[:77] + "...")
-
-
-def _abs_path(value: str, where: str, *, allow_root: bool = True) -> str:
-    _text(value, where, allow_empty=False)
-    if not value.startswith("/"):
-        raise SpecError("invalid", f"{where}: {_short(value)} is not an absolute path")
-    if ".." in value.split("/"):
-        raise SpecError("invalid", f"{where}: {_short(value)} must not contain '..'")
-    clean = posixpath.normpath(value)
-    clean = "/" + clean.lstrip("/")
-    if clean == "/" and not allow_root:
-        raise SpecError("invalid", f"{where}: must not be /")
-    return clean
-
-
-def _env_entry(entry: str, where: str) -> tuple[str, str]:
-    _text(entry, where)
-    key, sep, value = entry.partition("=")
-    if not sep or not key:
-        raise SpecError("invalid", f"{where}: {_short(entry)} is not KEY=VALUE")
-    return key, value
-
-
-def _is_decimal(text: str) -> bool:
-    """ASCII digits only: str.isdigit() also accepts "²" and other Unicode digits."""
-    return text.isascii() and text.isdigit()
-
-
-def _int(value: object, where: str, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError("invalid", f"{where}: must be an integer")
-    if not low <= value <= high:
-        raise SpecError("invalid", f"{where}: {value} is outside {low}..{high}")
-    return value
-
-
 # -------------------------------------------------------------------------------- image config
 
 
@@ -509,7 +348,7 @@ def image_runtime_config(config_json: Mapping[str, Any], *, lenient: bool = Fals
     env = _json_strings(inner.get("Env"), "image config.Env", lenient)
     if not lenient:
         for index, entry in enumerate(env):
-            _env_entry(entry, f"image config.Env[{index}]")
+            env_entry(entry, f"image config.Env[{index}]")
     config = ImageRuntimeConfig(
         entrypoint=_json_strings(inner.get("Entrypoint"), "image config.Entrypoint", lenient),
         cmd=_json_strings(inner.get("Cmd"), "image config.Cmd", lenient),
@@ -542,27 +381,6 @@ def _with_valid_utf8(config: ImageRuntimeConfig) -> ImageRuntimeConfig:
 
 
 # -------------------------------------------------------------------------------- stop signal
-
-
-def parse_signal(value: str, where: str) -> int:
-    """A signal number from "SIGINT", "INT", "int", "2" or "SIGRTMIN+3"."""
-    _text(value, where, allow_empty=False)
-    text = value.strip().upper()
-    if _is_decimal(text) and len(text) <= 3:
-        number = int(text)
-    else:
-        name = text.removeprefix("SIG")
-        rt = _SIGRT.fullmatch(name)
-        if rt is not None:
-            number = signal.SIGRTMIN + int(rt[1]) if rt[1] is not None else signal.SIGRTMAX - int(rt[2])
-        else:
-            try:
-                number = int(signal.Signals["SIG" + name])
-            except KeyError:
-                raise SpecError("invalid", f"{where}: {_short(value)} is not a signal") from None
-    if not 1 <= number <= signal.SIGRTMAX:
-        raise SpecError("invalid", f"{where}: {_short(value)} is not a signal")
-    return number
 
 
 def stop_signal(image: ImageRuntimeConfig, request: ContainerRequest) -> int:
@@ -666,21 +484,21 @@ def ensure_working_dir(rootfs: Path, cwd: str, uid: int, gid: int, *, where: str
     """Create ``cwd`` inside ``rootfs`` when missing, each new directory owned by ``uid:gid``.
 
     Symlinks are resolved within ``rootfs``, so the directory is never created outside it."""
-    cwd = _abs_path(cwd, where)
+    cwd = check_path(cwd, where)
     root_fd = _open_root(rootfs, where)
     try:
         fd = _open_in_root(root_fd, cwd, mkdir_owner=(uid, gid))
         try:
             if not stat.S_ISDIR(os.fstat(fd).st_mode):
                 raise SpecError(
-                    "invalid", f"{where}: {_short(cwd)} exists in the image and is not a directory"
+                    "invalid", f"{where}: {quoted(cwd)} exists in the image and is not a directory"
                 )
         finally:
             os.close(fd)
     except NotADirectoryError:
-        raise SpecError("invalid", f"{where}: a component of {_short(cwd)} is not a directory") from None
+        raise SpecError("invalid", f"{where}: a component of {quoted(cwd)} is not a directory") from None
     except OSError as exc:
-        raise SpecError("invalid", f"{where}: cannot create {_short(cwd)}: {exc.strerror}") from None
+        raise SpecError("invalid", f"{where}: cannot create {quoted(cwd)}: {exc.strerror}") from None
     finally:
         os.close(root_fd)
 
@@ -703,7 +521,7 @@ class _Group:
 
 
 def _parse_id(text: str) -> int | None:
-    if not _is_decimal(text) or len(text) > 10:
+    if not is_decimal(text) or len(text) > 10:
         return None
     value = int(text)
     return value if value <= MAX_ID else None
@@ -737,27 +555,27 @@ def _parse_group(text: str) -> list[_Group]:
 def resolve_user(rootfs: Path, user: str, *, where: str = "user") -> tuple[int, int, list[int]]:
     """(uid, gid, supplementary gids) for "name", "uid", "uid:gid", "name:group" ("" is root),
     looked up in the image's /etc/passwd and /etc/group."""
-    _text(user, where)
+    check_text(user, where)
     user_part, sep, group_part = user.strip().partition(":")
     if sep and not group_part:
-        raise SpecError("invalid", f"{where}: {_short(user)} has an empty group")
+        raise SpecError("invalid", f"{where}: {quoted(user)} has an empty group")
     if not user_part:
         if sep:
-            raise SpecError("invalid", f"{where}: {_short(user)} has an empty user")
+            raise SpecError("invalid", f"{where}: {quoted(user)} has an empty user")
         user_part = "0"
     passwd_text = read_file_in_root(rootfs, "/etc/passwd", where)
     passwd = _parse_passwd(passwd_text or "")
     entry: _Passwd | None
-    if _is_decimal(user_part):
+    if is_decimal(user_part):
         uid = _parse_id(user_part)
         if uid is None:
-            raise SpecError("invalid", f"{where}: uid {_short(user_part)} is out of range")
+            raise SpecError("invalid", f"{where}: uid {quoted(user_part)} is out of range")
         entry = next((p for p in passwd if p.uid == uid), None)
     else:
         entry = next((p for p in passwd if p.name == user_part), None)
         if entry is None:
             raise SpecError(
-                "not_found", f"{where}: user {_short(user_part)} not found in the image's /etc/passwd"
+                "not_found", f"{where}: user {quoted(user_part)} not found in the image's /etc/passwd"
             )
         uid = entry.uid
     gid = entry.gid if entry is not None else 0
@@ -767,16 +585,16 @@ def resolve_user(rootfs: Path, user: str, *, where: str = "user") -> tuple[int, 
         groups = _parse_group(read_file_in_root(rootfs, "/etc/group", where) or "")
     if group_part:
         assert groups is not None
-        if _is_decimal(group_part):
+        if is_decimal(group_part):
             parsed = _parse_id(group_part)
             if parsed is None:
-                raise SpecError("invalid", f"{where}: gid {_short(group_part)} is out of range")
+                raise SpecError("invalid", f"{where}: gid {quoted(group_part)} is out of range")
             gid = parsed
         else:
             found = next((g for g in groups if g.name == group_part), None)
             if found is None:
                 raise SpecError(
-                    "not_found", f"{where}: group {_short(group_part)} not found in the image's /etc/group"
+                    "not_found", f"{where}: group {quoted(group_part)} not found in the image's /etc/group"
                 )
             gid = found.gid
     supplementary: list[int] = []
@@ -790,14 +608,14 @@ def resolve_user(rootfs: Path, user: str, *, where: str = "user") -> tuple[int, 
 
 def capability_name(raw: str, where: str) -> str:
     """Normalise "net_admin" / "CAP_NET_ADMIN" / "ALL"; anything else is invalid."""
-    _text(raw, where)
+    check_text(raw, where)
     name = raw.strip().upper()
     if name in ("ALL", "CAP_ALL"):
         return "ALL"
     if not name.startswith("CAP_"):
         name = "CAP_" + name
     if name not in _CAP_INDEX:
-        raise SpecError("invalid", f"{where}: {_short(raw)} is not a capability")
+        raise SpecError("invalid", f"{where}: {quoted(raw)} is not a capability")
     return name
 
 
@@ -922,25 +740,25 @@ def default_seccomp_profile(
 
 def _seccomp(profile: str, capabilities: list[str], machine: str) -> dict[str, Any] | None:
     where = "security.seccomp_profile"
-    _text(profile, where)
+    check_text(profile, where)
     if profile in ("", "default"):
         return default_seccomp_profile(capabilities, machine)
     if profile == "unconfined":
         return None
-    path = Path(_abs_path(profile, where))
+    path = Path(check_path(profile, where))
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        raise SpecError("not_found", f"{where}: {_short(profile)} does not exist") from None
+        raise SpecError("not_found", f"{where}: {quoted(profile)} does not exist") from None
     except OSError as exc:
-        raise SpecError("invalid", f"{where}: cannot read {_short(profile)}: {exc.strerror}") from None
+        raise SpecError("invalid", f"{where}: cannot read {quoted(profile)}: {exc.strerror}") from None
     try:
         loaded = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise SpecError("invalid", f"{where}: {_short(profile)} is not JSON: {exc}") from None
+        raise SpecError("invalid", f"{where}: {quoted(profile)} is not JSON: {exc}") from None
     if not isinstance(loaded, dict) or not isinstance(loaded.get("defaultAction"), str):
         raise SpecError(
-            "invalid", f"{where}: {_short(profile)} is not an OCI seccomp profile (no defaultAction)"
+            "invalid", f"{where}: {quoted(profile)} is not an OCI seccomp profile (no defaultAction)"
         )
     return loaded
 
@@ -955,15 +773,15 @@ def process_args(image: ImageRuntimeConfig, request: ContainerRequest) -> list[s
     else:
         args = [*image.entrypoint, *(request.args or image.cmd)]
     for index, arg in enumerate(request.command):
-        _text(arg, f"command[{index}]")
+        check_text(arg, f"command[{index}]")
     for index, arg in enumerate(request.args):
-        _text(arg, f"args[{index}]")
+        check_text(arg, f"args[{index}]")
     if not args:
         raise SpecError("invalid", "command: no command: neither the request nor the image names one")
     if not args[0]:
         raise SpecError("invalid", "command: the program to run is an empty string")
     for arg in args:
-        _text(arg, "image config.Entrypoint/Cmd")
+        check_text(arg, "image config.Entrypoint/Cmd")
     return args
 
 
@@ -978,7 +796,7 @@ def process_env(image: ImageRuntimeConfig, request: ContainerRequest) -> list[st
 
 def _env_by_key(entries: Sequence[str], where: str) -> dict[str, str]:
     """KEY=VALUE entries by key, in order; a later entry overrides an earlier one in place."""
-    return dict(_env_entry(entry, f"{where}[{index}]") for index, entry in enumerate(entries))
+    return dict(env_entry(entry, f"{where}[{index}]") for index, entry in enumerate(entries))
 
 
 def exec_process(
@@ -990,7 +808,7 @@ def exec_process(
     if not command:
         raise SpecError("invalid", "start.command: is required")
     for index, arg in enumerate(command):
-        _text(arg, f"start.command[{index}]")
+        check_text(arg, f"start.command[{index}]")
     if not command[0]:
         raise SpecError("invalid", "start.command[0]: the program to run is an empty string")
     process = dict(defaults)
@@ -1000,7 +818,7 @@ def exec_process(
         merged.update(_env_by_key(env, "start.env"))
         process["env"] = [f"{key}={value}" for key, value in merged.items()]
     if working_dir:
-        process["cwd"] = _abs_path(working_dir, "start.working_dir")
+        process["cwd"] = check_path(working_dir, "start.working_dir")
     return process
 
 
@@ -1012,14 +830,14 @@ def _rlimits(request: ContainerRequest, host: HostFacts) -> list[dict[str, Any]]
     limits["RLIMIT_NOFILE"] = (default_hard, default_hard, "")
     for index, limit in enumerate(request.rlimits):
         where = f"rlimits[{index}]"
-        raw = _text(limit.type, f"{where}.type", allow_empty=False)
+        raw = check_text(limit.type, f"{where}.type", allow_empty=False)
         name = raw.strip().upper()
         if not name.startswith("RLIMIT_"):
             name = "RLIMIT_" + name
         if name not in RLIMITS:
-            raise SpecError("invalid", f"{where}.type: {_short(raw)} is not an rlimit")
-        soft = _int(limit.soft, f"{where}.soft", 0, MAX_UINT64)
-        hard = _int(limit.hard, f"{where}.hard", 0, MAX_UINT64)
+            raise SpecError("invalid", f"{where}.type: {quoted(raw)} is not an rlimit")
+        soft = check_int(limit.soft, f"{where}.soft", 0, MAX_UINT64)
+        hard = check_int(limit.hard, f"{where}.hard", 0, MAX_UINT64)
         if soft > hard:
             raise SpecError("invalid", f"{where}: soft limit {soft} is above the hard limit {hard}")
         own = host.rlimit_hard.get(name)
@@ -1035,12 +853,10 @@ def _rlimits(request: ContainerRequest, host: HostFacts) -> list[dict[str, Any]]
 
 def _hostname(request: ContainerRequest) -> str:
     where = "hostname" if request.hostname else "name"
-    name = _text(request.hostname or request.name, where)
+    name = check_text(request.hostname or request.name, where)
     if not name:
         raise SpecError("invalid", "hostname: empty, and so is name")
-    if len(name) > HOST_NAME_MAX or not all(_HOSTNAME_LABEL.fullmatch(p) for p in name.split(".")):
-        raise SpecError("invalid", f"{where}: {_short(name)} is not a valid hostname")
-    return name
+    return check_hostname(name, where)
 
 
 # ------------------------------------------------------------------------------------- mounts
@@ -1098,22 +914,22 @@ def _tmpfs(destination: str, mode: str) -> dict[str, Any]:
 
 
 def _request_mount(mount: Mount, where: str) -> dict[str, Any]:
-    destination = _abs_path(mount.destination, f"{where}.destination", allow_root=False)
+    destination = check_path(mount.destination, f"{where}.destination", allow_root=False)
     if destination == "/proc" or (
         destination.startswith("/proc/") and destination not in _PROC_MOUNT_ALLOWED
     ):
         raise SpecError("invalid", f"{where}.destination: cannot mount over {destination}")
-    kind = _text(mount.type, f"{where}.type").strip().lower() or "bind"
+    kind = check_text(mount.type, f"{where}.type").strip().lower() or "bind"
     if kind not in MOUNT_TYPES:
-        raise SpecError("unsupported", f"{where}.type: {_short(mount.type)} is not a supported mount type")
+        raise SpecError("unsupported", f"{where}.type: {quoted(mount.type)} is not a supported mount type")
     options: list[str] = []
     for index, option in enumerate(mount.options):
-        _text(option, f"{where}.options[{index}]", allow_empty=False)
+        check_text(option, f"{where}.options[{index}]", allow_empty=False)
         if "," in option:
-            raise SpecError("invalid", f"{where}.options[{index}]: {_short(option)} contains a comma")
+            raise SpecError("invalid", f"{where}.options[{index}]: {quoted(option)} contains a comma")
         options.append(option)
     if kind == "bind":
-        source = _abs_path(mount.source, f"{where}.source")
+        source = check_path(mount.source, f"{where}.source")
         if not os.path.lexists(source):
             raise SpecError("not_found", f"{where}.source: {source} does not exist")
         if "bind" not in options and "rbind" not in options:
@@ -1121,7 +937,7 @@ def _request_mount(mount: Mount, where: str) -> dict[str, Any]:
         if not _PROPAGATION.intersection(options):
             options.append("rprivate")
     else:
-        source = _text(mount.source, f"{where}.source") or kind
+        source = check_text(mount.source, f"{where}.source") or kind
     if mount.read_only and "ro" not in options:
         options.append("ro")
     return {"destination": destination, "type": kind, "source": source, "options": options}
@@ -1140,7 +956,7 @@ def _mounts(image: ImageRuntimeConfig, request: ContainerRequest) -> list[dict[s
         extra.append(spec_mount)
     if request.security.read_only_rootfs:
         for index, volume in enumerate(image.volumes):
-            destination = _abs_path(volume, f"image config.Volumes[{index}]", allow_root=False)
+            destination = check_path(volume, f"image config.Volumes[{index}]", allow_root=False)
             if destination not in taken:
                 taken.add(destination)
                 extra.append(_tmpfs(destination, "755"))
@@ -1165,15 +981,15 @@ def _resources(resources: Resources, host: HostFacts) -> dict[str, Any]:
     out: dict[str, Any] = {}
     cpu: dict[str, Any] = {}
     if resources.cpu_weight is not None:
-        weight = _int(resources.cpu_weight, "resources.cpu_weight", 1, 10_000)
+        weight = check_int(resources.cpu_weight, "resources.cpu_weight", 1, 10_000)
         try:
             cpu["shares"] = cpu_weight_to_shares(weight)
         except CgroupError as exc:  # pragma: no cover - the range is checked above
             raise SpecError("invalid", f"resources.cpu_weight: {exc}") from None
     if resources.cpu_period is not None:
-        cpu["period"] = _int(resources.cpu_period, "resources.cpu_period", 1_000, 1_000_000)
+        cpu["period"] = check_int(resources.cpu_period, "resources.cpu_period", 1_000, 1_000_000)
     if resources.cpu_max is not None:
-        cpu["quota"] = _int(resources.cpu_max, "resources.cpu_max", 1_000, MAX_CFS_QUOTA_US)
+        cpu["quota"] = check_int(resources.cpu_max, "resources.cpu_max", 1_000, MAX_CFS_QUOTA_US)
         cpu.setdefault("period", DEFAULT_CPU_PERIOD_US)
     for key, value, where, online in (
         ("cpus", resources.cpuset_cpus, "resources.cpuset_cpus", host.cpus_online),
@@ -1185,10 +1001,10 @@ def _resources(resources: Resources, host: HostFacts) -> dict[str, Any]:
         out["cpu"] = cpu
     if resources.memory_max is not None:
         out["memory"] = {
-            "limit": _int(resources.memory_max, "resources.memory_max", MIN_MEMORY_BYTES, MAX_INT64)
+            "limit": check_int(resources.memory_max, "resources.memory_max", MIN_MEMORY_BYTES, MAX_INT64)
         }
     if resources.pids_max is not None:
-        out["pids"] = {"limit": _int(resources.pids_max, "resources.pids_max", 1, PID_MAX_LIMIT)}
+        out["pids"] = {"limit": check_int(resources.pids_max, "resources.pids_max", 1, PID_MAX_LIMIT)}
     out["devices"] = [{"allow": False, "access": "rwm"}] + [
         _device_rule(kind, major, minor, access) for kind, major, minor, access in _DEFAULT_DEVICES
     ]
@@ -1198,7 +1014,7 @@ def _resources(resources: Resources, host: HostFacts) -> dict[str, Any]:
 def _cpuset(value: str, where: str, online_now: Callable[[], frozenset[int] | None]) -> str:
     """A cpuset list, every CPU or memory node in it online (when that can be known): the
     kernel refuses others only when the runtime writes the cgroup, at Start."""
-    _text(value, where)
+    check_text(value, where)
     try:
         parsed = parse_cpu_list(value)
     except ValueError as exc:
@@ -1225,31 +1041,6 @@ def _device_rule(kind: str, major: int | None, minor: int | None, access: str) -
     return rule
 
 
-def _sysctls(request: ContainerRequest, own_netns: bool) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for key in sorted(request.sysctls):
-        value = request.sysctls[key]
-        where = f"sysctls[{_short(key)}]"
-        _text(key, where)
-        _text(value, where)
-        name = key
-        if not _SYSCTL_NAME.fullmatch(name) or len(name) > 255:
-            raise SpecError("invalid", f"{where}: not a sysctl name")
-        if "\n" in value:
-            raise SpecError("invalid", f"{where}: the value contains a newline")
-        if name.startswith("net."):
-            if not own_netns:
-                raise SpecError(
-                    "invalid", f"{where}: a net.* sysctl needs the container's own network namespace"
-                )
-        elif name == "kernel.hostname":
-            raise SpecError("invalid", f"{where}: set the hostname field instead")
-        elif not (name in _IPC_SYSCTLS or name.startswith("fs.mqueue.") or name == "kernel.domainname"):
-            raise SpecError("unsupported", f"{where}: not a namespaced sysctl; it would change the host")
-        out[name] = value
-    return out
-
-
 def _hooks(hooks: Hooks) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {}
     for phase, spec_key, entries in (
@@ -1263,20 +1054,19 @@ def _hooks(hooks: Hooks) -> dict[str, list[dict[str, Any]]]:
         for index, hook in enumerate(entries):
             where = f"hooks.{phase}[{index}]"
             path = hook.path
-            _text(path, f"{where}.path", allow_empty=False)
+            check_text(path, f"{where}.path", allow_empty=False)
             if not path.startswith("/"):
-                raise SpecError("invalid", f"{where}.path: {_short(path)} is not an absolute path")
+                raise SpecError("invalid", f"{where}.path: {quoted(path)} is not an absolute path")
             entry: dict[str, Any] = {"path": path}
             for i, arg in enumerate(hook.args):
-                _text(arg, f"{where}.args[{i}]")
+                check_text(arg, f"{where}.args[{i}]")
             entry["args"] = [path, *hook.args]
             if hook.env:
                 entry["env"] = [
-                    f"{k}={v}"
-                    for k, v in (_env_entry(e, f"{where}.env[{i}]") for i, e in enumerate(hook.env))
+                    f"{k}={v}" for k, v in (env_entry(e, f"{where}.env[{i}]") for i, e in enumerate(hook.env))
                 ]
             if hook.timeout_seconds is not None:
-                entry["timeout"] = _int(
+                entry["timeout"] = check_int(
                     hook.timeout_seconds, f"{where}.timeout_seconds", 1, MAX_HOOK_TIMEOUT_SECONDS
                 )
             converted.append(entry)
@@ -1288,7 +1078,7 @@ def _hooks(hooks: Hooks) -> dict[str, list[dict[str, Any]]]:
 def _paths(paths: Sequence[str], defaults: tuple[str, ...], where: str) -> list[str]:
     if not paths:
         return list(defaults)
-    return [_abs_path(p, f"{where}[{i}]", allow_root=False) for i, p in enumerate(paths)]
+    return [check_path(p, f"{where}[{i}]", allow_root=False) for i, p in enumerate(paths)]
 
 
 # -------------------------------------------------------------------------------------- spec
@@ -1324,20 +1114,20 @@ def build_spec(
     user_where = "security.user" if security.user else "image config.User"
     uid, gid, groups = resolve_user(rootfs, security.user or image.user, where=user_where)
     for index, extra_gid in enumerate(security.additional_gids):
-        _int(extra_gid, f"security.additional_gids[{index}]", 0, MAX_ID)
+        check_int(extra_gid, f"security.additional_gids[{index}]", 0, MAX_ID)
     additional = sorted(set(groups).union(security.additional_gids) - {gid})
 
     if request.working_dir:
-        cwd = _abs_path(request.working_dir, "working_dir")
+        cwd = check_path(request.working_dir, "working_dir")
     elif image.working_dir:
-        raw = _text(image.working_dir, "image config.WorkingDir")
-        cwd = _abs_path("/" + raw.lstrip("/") if raw else "/", "image config.WorkingDir")
+        raw = check_text(image.working_dir, "image config.WorkingDir")
+        cwd = check_path("/" + raw.lstrip("/") if raw else "/", "image config.WorkingDir")
     else:
         cwd = "/"
 
     capabilities = compute_capabilities(security, host.capabilities)
     if security.oom_score_adj is not None:
-        requested_oom = _int(security.oom_score_adj, "security.oom_score_adj", -1000, 1000)
+        requested_oom = check_int(security.oom_score_adj, "security.oom_score_adj", -1000, 1000)
     else:
         requested_oom = 0
     hostname = _hostname(request)
@@ -1354,11 +1144,11 @@ def build_spec(
         {"type": "cgroup"},
     ]
     if netns_path is not None:
-        namespaces.append({"type": "network", "path": _abs_path(netns_path, "netns_path")})
+        namespaces.append({"type": "network", "path": check_path(netns_path, "netns_path")})
     elif not request.host_network:
         namespaces.append({"type": "network"})
 
-    _text(cgroups_path, "cgroups_path", allow_empty=False)
+    check_text(cgroups_path, "cgroups_path", allow_empty=False)
     linux: dict[str, Any] = {
         "namespaces": namespaces,
         "cgroupsPath": cgroups_path,
@@ -1366,7 +1156,7 @@ def build_spec(
         "maskedPaths": _paths(security.masked_paths, DEFAULT_MASKED_PATHS, "security.masked_paths"),
         "readonlyPaths": _paths(security.readonly_paths, DEFAULT_READONLY_PATHS, "security.readonly_paths"),
     }
-    sysctls = _sysctls(request, own_netns=not request.host_network)
+    sysctls = check_sysctls(request.sysctls, "sysctls", own_netns=not request.host_network)
     if sysctls:
         linux["sysctl"] = sysctls
     seccomp = _seccomp(security.seccomp_profile, capabilities, host.machine)
