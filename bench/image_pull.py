@@ -63,7 +63,7 @@ from common import (
 from container_start import source_state
 
 from auraed.api.aurae.containers import v0 as pb
-from auraed.images.content import ContentStore, remove_tree
+from auraed.images.content import LocalStore, remove_tree
 from auraed.images.images import _TeeReader
 from auraed.images.reference import parse_reference
 from auraed.images.registry import RegistryClient
@@ -205,7 +205,7 @@ def references(registry_host: str, image: BuiltImage, scratch: Path) -> dict[str
 def reference_run(registry_host: str, image: BuiltImage, work: Path) -> dict[str, float]:
     ref = parse_reference(f"{registry_host}/{REPOSITORY}")
     measured: dict[str, float] = {}
-    store = ContentStore(work / "store")
+    store = LocalStore(work / "store")
     with RegistryClient() as client:
         layers = client.resolve(ref).layers
 

@@ -25,7 +25,7 @@ from auraed.containers.exec import ExecSession
 from auraed.containers.model import ContainerRecord, State
 from auraed.containers.oci_spec import build_spec, image_runtime_config, stop_signal
 from auraed.containers.request import ContainerRequest, SpecError
-from auraed.containers.rootfs import is_mounted, mount_rootfs, unmount_rootfs
+from auraed.containers.rootfs import Snapshotter
 from auraed.containers.runtime import OciRuntime, OciRuntimeError
 from auraed.errors import ErrorKind
 from auraed.images.content import remove_tree
@@ -92,10 +92,11 @@ class Containers:
         self,
         store: Store,
         images: Images,
+        *,
+        snapshotter: Snapshotter,
         cgroups: Cgroupfs,
         runtime: OciRuntime,
         supervisor: Supervisor,
-        *,
         root: Path,
         sockets_dir: Path,
         default_stop_timeout: float,
@@ -105,6 +106,7 @@ class Containers:
         self._sockets_dir = sockets_dir
         self._store = store
         self._images = images
+        self._snapshotter = snapshotter
         self._cgroups = cgroups
         self._runtime = runtime
         self._supervisor = supervisor
@@ -240,10 +242,8 @@ class Containers:
         return spec
 
     def _mount(self, record: ContainerRecord, image: ImageRecord | None = None) -> None:
-        """The overlay rootfs over the image's snapshots; the upper dir keeps what was written."""
-        image = image or self._images.find(record.image_id)
-        lowers = self._images.snapshot_dirs(image)
-        mount_rootfs(lowers, record.path / "upper", record.path / "work", record.rootfs)
+        """The rootfs over the image's layers; the container's directory keeps what was written."""
+        self._snapshotter.mount(image or self._images.find(record.image_id), record.path, record.rootfs)
 
     def _console_socket(self, record: ContainerRecord) -> Path:
         # Unix socket paths are limited to 107 bytes: keep them in the (short) runtime dir.
@@ -376,7 +376,9 @@ class Containers:
                 if record.pid:  # the runtime created it: its init waits at the exec fifo
                     await self._release(record)
                 else:
-                    if not is_mounted(record.rootfs):  # created before a reboot: the mount is gone
+                    if not self._snapshotter.is_mounted(
+                        record.rootfs
+                    ):  # created before a reboot: the mount is gone
                         await asyncio.to_thread(self._mount, record)
                     await self._launch(record, start=True)
             except BaseException as exc:  # a cancelled Start too: the runtime may have run already
@@ -532,7 +534,7 @@ class Containers:
             exited.set()  # a Wait on a container deleted before it ran ends too
 
     def _remove_files(self, record: ContainerRecord, keep_logs: bool) -> None:
-        unmount_rootfs(record.rootfs)
+        self._snapshotter.unmount(record.rootfs)
         with contextlib.suppress(CgroupError):
             if self._cgroups.exists(self.cgroup(record)):
                 self._cgroups.kill_all(self.cgroup(record))

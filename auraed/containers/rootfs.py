@@ -1,17 +1,60 @@
-"""Container root filesystems: overlayfs over the image's layer snapshots."""
+"""Container root filesystems: a snapshotter mounts one over the image's layer snapshots.
+
+The :class:`Snapshotter` interface is what containers ask for (containerd's snapshotter, for the
+one writable snapshot a container gets over its image's committed layers); :class:`OverlaySnapshotter`
+is overlayfs over the layers the image store keeps (auraed.images.content.LayerSnapshots).
+"""
 
 from __future__ import annotations
 
 import errno
 import os
 from pathlib import Path
+from typing import Protocol
 
 from auraed.containers.errors import ContainerError
 from auraed.errors import ErrorKind
+from auraed.images.content import LayerSnapshots
+from auraed.images.model import ImageRecord
 from auraed.system import namespaces
 
 # The kernel takes mount options in one page; each lower layer costs its path length.
 MAX_MOUNT_DATA = 4095
+
+
+class Snapshotter(Protocol):
+    """A container's root filesystem from its image's layers."""
+
+    def mount(self, image: ImageRecord, writable: Path, target: Path) -> None:
+        """Mount at ``target`` the image's layers under a writable layer kept in ``writable``
+        (the container's own directory: what the container writes lasts as long as it does)."""
+        ...
+
+    def unmount(self, target: Path) -> None:
+        """Unmount if mounted; never hangs on a stray process."""
+        ...
+
+    def is_mounted(self, target: Path) -> bool: ...
+
+
+class OverlaySnapshotter:
+    """overlayfs: the image's layer snapshots as lower dirs, ``writable/upper`` (with its
+    ``writable/work``) as the upper one."""
+
+    def __init__(self, layers: LayerSnapshots) -> None:
+        self._layers = layers
+
+    def mount(self, image: ImageRecord, writable: Path, target: Path) -> None:
+        lowers = [
+            self._layers.snapshot_path(layer.diff_id) for layer in reversed(image.layers)
+        ]  # topmost first
+        mount_rootfs(lowers, writable / "upper", writable / "work", target)
+
+    def unmount(self, target: Path) -> None:
+        unmount_rootfs(target)
+
+    def is_mounted(self, target: Path) -> bool:
+        return is_mounted(target)
 
 
 def is_mounted(target: Path) -> bool:

@@ -1,15 +1,14 @@
-"""Building the image and container subsystems from the daemon's configuration."""
+"""Building the container subsystem from the daemon's configuration, over the daemon's images."""
 
 from __future__ import annotations
 
 import logging
 import shutil
-from pathlib import Path
 
 from auraed.config import DaemonConfig
 from auraed.containers.containers import Containers
 from auraed.containers.oci_cli import runtime_for
-from auraed.images.content import ContentStore
+from auraed.containers.rootfs import OverlaySnapshotter
 from auraed.images.images import Images
 from auraed.observe.logfile import LogWatch
 from auraed.state.store import Store
@@ -29,48 +28,29 @@ def runtime_binary(config: DaemonConfig, layout: CgroupLayout) -> str:
     return found
 
 
-def registry_factory(config: DaemonConfig) -> object:
-    def make() -> object:
-        from auraed.images.registry import RegistryClient, RegistryHostConfig
-
-        hosts = [
-            RegistryHostConfig(
-                host,
-                mirrors=settings.mirrors,
-                insecure=settings.insecure,
-                skip_verify=settings.skip_verify,
-                ca_file=Path(settings.ca_file) if settings.ca_file else None,
-            )
-            for host, settings in config.registries.items()
-        ]
-        return RegistryClient(hosts, docker_config=config.docker_config)
-
-    return make
-
-
 def build(
-    config: DaemonConfig, store: Store, cgroups: Cgroupfs, supervisor: Supervisor, log_watch: LogWatch
-) -> tuple[Images, Containers]:
-    images = Images(
-        store,
-        ContentStore(config.state_dir / "images", sync_fs=config.image_sync_fs),
-        registry_factory(config),  # type: ignore[arg-type]
-        allow_device_nodes=config.allow_device_nodes,
-    )
+    config: DaemonConfig,
+    store: Store,
+    images: Images,
+    *,
+    cgroups: Cgroupfs,
+    supervisor: Supervisor,
+    log_watch: LogWatch,
+) -> Containers:
     runtime = runtime_for(
         runtime_binary(config, cgroups.layout),
         config.runtime_dir / "runtime",
         scratch_dir=config.runtime_dir / "exec",
     )
-    containers = Containers(
+    return Containers(
         store,
         images,
-        cgroups,
-        runtime,
-        supervisor,
+        snapshotter=OverlaySnapshotter(images.snapshots),
+        cgroups=cgroups,
+        runtime=runtime,
+        supervisor=supervisor,
         root=config.state_dir / "containers",
         sockets_dir=config.runtime_dir / "consoles",
         default_stop_timeout=config.stop_grace_period,
         log_watch=log_watch,
     )
-    return images, containers

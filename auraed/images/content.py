@@ -1,6 +1,11 @@
 """The content store: blobs by digest and unpacked layer snapshots, both written atomically.
 
-Layout under the store root:
+Two interfaces, as containerd splits its content store from its snapshotter: :class:`ContentStore`
+(blobs) and :class:`LayerSnapshots` (layers unpacked, by diff_id). :class:`LocalStore` is both, in
+directories; a container's root filesystem is made over the snapshots by a snapshotter of the
+containers subsystem (auraed.containers.rootfs).
+
+Layout under the local store's root:
     blobs/sha256/<hex>        verified blobs, read-only
     snapshots/<hex>/          one unpacked layer (keyed by its diff_id), shared by every image
     ingest/                   partial downloads and unpacks; emptied at start
@@ -24,7 +29,7 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from auraed.errors import ErrorKind
 from auraed.images.errors import ImageError
@@ -48,10 +53,75 @@ def split_digest(digest: str) -> str:
     return hex_part
 
 
+class BlobIngest(Protocol):
+    """One blob being written: ``commit`` verifies it (digest and size) and publishes it, ``abort``
+    drops what was written."""
+
+    @property
+    def digest(self) -> str: ...
+
+    def write(self, data: bytes) -> None: ...
+
+    def commit(self) -> Path: ...
+
+    def abort(self) -> None: ...
+
+
+class ContentStore(Protocol):
+    """Blobs by digest (sha256), each verified before it can be seen."""
+
+    def blob_path(self, digest: str) -> Path:
+        """Where the blob is (or would be) stored: a read-only file."""
+        ...
+
+    def has_blob(self, digest: str) -> bool: ...
+
+    def missing(self, digests: Iterable[str]) -> list[str]:
+        """The digests not stored, each once, in order."""
+        ...
+
+    def writer(self, digest: str, size: int | None) -> BlobIngest: ...
+
+    def write_blob(self, digest: str, data: bytes) -> Path: ...
+
+    def read_blob(self, digest: str, limit: int) -> bytes:
+        """The blob's bytes; one larger than ``limit`` is refused."""
+        ...
+
+    def blob_digests(self) -> Iterator[str]: ...
+
+    def collect_blobs(self, keep: set[str]) -> int:
+        """Remove every blob not kept; the bytes freed."""
+        ...
+
+
+class LayerSnapshots(Protocol):
+    """Image layers unpacked, one directory each, keyed by the layer's diff_id and shared by every
+    image that has it; published whole or not at all."""
+
+    def snapshot_path(self, diff_id: str) -> Path: ...
+
+    def has_snapshot(self, diff_id: str) -> bool: ...
+
+    def new_snapshot_dir(self) -> Path:
+        """An empty directory to unpack a layer into, for :meth:`commit_snapshot`."""
+        ...
+
+    def commit_snapshot(self, work_dir: Path, diff_id: str) -> Path:
+        """Publish an unpacked layer as the snapshot of ``diff_id``."""
+        ...
+
+    def snapshot_ids(self) -> Iterator[str]: ...
+
+    def collect_snapshots(self, keep: set[str]) -> int:
+        """Remove every snapshot not kept; the bytes freed."""
+        ...
+
+
 class BlobWriter:
     """Writes one blob to the ingest area while hashing it; ``commit`` verifies and publishes it."""
 
-    def __init__(self, store: ContentStore, digest: str, size: int | None) -> None:
+    def __init__(self, store: LocalStore, digest: str, size: int | None) -> None:
         self._store = store
         self.digest = digest
         self.expected_size = size
@@ -109,7 +179,9 @@ def sync_filesystem(path: Path) -> None:
         os.close(fd)
 
 
-class ContentStore:
+class LocalStore:
+    """Blobs and layer snapshots in directories under ``root`` (a ContentStore and LayerSnapshots)."""
+
     def __init__(self, root: Path, sync_fs: bool = True) -> None:
         self.root = root
         # Whether a snapshot is flushed to disk before it is published (commit_snapshot).
@@ -193,16 +265,20 @@ class ContentStore:
             yield f"{DIGEST_ALGORITHM}:{path.name}"
 
     # -- garbage collection ----------------------------------------------------------------
+    # What cannot be removed is logged and left for the next collection: one stuck entry must
+    # not stop the others.
 
-    def collect(self, keep_blobs: set[str], keep_snapshots: set[str]) -> int:
-        """Remove every blob and snapshot not kept; the bytes freed. What cannot be removed is
-        logged and left for the next collection: one stuck entry must not stop the others."""
+    def collect_blobs(self, keep: set[str]) -> int:
+        """Remove every blob not kept; the bytes freed."""
+        return sum(
+            _remove_blob(self.blob_path(digest)) for digest in list(self.blob_digests()) if digest not in keep
+        )
+
+    def collect_snapshots(self, keep: set[str]) -> int:
+        """Remove every snapshot not kept; the bytes freed."""
         freed = 0
-        for digest in list(self.blob_digests()):
-            if digest not in keep_blobs:
-                freed += _remove_blob(self.blob_path(digest))
         for diff_id in list(self.snapshot_ids()):
-            if diff_id not in keep_snapshots:
+            if diff_id not in keep:
                 path = self.snapshot_path(diff_id)
                 size = tree_size(path)
                 if remove_tree(path):

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from auraed.errors import ErrorKind
-from auraed.images.content import ContentStore, remove_tree
+from auraed.images.content import ContentStore, LayerSnapshots, remove_tree
 from auraed.images.errors import ImageError
 from auraed.images.model import (
     MAX_CONFIG_BYTES,
@@ -178,11 +178,13 @@ class Images:
         self,
         store: Store,
         content: ContentStore,
+        snapshots: LayerSnapshots,
         registry_factory: Callable[[], RegistryClient],
         allow_device_nodes: bool = False,
     ) -> None:
         self._store = store
         self.content = content
+        self.snapshots = snapshots
         # Made on first use: a guest is fed by its host and never pays for the HTTP stack.
         self._registry_factory = registry_factory
         self._registry_client: RegistryClient | None = None
@@ -297,7 +299,10 @@ class Images:
     ) -> None:
         """Make sure the blob is stored and its snapshot exists; runs in a worker thread."""
         with self._layer_lock(diff_id):
-            have_blob, have_snapshot = self.content.has_blob(blob.digest), self.content.has_snapshot(diff_id)
+            have_blob, have_snapshot = (
+                self.content.has_blob(blob.digest),
+                self.snapshots.has_snapshot(diff_id),
+            )
             if have_blob and have_snapshot:
                 if progress:
                     progress.advance(blob.digest, blob.size, "done", force=True)
@@ -308,7 +313,7 @@ class Images:
                 self._download_and_unpack(blob, diff_id, chunks(), progress)
 
     def _unpack_into_snapshot(self, stream: BinaryIO, blob: BlobRef, diff_id: str) -> Path:
-        work = self.content.new_snapshot_dir()
+        work = self.snapshots.new_snapshot_dir()
         try:
             stats = unpack_layer(
                 stream, work, media_type=blob.media_type, allow_device_nodes=self._allow_device_nodes
@@ -333,7 +338,7 @@ class Images:
             raise ImageError(ErrorKind.FAILED_PRECONDITION, f"layer {blob.digest} is not in the store")
         with self.content.blob_path(blob.digest).open("rb") as stream:
             work = self._unpack_into_snapshot(stream, blob, diff_id)
-        self.content.commit_snapshot(work, diff_id)
+        self.snapshots.commit_snapshot(work, diff_id)
         if progress:
             progress.advance(blob.digest, blob.size, "unpacking", force=True)
 
@@ -359,7 +364,7 @@ class Images:
             if work is not None:  # unpacked, but the blob was refused or could not be stored
                 remove_tree(work)
             raise
-        self.content.commit_snapshot(work, diff_id)
+        self.snapshots.commit_snapshot(work, diff_id)
         if progress:
             progress.advance(blob.digest, 0, "unpacking", force=True)
 
@@ -580,15 +585,11 @@ class Images:
         images = self.all()
         keep_blobs = set().union(*(i.blobs for i in images)) if images else set()
         keep_snapshots = {layer.diff_id for i in images for layer in i.layers}
-        freed = self.content.collect(keep_blobs, keep_snapshots)
+        freed = self.content.collect_blobs(keep_blobs) + self.snapshots.collect_snapshots(keep_snapshots)
         with self._locks_guard:  # no pull runs during a collection (_StoreGate): none is held
             self._layer_locks = {d: lock for d, lock in self._layer_locks.items() if d in keep_snapshots}
         log.info("garbage collection freed %d bytes", freed)
         return freed
-
-    def snapshot_dirs(self, image: ImageRecord) -> list[Path]:
-        """Lower layers for overlayfs, topmost first."""
-        return [self.content.snapshot_path(layer.diff_id) for layer in reversed(image.layers)]
 
 
 async def _events_until(

@@ -179,10 +179,17 @@ class Daemon:
         )
         self.cells.recover()
         if self.role is not Role.NESTED:
-            from auraed.containers import setup
+            from auraed.containers import setup as containers_setup
+            from auraed.images import setup as images_setup
 
-            self.images, self.containers = setup.build(
-                config, self.store, cgroups, supervisor, self._log_watch
+            self.images = images_setup.build(config, self.store)
+            self.containers = containers_setup.build(
+                config,
+                self.store,
+                self.images,
+                cgroups=cgroups,
+                supervisor=supervisor,
+                log_watch=self._log_watch,
             )
             await self.containers.recover()
         capabilities = await asyncio.to_thread(probe, cgroups)

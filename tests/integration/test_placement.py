@@ -20,7 +20,7 @@ from auraed.client import AuraeClient, ClientError, log_lines
 from auraed.containers.containers import Containers
 from auraed.containers.servicer import SERVICE_NAME, ContainerServicer
 from auraed.errors import AuraeError
-from auraed.images.content import ContentStore
+from auraed.images.content import LocalStore
 from auraed.images.images import Images
 from auraed.server.guest_router import GuestRouter
 from auraed.server.rpc import generic_handler
@@ -49,7 +49,8 @@ async def host(
     tmp_path: Path, busybox_layout: BuiltImage, daemon: DaemonProcess, boots: Boots
 ) -> AsyncIterator[tuple[AuraeClient, Images]]:
     store = Store(tmp_path / "host.db")
-    images = Images(store, ContentStore(tmp_path / "images"), registry_factory=lambda: None)  # type: ignore[arg-type,return-value]
+    local = LocalStore(tmp_path / "images")
+    images = Images(store, local, local, registry_factory=lambda: None)  # type: ignore[arg-type,return-value]
     await images.import_layout(busybox_layout.layout, "latest", IMAGE)
     guest = daemon.client()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from auraed.images.content import ContentStore, remove_tree, tree_size
+from auraed.images.content import LocalStore, remove_tree, tree_size
 
 DEPTH = sys.getrecursionlimit() + 100  # more than a recursive walk can go through
 
@@ -74,14 +74,14 @@ def test_deep_trees_are_measured_and_removed_without_following_symlinks(tmp_path
 def test_the_store_starts_past_leftovers_it_cannot_remove(
     tmp_path: Path, make_immutable: Callable[[Path], None], caplog: pytest.LogCaptureFixture
 ) -> None:
-    ingest = ContentStore(tmp_path).ingest_dir
+    ingest = LocalStore(tmp_path).ingest_dir
     make_deep_tree(ingest / "snapshot-deep")
     (ingest / "snapshot-stuck").mkdir()
     (ingest / "snapshot-stuck" / "f").write_bytes(b"f")
     make_immutable(ingest / "snapshot-stuck" / "f")
     (ingest / "blob-partial").write_bytes(b"partial")
     with caplog.at_level(logging.WARNING, logger="auraed.images.content"):
-        ContentStore(tmp_path)  # as the daemon does at every start
+        LocalStore(tmp_path)  # as the daemon does at every start
     assert [p.name for p in ingest.iterdir()] == ["snapshot-stuck"]
     assert "cannot remove" in caplog.text and "snapshot-stuck" in caplog.text
 
@@ -89,7 +89,7 @@ def test_the_store_starts_past_leftovers_it_cannot_remove(
 def test_collect_carries_on_past_what_it_cannot_remove(
     tmp_path: Path, make_immutable: Callable[[Path], None], caplog: pytest.LogCaptureFixture
 ) -> None:
-    store = ContentStore(tmp_path)
+    store = LocalStore(tmp_path)
     kept, stuck, freed = b"kept blob", b"stuck blob", b"freed blob"
     for data in (kept, stuck, freed):
         store.write_blob(sha256(data), data)
@@ -103,14 +103,16 @@ def test_collect_carries_on_past_what_it_cannot_remove(
     store.snapshot_path(plain).mkdir()
     (store.snapshot_path(plain) / "f").write_bytes(b"plain")
     with caplog.at_level(logging.WARNING, logger="auraed.images.content"):
-        assert store.collect({sha256(kept)}, {keep_snapshot}) == len(freed) + deep_size + len(b"plain")
+        assert store.collect_blobs({sha256(kept)}) + store.collect_snapshots({keep_snapshot}) == len(
+            freed
+        ) + deep_size + len(b"plain")
     assert sorted(store.blob_digests()) == sorted([sha256(kept), sha256(stuck)])
     assert sorted(store.snapshot_ids()) == [keep_snapshot, stuck_snapshot]
     assert caplog.text.count("cannot remove") == 2
 
 
 def test_a_blob_whose_commit_fails_leaves_no_temporary_file(tmp_path: Path) -> None:
-    store = ContentStore(tmp_path)
+    store = LocalStore(tmp_path)
     data = b"blob"
     (store.blob_path(sha256(data)) / "in-the-way").mkdir(parents=True)  # the rename onto it fails
     with pytest.raises(IsADirectoryError):
@@ -131,7 +133,7 @@ def _dirty_bytes() -> int:
     raise AssertionError("no Dirty: in /proc/meminfo")
 
 
-def _unpacked_layer(store: ContentStore) -> Path:
+def _unpacked_layer(store: LocalStore) -> Path:
     work = store.new_snapshot_dir()
     chunk = os.urandom(1 << 20)
     for index in range(LAYER_BYTES // len(chunk)):
@@ -146,7 +148,7 @@ def test_a_snapshot_is_on_disk_before_it_is_published(tmp_path: Path, sync_fs: b
     (on the disk the store is on, not a tmpfs)."""
     root = Path(tempfile.mkdtemp(prefix="aurae-sync-", dir="/var/tmp"))
     try:
-        store = ContentStore(root, sync_fs=sync_fs)
+        store = LocalStore(root, sync_fs=sync_fs)
         work = _unpacked_layer(store)
         before = _dirty_bytes()
         assert before >= FLUSHED_AT_LEAST, "the layer's data should still be in the page cache"

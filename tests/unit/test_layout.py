@@ -17,7 +17,7 @@ from typing import Any, Literal
 import pytest
 
 from auraed.errors import ErrorKind
-from auraed.images.content import ContentStore
+from auraed.images.content import LocalStore
 from auraed.images.errors import ImageError
 from auraed.images.layout import MAX_MEMBERS, open_layout
 from auraed.images.model import MAX_MANIFEST_BYTES, BlobRef
@@ -89,7 +89,7 @@ def refused(path: Path) -> ImageError:
 @pytest.mark.parametrize("mode", ["w", "w:gz"])
 def test_a_layout_tar_is_imported(tmp_path: Path, mode: Literal["w", "w:gz"]) -> None:
     image = image_in(tmp_path)
-    store = ContentStore(tmp_path / "store")
+    store = LocalStore(tmp_path / "store")
     with open_layout(tar_of(image.layout, mode)) as layout:
         assert layout.select("latest") == (image.manifest, OCI_MANIFEST, "latest")
         for layer in image.layers:
@@ -238,7 +238,7 @@ def test_malformed_layouts_are_refused(tmp_path: Path, case: str) -> None:
 
 def test_a_blob_that_cannot_be_stored_leaves_no_temporary_file(tmp_path: Path) -> None:
     image = image_in(tmp_path)
-    store = ContentStore(tmp_path / "store")
+    store = LocalStore(tmp_path / "store")
     layer = image.layers[0]
     (store.blob_path(layer.digest) / "in-the-way").mkdir(parents=True)  # the rename onto it fails
     with open_layout(image.layout) as layout, pytest.raises(IsADirectoryError):

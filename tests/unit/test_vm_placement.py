@@ -20,7 +20,7 @@ from cryptography import x509
 
 from auraed.api.aurae.containers import v0 as pb
 from auraed.errors import AuraeError, ErrorKind
-from auraed.images.content import ContentStore
+from auraed.images.content import ContentStore, LocalStore
 from auraed.images.images import Images
 from auraed.images.model import ImageRecord, LayerRecord
 from auraed.pki import PrivateKey, create_ca, load_ca_files, write_pem_files
@@ -93,7 +93,7 @@ async def channel(guest: FakeGuest) -> AsyncIterator[grpc.aio.Channel]:
 
 @pytest.fixture
 def content(tmp_path: Path) -> Iterator[ContentStore]:
-    yield ContentStore(tmp_path / "images")
+    yield LocalStore(tmp_path / "images")
 
 
 def store_image(content: ContentStore, tag: bytes) -> ImageRecord:
