@@ -2,7 +2,8 @@
 
 Each container owns ``state_dir/containers/<id>/``: the overlay upper and work dirs, the mounted
 rootfs, the OCI bundle, the CRI-format log and the monitor's exit record. Its cgroup is
-``<cgroup_base>/_containers/<id>`` ("_" never appears in a cell name, so the two never meet).
+``<cgroup_base>/<parent>/<id>``: the parent and what else it shares come from its sandbox
+(auraed.containers.sandbox), ``_containers`` for one on its own.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from auraed.containers.oci_spec import build_spec, image_runtime_config, stop_si
 from auraed.containers.request import ContainerRequest, SpecError
 from auraed.containers.rootfs import Snapshotter
 from auraed.containers.runtime import OciRuntime, OciRuntimeError
+from auraed.containers.sandbox import CGROUP_PARENT, HOST_LOCAL, SandboxContext
 from auraed.errors import ErrorKind
 from auraed.images.content import remove_tree
 from auraed.images.images import Images
@@ -41,7 +43,6 @@ from auraed.system.tasks import run_to_end
 log = logging.getLogger(__name__)
 
 KIND = "container"
-CGROUP_PARENT = "_containers"
 KILL_WAIT = 30.0  # seconds to wait for a SIGKILLed container to be reaped
 ENDED_BEFORE_START = "its process ended before it was started"
 ID_BYTES = 16  # a container id is this many random bytes in hex: 32 lowercase hex digits
@@ -141,14 +142,23 @@ class Containers:
         return [r for r in records if all(r.labels.get(k) == v for k, v in wanted.items())]
 
     def cgroup(self, record: ContainerRecord) -> str:
-        return f"{CGROUP_PARENT}/{record.id}"
+        return f"{record.cgroup_parent}/{record.id}"
 
     # -- create ----------------------------------------------------------------------------
 
     async def create(
-        self, request: ContainerRequest, image_name: str, labels: dict[str, str], start: bool = False
+        self,
+        request: ContainerRequest,
+        image_name: str,
+        labels: dict[str, str],
+        start: bool = False,
+        *,
+        sandbox: SandboxContext = HOST_LOCAL,
     ) -> ContainerRecord:
         """Create a container: its rootfs and bundle, and with ``start`` its process.
+
+        ``sandbox`` is where it lives and what it shares (its cgroup parent, namespaces, files);
+        the default, a container on its own.
 
         With ``start``, one ``run --detach``. Without, the reply does not wait for the runtime:
         its ``create`` is handed to a monitor before the reply goes (create_ahead) and runs while
@@ -163,6 +173,7 @@ class Containers:
             raise ContainerError.invalid(
                 "config.name", f"{request.name} has the shape of a container id (32 hex digits)"
             )
+        self._check_cgroup_parent(sandbox.cgroup_parent)
         async with self._lock:
             if any(r.name == request.name for r in self._records.values()):
                 raise ContainerError.already_exists(f"container {request.name}")
@@ -178,6 +189,8 @@ class Containers:
                 tty=request.tty,
                 stop_signal=signals.SIGTERM,
                 process={},
+                cgroup_parent=sandbox.cgroup_parent,
+                sandbox_id=sandbox.sandbox_id,
                 created_at=time.time(),
             )
             self._changing[record.id] = "created"  # claimed before the record can be seen
@@ -190,7 +203,7 @@ class Containers:
                 del self._exited[record.id]
                 raise
         try:
-            spec = await asyncio.to_thread(self._prepare, record, image, request)
+            spec = await asyncio.to_thread(self._prepare, record, image, request, sandbox)
             if start:
                 await self._launch(record, start=True)
         except BaseException:
@@ -222,8 +235,17 @@ class Containers:
         )
         return record
 
+    def _check_cgroup_parent(self, parent: str) -> None:
+        """A cgroup path below the base, not the base itself (where cells are)."""
+        if not parent:
+            raise ContainerError.invalid("sandbox.cgroup_parent", "must not be empty")
+        try:
+            self._cgroups.cgroup_path(parent)
+        except CgroupError as exc:
+            raise ContainerError.invalid("sandbox.cgroup_parent", str(exc)) from None
+
     def _prepare(
-        self, record: ContainerRecord, image: ImageRecord, request: ContainerRequest
+        self, record: ContainerRecord, image: ImageRecord, request: ContainerRequest, sandbox: SandboxContext
     ) -> dict[str, Any]:
         """Mount the rootfs and write the bundle; its spec. Runs in a worker thread."""
         record.path.mkdir(mode=0o700, parents=True)
@@ -232,7 +254,11 @@ class Containers:
             image_config = image_runtime_config({"config": image.config})
             record.stop_signal = stop_signal(image_config, request)
             spec = build_spec(
-                image_config, request, record.rootfs, self._cgroups.cgroup_path(self.cgroup(record))
+                image_config,
+                request,
+                record.rootfs,
+                self._cgroups.cgroup_path(self.cgroup(record)),
+                sandbox=sandbox,
             )
         except SpecError as exc:
             raise spec_error(exc) from None
@@ -685,7 +711,7 @@ class Containers:
         for task in list(self._watchers.values()):
             task.cancel()
         await asyncio.gather(*self._watchers.values(), return_exceptions=True)
-        self._cgroups.prune(CGROUP_PARENT)  # unless containers still run
+        self._cgroups.prune(CGROUP_PARENT)  # unless containers still run; a sandbox prunes its own
 
     def running(self) -> list[ContainerRecord]:
         return [r for r in self._records.values() if r.alive]

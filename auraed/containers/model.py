@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from auraed.containers.sandbox import CGROUP_PARENT
 from auraed.state.store import flat_doc
 from auraed.system.supervisor import Supervised
 
@@ -29,6 +30,10 @@ class ContainerRecord:
     tty: bool
     stop_signal: int
     process: dict[str, Any]  # the OCI process of the spec: defaults for Exec
+    # Its cgroup is <cgroup_parent>/<id> below the cgroup base; records from before sandboxes
+    # have neither field and were host-local.
+    cgroup_parent: str = CGROUP_PARENT
+    sandbox_id: str = ""  # the sandbox it belongs to, "" for none
     state: str = State.CREATING
     created_at: float = 0.0
     started_at: float | None = None

@@ -27,7 +27,12 @@ Decisions worth knowing:
 * Mounts: runc's defaults (/proc, /dev and what lives in it, /sys, /sys/fs/cgroup); a request mount
   replaces the default at its own destination only, and the list goes parents before children.
 * Namespaces: pid, ipc, uts, mount, cgroup (runc 1.1 supports it on v1 too) and network (a new
-  one, the ``netns_path`` given, or the host's with ``host_network``).
+  one, or the host's with ``host_network``); the container's sandbox may give a network, ipc, uts
+  and pid namespace to join (auraed.containers.sandbox).
+* Hostname: the request's, else its name; its sandbox's when it names one. A container joining its
+  sandbox's UTS namespace gets none set: the namespace keeps its own.
+* Sandbox files: the sandbox's resolv.conf, hosts and hostname files and /dev/shm are bind mounts,
+  which a request mount at the same destination replaces, as it replaces the defaults.
 * Seccomp: see :func:`default_seccomp_profile`: allow by default, deny a list of dangerous
   syscalls with EPERM (clone3 with ENOSYS so that libc falls back to clone, which is filtered).
 """
@@ -70,6 +75,7 @@ from auraed.containers.request import (
     parse_signal,
     quoted,
 )
+from auraed.containers.sandbox import HOST_LOCAL, SandboxContext, SharedNamespaces
 from auraed.system.cgroupfs import CgroupError, cpu_weight_to_shares, format_cpu_list, parse_cpu_list
 
 OCI_VERSION = "1.0.2"
@@ -851,12 +857,40 @@ def _rlimits(request: ContainerRequest, host: HostFacts) -> list[dict[str, Any]]
     return [{"type": name, "hard": hard, "soft": soft} for name, (soft, hard, _) in limits.items()]
 
 
-def _hostname(request: ContainerRequest) -> str:
-    where = "hostname" if request.hostname else "name"
-    name = check_text(request.hostname or request.name, where)
-    if not name:
-        raise SpecError("invalid", "hostname: empty, and so is name")
-    return check_hostname(name, where)
+def _hostname(request: ContainerRequest, sandbox: SandboxContext) -> str | None:
+    """The hostname the container's UTS namespace gets; None for one joined, which keeps its own."""
+    if sandbox.hostname is None and sandbox.namespaces.uts is None:
+        where = "hostname" if request.hostname else "name"
+        name = check_text(request.hostname or request.name, where)
+        if not name:
+            raise SpecError("invalid", "hostname: empty, and so is name")
+        return check_hostname(name, where)
+    if request.hostname:
+        raise SpecError("invalid", "hostname: the container's sandbox names its host")
+    if sandbox.hostname is None:
+        return None
+    if sandbox.namespaces.uts is not None:
+        raise SpecError("invalid", "sandbox.hostname: a joined UTS namespace keeps its own hostname")
+    return check_hostname(sandbox.hostname, "sandbox.hostname")
+
+
+def _namespaces(request: ContainerRequest, shared: SharedNamespaces) -> list[dict[str, str]]:
+    """The container's own namespaces, or those of its sandbox it joins by path; no network
+    namespace at all with ``host_network``."""
+    if request.host_network and shared.network is not None:
+        raise SpecError(
+            "invalid", "host_network: the container cannot both share the host's and join a network namespace"
+        )
+    joined = {"pid": shared.pid, "ipc": shared.ipc, "uts": shared.uts, "network": shared.network}
+    namespaces: list[dict[str, str]] = []
+    for kind in ("pid", "ipc", "uts", "mount", "cgroup", "network"):
+        path = joined.get(kind)
+        if path is not None:
+            where = f"sandbox.namespaces.{kind}"
+            namespaces.append({"type": kind, "path": check_path(os.fspath(path), where)})
+        elif kind != "network" or not request.host_network:
+            namespaces.append({"type": kind})
+    return namespaces
 
 
 # ------------------------------------------------------------------------------------- mounts
@@ -913,6 +947,27 @@ def _tmpfs(destination: str, mode: str) -> dict[str, Any]:
     }
 
 
+def _sandbox_mounts(sandbox: SandboxContext, read_only_rootfs: bool) -> list[dict[str, Any]]:
+    """Bind mounts of what the sandbox shares: its /etc files (read-only with a read-only rootfs,
+    as containerd mounts them) and its /dev/shm (as the tmpfs it replaces: nosuid, noexec, nodev)."""
+    etc_options = ["rbind", "rprivate", *(["ro"] if read_only_rootfs else [])]
+    shared = (
+        ("/etc/resolv.conf", sandbox.resolv_conf, "sandbox.resolv_conf", etc_options),
+        ("/etc/hosts", sandbox.hosts, "sandbox.hosts", etc_options),
+        ("/etc/hostname", sandbox.hostname_file, "sandbox.hostname_file", etc_options),
+        ("/dev/shm", sandbox.shm, "sandbox.shm", ["rbind", "rprivate", "nosuid", "noexec", "nodev"]),
+    )
+    mounts: list[dict[str, Any]] = []
+    for destination, source, where, options in shared:
+        if source is None:
+            continue
+        path = check_path(os.fspath(source), where)
+        if not os.path.lexists(path):
+            raise SpecError("not_found", f"{where}: {path} does not exist")
+        mounts.append({"destination": destination, "type": "bind", "source": path, "options": list(options)})
+    return mounts
+
+
 def _request_mount(mount: Mount, where: str) -> dict[str, Any]:
     destination = check_path(mount.destination, f"{where}.destination", allow_root=False)
     if destination == "/proc" or (
@@ -943,7 +998,9 @@ def _request_mount(mount: Mount, where: str) -> dict[str, Any]:
     return {"destination": destination, "type": kind, "source": source, "options": options}
 
 
-def _mounts(image: ImageRuntimeConfig, request: ContainerRequest) -> list[dict[str, Any]]:
+def _mounts(
+    image: ImageRuntimeConfig, request: ContainerRequest, sandbox: SandboxContext
+) -> list[dict[str, Any]]:
     extra: list[dict[str, Any]] = []
     taken: set[str] = set()
     for index, mount in enumerate(request.mounts):
@@ -963,10 +1020,14 @@ def _mounts(image: ImageRuntimeConfig, request: ContainerRequest) -> list[dict[s
         if "/tmp" not in taken:
             taken.add("/tmp")
             extra.append(_tmpfs("/tmp", "1777"))
-    # A request mount replaces the default at its destination only. The whole list is ordered
+    # The sandbox's mounts replace the defaults at their destinations (its /dev/shm the tmpfs),
+    # and a request mount replaces either at its destination only. The whole list is ordered
     # parents before children (a stable sort by depth), so that no mount hides a later one: a
     # tmpfs asked for at /dev still gets /dev/pts, /dev/shm and /dev/mqueue mounted on it.
-    defaults = [m for m in _default_mounts() if m["destination"] not in taken]
+    shared = _sandbox_mounts(sandbox, request.security.read_only_rootfs)
+    replaced = {m["destination"] for m in shared}
+    defaults = [m for m in _default_mounts() if m["destination"] not in replaced] + shared
+    defaults = [m for m in defaults if m["destination"] not in taken]
     return sorted(defaults + extra, key=lambda m: _path_depth(m["destination"]))
 
 
@@ -1090,16 +1151,16 @@ def build_spec(
     rootfs: Path,
     cgroups_path: str,
     *,
+    sandbox: SandboxContext = HOST_LOCAL,
     auraed_oom_score_adj: int | None = None,
-    netns_path: str | None = None,
     host: HostFacts | None = None,
 ) -> dict[str, Any]:
     """The config.json for ``request`` over ``image`` unpacked at ``rootfs``.
 
     Reads the image's /etc/passwd and /etc/group and, once everything is validated, creates the
     working directory inside ``rootfs`` when the image lacks it. ``host`` defaults to :meth:`HostFacts.probe`;
-    ``auraed_oom_score_adj`` overrides its oom_score_adj. ``netns_path`` joins that network
-    namespace instead of creating one.
+    ``auraed_oom_score_adj`` overrides its oom_score_adj. ``sandbox`` is what the container
+    shares with the others of its sandbox: namespaces to join, files to mount, sysctls.
     """
     if host is None:
         host = HostFacts.probe()
@@ -1130,23 +1191,8 @@ def build_spec(
         requested_oom = check_int(security.oom_score_adj, "security.oom_score_adj", -1000, 1000)
     else:
         requested_oom = 0
-    hostname = _hostname(request)
-
-    if request.host_network and netns_path is not None:
-        raise SpecError(
-            "invalid", "host_network: the container cannot both share the host's and join a network namespace"
-        )
-    namespaces: list[dict[str, str]] = [
-        {"type": "pid"},
-        {"type": "ipc"},
-        {"type": "uts"},
-        {"type": "mount"},
-        {"type": "cgroup"},
-    ]
-    if netns_path is not None:
-        namespaces.append({"type": "network", "path": check_path(netns_path, "netns_path")})
-    elif not request.host_network:
-        namespaces.append({"type": "network"})
+    hostname = _hostname(request, sandbox)
+    namespaces = _namespaces(request, sandbox.namespaces)
 
     check_text(cgroups_path, "cgroups_path", allow_empty=False)
     linux: dict[str, Any] = {
@@ -1156,7 +1202,11 @@ def build_spec(
         "maskedPaths": _paths(security.masked_paths, DEFAULT_MASKED_PATHS, "security.masked_paths"),
         "readonlyPaths": _paths(security.readonly_paths, DEFAULT_READONLY_PATHS, "security.readonly_paths"),
     }
-    sysctls = check_sysctls(request.sysctls, "sysctls", own_netns=not request.host_network)
+    own_netns = not request.host_network
+    sysctls = {
+        **check_sysctls(sandbox.sysctls, "sandbox.sysctls", own_netns),
+        **check_sysctls(request.sysctls, "sysctls", own_netns),
+    }
     if sysctls:
         linux["sysctl"] = sysctls
     seccomp = _seccomp(security.seccomp_profile, capabilities, host.machine)
@@ -1187,8 +1237,8 @@ def build_spec(
         "ociVersion": OCI_VERSION,
         "process": process,
         "root": {"path": os.fspath(rootfs.absolute()), "readonly": bool(security.read_only_rootfs)},
-        "hostname": hostname,
-        "mounts": _mounts(image, request),
+        **({} if hostname is None else {"hostname": hostname}),
+        "mounts": _mounts(image, request, sandbox),
         "linux": linux,
     }
     hooks = _hooks(request.hooks)

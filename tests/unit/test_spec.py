@@ -42,6 +42,7 @@ from auraed.containers.request import (
     Security,
     SpecError,
 )
+from auraed.containers.sandbox import HOST_LOCAL, SandboxContext, SharedNamespaces
 from auraed.system.cgroupfs import cpu_weight_to_shares, parse_cpu_list
 
 HOST = HostFacts(
@@ -89,6 +90,10 @@ def build(
     spec = build_spec(image, request or ContainerRequest(name="web"), rootfs, "/aurae/web", **kwargs)
     json.dumps(spec)  # always serialisable
     return spec
+
+
+def joining_netns(path: str) -> SandboxContext:
+    return SandboxContext(namespaces=SharedNamespaces(network=Path(path)))
 
 
 def error(func: Any, *args: Any, **kwargs: Any) -> SpecError:
@@ -592,7 +597,7 @@ def test_sysctl_errors(
 
 def test_net_sysctls_with_a_joined_netns(rootfs: Path) -> None:
     request = ContainerRequest(name="web", sysctls={"net.ipv4.ip_forward": "1"})
-    spec = build(rootfs, request, netns_path="/run/netns/x")
+    spec = build(rootfs, request, sandbox=joining_netns("/run/netns/x"))
     assert spec["linux"]["sysctl"] == {"net.ipv4.ip_forward": "1"}
 
 
@@ -802,8 +807,9 @@ def test_namespaces(rootfs: Path) -> None:
         "network": None,
     }
     assert "network" not in namespaces(build(rootfs, ContainerRequest(name="web", host_network=True)))
-    assert namespaces(build(rootfs, netns_path="/run/netns/c1"))["network"] == "/run/netns/c1"
-    exc = error(build, rootfs, ContainerRequest(name="web", host_network=True), netns_path="/run/netns/c1")
+    assert namespaces(build(rootfs, sandbox=joining_netns("/run/netns/c1")))["network"] == "/run/netns/c1"
+    request = ContainerRequest(name="web", host_network=True)
+    exc = error(build, rootfs, request, sandbox=joining_netns("/run/netns/c1"))
     assert exc.message.startswith("host_network: ")
 
 
@@ -815,6 +821,105 @@ def test_hostname(rootfs: Path) -> None:
     )
     assert error(build, rootfs, ContainerRequest(name="")).message.startswith("hostname: ")
     assert error(build, rootfs, ContainerRequest(name="a_b")).message.startswith("name: ")
+
+
+# ----------------------------------------------------------------------------------- sandbox
+
+
+def test_a_container_on_its_own_gets_what_it_got_before_sandboxes(rootfs: Path) -> None:
+    request = ContainerRequest(name="web", sysctls={"kernel.shmmax": "1"})
+    assert build(rootfs, request, sandbox=HOST_LOCAL) == build(rootfs, request)
+
+
+def test_the_sandboxs_namespaces_are_joined_by_path(rootfs: Path) -> None:
+    shared = SharedNamespaces(
+        network=Path("/run/netns/pod"),
+        ipc=Path("/run/ipc/pod"),
+        uts=Path("/run/uts/pod"),
+        pid=Path("/proc/7/ns/pid"),
+    )
+    spec = build(rootfs, sandbox=SandboxContext(namespaces=shared))
+    assert spec["linux"]["namespaces"] == [
+        {"type": "pid", "path": "/proc/7/ns/pid"},
+        {"type": "ipc", "path": "/run/ipc/pod"},
+        {"type": "uts", "path": "/run/uts/pod"},
+        {"type": "mount"},
+        {"type": "cgroup"},
+        {"type": "network", "path": "/run/netns/pod"},
+    ]
+    relative = SandboxContext(namespaces=SharedNamespaces(ipc=Path("run/ipc")))
+    assert error(build, rootfs, sandbox=relative).message.startswith("sandbox.namespaces.ipc: ")
+
+
+def test_the_sandbox_names_the_host(rootfs: Path) -> None:
+    named = SandboxContext(hostname="web-0")
+    assert build(rootfs, sandbox=named)["hostname"] == "web-0"
+    own = error(build, rootfs, ContainerRequest(name="web", hostname="db"), sandbox=named)
+    assert own.message.startswith("hostname: ")
+    assert error(build, rootfs, sandbox=SandboxContext(hostname="-bad")).message.startswith(
+        "sandbox.hostname: "
+    )
+    # A joined UTS namespace keeps the hostname its owner gave it: none is set, none may be asked.
+    joined = SharedNamespaces(uts=Path("/run/uts/pod"))
+    assert "hostname" not in build(rootfs, sandbox=SandboxContext(namespaces=joined))
+    both = SandboxContext(namespaces=joined, hostname="web-0")
+    assert error(build, rootfs, sandbox=both).message.startswith("sandbox.hostname: ")
+
+
+def test_the_sandboxs_files_and_shm_are_bind_mounted(tmp_path: Path, rootfs: Path) -> None:
+    files = {name: tmp_path / name for name in ("resolv.conf", "hosts", "hostname")}
+    for path in files.values():
+        path.write_text("x\n")
+    (tmp_path / "shm").mkdir()
+    sandbox = SandboxContext(
+        resolv_conf=files["resolv.conf"],
+        hosts=files["hosts"],
+        hostname_file=files["hostname"],
+        shm=tmp_path / "shm",
+    )
+    spec = build(rootfs, sandbox=sandbox)
+    assert hidden_mounts(spec) == []
+    by_destination = {m["destination"]: m for m in spec["mounts"]}
+    for destination, source in (
+        ("/etc/resolv.conf", files["resolv.conf"]),
+        ("/etc/hosts", files["hosts"]),
+        ("/etc/hostname", files["hostname"]),
+    ):
+        assert by_destination[destination] == {
+            "destination": destination,
+            "type": "bind",
+            "source": str(source),
+            "options": ["rbind", "rprivate"],
+        }
+    assert by_destination["/dev/shm"] == {
+        "destination": "/dev/shm",
+        "type": "bind",
+        "source": str(tmp_path / "shm"),
+        "options": ["rbind", "rprivate", "nosuid", "noexec", "nodev"],
+    }
+    assert destinations(spec).count("/dev/shm") == 1  # the container's own tmpfs is gone
+    read_only = ContainerRequest(name="web", security=Security(read_only_rootfs=True))
+    mounts = {m["destination"]: m for m in build(rootfs, read_only, sandbox=sandbox)["mounts"]}
+    assert "ro" in mounts["/etc/hosts"]["options"] and "ro" not in mounts["/dev/shm"]["options"]
+    # A mount of the request's own at one of those places wins.
+    own_hosts = ContainerRequest(
+        name="web", mounts=(Mount("/etc/hosts", str(tmp_path / "hosts"), read_only=True),)
+    )
+    mounts = {m["destination"]: m for m in build(rootfs, own_hosts, sandbox=sandbox)["mounts"]}
+    assert mounts["/etc/hosts"]["options"] == ["rbind", "rprivate", "ro"]
+    missing = error(build, rootfs, sandbox=SandboxContext(hosts=tmp_path / "nope"))
+    assert missing.kind == "not_found" and missing.message.startswith("sandbox.hosts: ")
+
+
+def test_the_sandboxs_sysctls_go_with_the_requests(rootfs: Path) -> None:
+    sandbox = SandboxContext(sysctls={"kernel.shmmax": "1", "net.ipv4.ip_forward": "1"})
+    request = ContainerRequest(name="web", sysctls={"kernel.shmmax": "2"})
+    assert build(rootfs, request, sandbox=sandbox)["linux"]["sysctl"] == {
+        "kernel.shmmax": "2",
+        "net.ipv4.ip_forward": "1",
+    }
+    bad = error(build, rootfs, sandbox=SandboxContext(sysctls={"vm.swappiness": "1"}))
+    assert bad.kind == "unsupported" and bad.message.startswith("sandbox.sysctls['vm.swappiness']: ")
 
 
 def test_cgroups_path(rootfs: Path) -> None:
