@@ -266,7 +266,7 @@ def _beside(config_file: Path, value: Any) -> Any:
 def _parse_registries(table: Any, config_file: Path) -> dict[str, RegistryHost]:
     """``[registries."<host>"]`` tables, checked here so that a mistake stops the daemon at start
     rather than failing every pull later. Hosts are keyed as lookups spell them (lowercase)."""
-    from auraed.images.reference import ReferenceError, registry_name
+    from auraed.references import ReferenceError, registry_name
 
     source = str(config_file)
     if not isinstance(table, dict):

@@ -65,10 +65,10 @@ from container_start import source_state
 from auraed.api.aurae.containers import v0 as pb
 from auraed.images.content import LocalStore, remove_tree
 from auraed.images.images import _TeeReader
-from auraed.images.reference import parse_reference
 from auraed.images.registry import RegistryClient
 from auraed.images.unpack import unpack_layer
 from auraed.pki import PkiPaths
+from auraed.references import parse_reference
 
 if TYPE_CHECKING:
     from tests.support.images import BuiltImage

@@ -35,8 +35,8 @@ from auraed.images.unpack import UnpackError, unpack_layer
 from auraed.state.store import Store
 
 if TYPE_CHECKING:
-    from auraed.images.reference import ImageReference
     from auraed.images.registry import RegistryClient
+    from auraed.references import ImageReference
 
 log = logging.getLogger(__name__)
 
@@ -420,7 +420,7 @@ class Images:
     async def pull(
         self, reference: str, credentials: Any = None
     ) -> AsyncIterator[PullProgress | ImageRecord]:
-        from auraed.images.reference import ReferenceError, parse_reference
+        from auraed.references import ReferenceError, parse_reference
 
         try:
             ref = parse_reference(reference)
@@ -613,7 +613,7 @@ def _sha256(data: bytes) -> str:
 
 
 def normalize_reference(name: str) -> str:
-    from auraed.images.reference import ReferenceError, parse_reference
+    from auraed.references import ReferenceError, parse_reference
 
     try:
         return parse_reference(name).name
@@ -622,7 +622,7 @@ def normalize_reference(name: str) -> str:
 
 
 def _reference_names(name: str) -> tuple[str, str]:
-    from auraed.images.reference import ReferenceError, parse_reference
+    from auraed.references import ReferenceError, parse_reference
 
     try:
         ref = parse_reference(name)

@@ -75,7 +75,7 @@ import requests
 import urllib3.exceptions
 
 from auraed.images.model import DOCKER_MANIFEST, DOCKER_MANIFEST_LIST, OCI_INDEX, OCI_MANIFEST
-from auraed.images.reference import (
+from auraed.references import (
     DEFAULT_REGISTRY,
     DEFAULT_REGISTRY_HOST,
     LEGACY_DEFAULT_REGISTRY,

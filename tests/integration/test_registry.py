@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from auraed.images.model import DOCKER_MANIFEST, OCI_MANIFEST
-from auraed.images.reference import parse_reference
 from auraed.images.registry import (
     Credentials,
     Descriptor,
@@ -23,6 +22,7 @@ from auraed.images.registry import (
     RegistryHostConfig,
 )
 from auraed.pki import PkiPaths, ensure_dev_pki
+from auraed.references import parse_reference
 from tests.support.images import (
     OCI_CONFIG,
     BuiltImage,

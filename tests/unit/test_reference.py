@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from auraed.images.reference import ImageReference, ReferenceError, check_digest, parse_reference
+from auraed.references import ImageReference, ReferenceError, check_digest, parse_reference
 
 HEX = "a" * 64
 DIGEST = f"sha256:{HEX}"

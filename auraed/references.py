@@ -1,5 +1,8 @@
 """Image references, parsed and normalized the way docker does.
 
+A value clients give (like the names in auraed.names), below both the images subsystem, which
+pulls by them, and the configuration, which names registries the way references do.
+
 The grammar is the distribution project's (github.com/distribution/reference)::
 
     reference        := name [ ":" tag ] [ "@" digest ]
