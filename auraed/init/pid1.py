@@ -16,7 +16,8 @@
    address, up, default route, by ioctls), and the evdev/ACPI button modules when no power button
    is visible yet. Last, the power buttons are opened (evdev queues only the presses after its
    open: one while auraed starts is then not lost).
-2. :func:`main` loads the configuration (from the config disk) and builds the Daemon.
+2. :func:`main` loads the configuration (from the config disk) and has the Daemon built by the
+   factory ``auraed/__main__.py`` handed over (PID 1 does not import the server).
 3. :meth:`Pid1.serve` runs the Daemon in an event loop of ours, with: SIGCHLD-driven orphan
    reaping, SIGTERM/SIGINT/SIGPWR as a graceful stop (the Daemon installs its own for SIGTERM and
    SIGINT, same effect), the power button watched through the loop, and the boot log lines
@@ -38,7 +39,8 @@ mount target under that directory (and never enables cgroup controllers there: t
 the host's); ``AURAED_PID1_POWER_BUTTON`` is a ':'-separated list of input devices (or FIFOs) to
 watch instead of discovering "Power Button" devices.
 
-Power off from an RPC: ``await auraed.init.pid1.power_off("reason")`` -- see :func:`power_off`.
+Power off from an RPC: the Daemon that ``auraed/__main__.py`` builds for PID 1 is given the
+:class:`Pid1`, and its Shutdown call goes through :meth:`Pid1.power_off`.
 """
 
 from __future__ import annotations
@@ -49,12 +51,15 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, ClassVar, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, NamedTuple, NoReturn
+
+from auraed.bootargs import GUEST_CONFIG_DISK, BootArgs
 
 if TYPE_CHECKING:
     import asyncio
     from typing import Protocol
 
+    from auraed.config import DaemonConfig
     from auraed.init.powerbutton import PowerButtonWatcher
     from auraed.init.reaper import ChildRegistry, Reaper
 
@@ -64,6 +69,10 @@ if TYPE_CHECKING:
         async def run(self) -> int: ...
 
         def request_stop(self) -> None: ...
+
+    # What auraed/__main__.py hands over: the Daemon to serve, built once the configuration is
+    # read and given this Pid1 (its Shutdown call powers the machine off through it).
+    DaemonFactory = Callable[[DaemonConfig, "Pid1"], Stoppable]
 
 
 log = logging.getLogger("auraed.pid1")
@@ -91,10 +100,6 @@ MOUNTS: tuple[tuple[str, str, str, int, str | None], ...] = (
 )
 CONFIG_DIR = "etc/aurae"
 CONFIG_DISK_FSTYPES = ("squashfs", "erofs")
-# The host adds a guest's config disk (vms/guests.py) after any disks the VM was given, so it is
-# found by its virtio serial, not by its place (/dev/vdb is the first extra disk).
-GUEST_CONFIG_SERIAL = "config"
-GUEST_CONFIG_DISK = f"serial={GUEST_CONFIG_SERIAL}"
 DEVICE_WAIT = 5.0  # seconds for the config disk's node to appear
 INTERFACE_WAIT = 10.0  # seconds for eth0 to appear (virtio_net may still be probing)
 TERMINATE_GRACE = 5.0  # seconds between SIGTERM and SIGKILL to every process at the end
@@ -132,41 +137,6 @@ class Pid1Layout(NamedTuple):
         return os.path.realpath(self.root) == "/"
 
 
-class BootArgs(NamedTuple):
-    """The ``auraed.*`` words of the kernel command line (the guest boot contract)."""
-
-    role: str = ""
-    hostname: str = ""
-    ip: str = ""  # address/prefix
-    gateway: str = ""
-    iface: str = "eth0"
-    config_disk: str = ""
-    poweroff: bool = False
-
-    @classmethod
-    def parse(cls, cmdline: str) -> BootArgs:
-        values: dict[str, str] = {}
-        for word in cmdline.split():
-            if word == "--":  # the rest belongs to init's argv
-                break
-            key, sep, value = word.partition("=")
-            if key.startswith("auraed.") and sep:
-                values[key.removeprefix("auraed.")] = value
-        return cls(
-            role=values.get("role", ""),
-            hostname=values.get("hostname", ""),
-            ip=values.get("ip", ""),
-            gateway=values.get("gateway", ""),
-            iface=values.get("iface", "") or "eth0",
-            config_disk=values.get("config_disk", ""),
-            poweroff=values.get("poweroff", "").lower() in ("1", "yes", "on", "true"),
-        )
-
-    @property
-    def guest(self) -> bool:
-        return self.role == "guest"
-
-
 def in_initial_pid_namespace() -> bool:
     """True only for the machine's own pid namespace; False when unsure."""
     try:
@@ -201,27 +171,6 @@ def is_machine_init() -> bool:
     return machine_init_status() is True
 
 
-async def power_off(reason: str) -> None:
-    """Stop auraed gracefully, then power the machine off (for a Shutdown/PowerOff RPC).
-
-    Returns at once: the caller's RPC still gets its answer, because the Daemon gives in-flight
-    calls a grace period when it stops; the power-off follows once everything has stopped (see
-    :meth:`Pid1.finish`). Raises AuraeError(FAILED_PRECONDITION) when this auraed is not PID 1,
-    or is the machine's init but not allowed to power off (a host without ``auraed.poweroff=1``),
-    where stopping would leave a halted machine.
-    """
-    from auraed.errors import AuraeError
-
-    init = Pid1.current
-    if init is None:
-        raise AuraeError.precondition("power off: this auraed is not PID 1")
-    if init.final_action() == "halt":
-        raise AuraeError.precondition(
-            "power off: not enabled on this machine (auraed.poweroff=1 on the kernel command line)"
-        )
-    init.request_power_off(reason)
-
-
 class _BootBuffer(logging.Handler):
     """Keeps the records logged before the Daemon's logging exists, to replay them into Observe."""
 
@@ -235,8 +184,6 @@ class _BootBuffer(logging.Handler):
 
 
 class Pid1:
-    current: ClassVar[Pid1 | None] = None  # the one serving, for power_off()
-
     def __init__(self, layout: Pid1Layout | None = None, args: BootArgs | None = None) -> None:
         from auraed.init.reaper import ChildRegistry, Reaper
 
@@ -389,7 +336,7 @@ class Pid1:
 
         ``auraed.config_disk=`` names the device, or ``serial=NAME`` for the virtio disk with that
         serial (QEMU ``-device virtio-blk-*,serial=NAME``); a guest's default is the disk whose serial
-        is GUEST_CONFIG_SERIAL.
+        is GUEST_CONFIG_SERIAL (auraed/bootargs.py).
         """
         wanted = self.args.config_disk or (self.layout.config_device if self.args.guest else "")
         if not wanted:
@@ -485,7 +432,6 @@ class Pid1:
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(_log_loop_exception)
         self._daemon = daemon
-        Pid1.current = self
         for name in STOP_SIGNALS:
             sig = signal.Signals[name]
             loop.add_signal_handler(sig, self._on_signal, sig)
@@ -504,6 +450,28 @@ class Pid1:
             if watcher is not None:
                 watcher.close()
             self.reaper.stop()
+
+    def power_off(self, reason: str) -> str:
+        """Stop auraed gracefully, then end the machine as :meth:`final_action` says, which it
+        returns (for a Shutdown/PowerOff RPC).
+
+        Returns at once: the caller's RPC still gets its answer, because the Daemon gives in-flight
+        calls a grace period when it stops; the power-off follows once everything has stopped (see
+        :meth:`finish`). Raises AuraeError(FAILED_PRECONDITION) while this PID 1 serves no Daemon,
+        or where it is the machine's init but not allowed to power off (a host without
+        ``auraed.poweroff=1``), where stopping would leave a halted machine.
+        """
+        from auraed.errors import AuraeError
+
+        if self._daemon is None:
+            raise AuraeError.precondition("power off: this PID 1 is not serving auraed")
+        action = self.final_action()
+        if action == "halt":
+            raise AuraeError.precondition(
+                "power off: not enabled on this machine (auraed.poweroff=1 on the kernel command line)"
+            )
+        self.request_power_off(reason)
+        return action
 
     def request_power_off(self, reason: str) -> None:
         if self.reason:
@@ -570,7 +538,7 @@ class Pid1:
         """Stop everything and end the machine (or the namespace); never returns."""
         import signal
 
-        Pid1.current = None
+        self._daemon = None
         action = self.final_action()
         try:
             for name in (*STOP_SIGNALS, "SIGHUP"):
@@ -797,8 +765,10 @@ def _halt_forever() -> NoReturn:
             time.sleep(1)
 
 
-def main(argv: Sequence[str]) -> NoReturn:
-    """PID 1: boot, load the configuration, serve, finish. Never returns."""
+def main(argv: Sequence[str], make_daemon: DaemonFactory) -> NoReturn:
+    """PID 1: boot, load the configuration, serve what ``make_daemon`` builds, finish. Never
+    returns. ``make_daemon`` is called only after the boot: the Daemon's imports (seconds under
+    emulation) come after the mounts, and a stop signal meanwhile is not lost."""
     init = Pid1(Pid1Layout.from_env())
     status = 1
     reason = ""
@@ -815,9 +785,7 @@ def main(argv: Sequence[str]) -> NoReturn:
         except SystemExit as exc:  # argparse: --help, or a bad flag
             init.finish(exc.code if isinstance(exc.code, int) else 2, "command line")
         init.grace = min(config.stop_grace_period, TERMINATE_GRACE)
-        from auraed.server.daemon import Daemon
-
-        status = init.run(Daemon(config))
+        status = init.run(make_daemon(config, init))
         if not init.reason:
             reason = f"the daemon returned {status}"
     except BaseException as exc:  # PID 1 must reach finish()

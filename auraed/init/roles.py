@@ -6,6 +6,8 @@ import enum
 import os
 from pathlib import Path
 
+from auraed.bootargs import BootArgs
+
 
 class Role(enum.Enum):
     HOST = "host"
@@ -34,11 +36,9 @@ def detect_role(
                 kernel_cmdline = Path("/proc/cmdline").read_text()
             except OSError:
                 kernel_cmdline = ""
-        # Read as PID 1 reads it (auraed/init/pid1.py), or the two disagree: a "-- auraed.role=guest"
+        # Read as PID 1 reads it (BootArgs), or the two disagree: a "-- auraed.role=guest"
         # (init's argv) or a later "auraed.role=host" made a guest daemon under a PID 1 that
         # skipped the config disk and, at the end, halted instead of powering off.
-        from auraed.init.pid1 import BootArgs
-
         if BootArgs.parse(kernel_cmdline).guest:
             return Role.GUEST, f"PID 1 with {GUEST_KERNEL_ARG} on the kernel command line"
         return Role.HOST, "PID 1 without a guest marker: bare-metal host"

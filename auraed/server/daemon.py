@@ -42,7 +42,7 @@ from auraed.server.listeners import (
 )
 from auraed.server.rpc import CollectedHandlers, generic_handler
 from auraed.server.system_service import SERVICE_NAME as SYSTEM
-from auraed.server.system_service import SystemServicer
+from auraed.server.system_service import Machine, SystemServicer
 from auraed.state.store import Store
 from auraed.system.cgroupfs import Cgroupfs
 from auraed.system.supervisor import Supervisor
@@ -83,8 +83,11 @@ def _register_standard_descriptors() -> None:
 
 
 class Daemon:
-    def __init__(self, config: DaemonConfig) -> None:
+    """``machine``: where auraed is PID 1, the machine it powers off (auraed/__main__.py)."""
+
+    def __init__(self, config: DaemonConfig, machine: Machine | None = None) -> None:
         self.config = config
+        self._machine = machine
         self.hub = ObserveHub.create(config.log_buffer_lines)
         self.role, self._role_reason = detect_role(config.role, config.nested)
         self.health = HealthServicer()
@@ -228,7 +231,7 @@ class Daemon:
             generic_handler(
                 DISCOVERY, DiscoveryServicer(self.role, services, capabilities, lambda: self._serving)
             ),
-            generic_handler(SYSTEM, SystemServicer(self.request_stop)),
+            generic_handler(SYSTEM, SystemServicer(self.request_stop, self._machine)),
         ]
         standard = CollectedHandlers()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, standard)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from auraed.api.aurae.system import v0 as pb
 from auraed.errors import AuraeError
@@ -24,11 +25,23 @@ def _reason(text: str) -> str:
     return text
 
 
-class SystemServicer:
-    """``request_stop`` stops the daemon gracefully (what SIGTERM does)."""
+class Machine(Protocol):
+    """The machine, where auraed is its PID 1 (auraed/init/pid1.py Pid1, handed over by
+    auraed/__main__.py)."""
 
-    def __init__(self, request_stop: Callable[[], None]) -> None:
+    def power_off(self, reason: str) -> str:
+        """Stop auraed, then power off (or exit, PID 1 of a pid namespace): what follows the stop.
+        Raises FAILED_PRECONDITION where it could only halt the machine."""
+        ...
+
+
+class SystemServicer:
+    """``request_stop`` stops the daemon gracefully (what SIGTERM does); ``machine`` is None
+    unless auraed is PID 1."""
+
+    def __init__(self, request_stop: Callable[[], None], machine: Machine | None = None) -> None:
         self._request_stop = request_stop
+        self._machine = machine
 
     async def shutdown(
         self, request: pb.SystemServiceShutdownRequest, context: Context
@@ -36,15 +49,10 @@ class SystemServicer:
         reason = _reason(request.reason)
         caller = ",".join(peer_identities(context)) or "an unidentified client"
         why = f"Shutdown called by {caller}" + (f": {reason}" if reason else "")
-        # Imported here: a daemon that is not PID 1 has nothing there, and the module is lean.
-        from auraed.init import pid1
-
-        init = pid1.Pid1.current
-        if init is None:
+        if self._machine is None:
             log.info("%s: stopping", why)
             self._request_stop()
             return pb.SystemServiceShutdownResponse(then="exit")
         # PID 1 stops the daemon, then powers off (or exits, PID 1 of a pid namespace); refused
         # with FAILED_PRECONDITION where it could only halt the machine.
-        await pid1.power_off(why)
-        return pb.SystemServiceShutdownResponse(then=init.final_action())
+        return pb.SystemServiceShutdownResponse(then=self._machine.power_off(why))

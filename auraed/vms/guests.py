@@ -19,8 +19,8 @@ from pathlib import Path
 
 import grpc
 
+from auraed.bootargs import GUEST_CONFIG_SERIAL
 from auraed.errors import AuraeError, ErrorKind
-from auraed.init.pid1 import GUEST_CONFIG_SERIAL
 from auraed.pki import (
     CertificateAuthority,
     PkiError,

@@ -238,7 +238,7 @@ class Vms:
         if spec.root_disk:
             disks.append(LaunchDisk(spec.root_disk, False, ROOT_SERIAL))
         disks += [LaunchDisk(d.path, d.writable, d.serial) for d in spec.extra_disks]
-        # The guest boot contract (auraed/init/pid1.py BootArgs, guest-image/files/init).
+        # The guest boot contract (auraed/bootargs.py BootArgs, guest-image/files/init).
         # The root disk is the first virtio disk (/dev/vda), extra disks follow (/dev/vdb, ...).
         args = [f"auraed.hostname={spec.name}"]
         net = None

@@ -28,9 +28,10 @@ from typing import Any
 import pytest
 
 from auraed.api.aurae.observe import v0 as observe
+from auraed.bootargs import BootArgs
 from auraed.errors import AuraeError
 from auraed.init import pid1, powerbutton
-from auraed.init.pid1 import BootArgs, Pid1, Pid1Layout, enable_controllers
+from auraed.init.pid1 import Pid1, Pid1Layout, enable_controllers
 from auraed.init.powerbutton import EV_KEY, KEY_POWER, InputEventParser, PowerButtonWatcher, encode_event
 from auraed.pki import PkiPaths
 from tests.conftest import DaemonProcess, remove_daemon_leftovers, wait_until
@@ -48,8 +49,9 @@ WORKLOAD = r"""
 import asyncio, json, os, subprocess, sys
 from pathlib import Path
 
+from auraed.bootargs import BootArgs
 from auraed.init import pid1
-from auraed.init.pid1 import BootArgs, Pid1, Pid1Layout
+from auraed.init.pid1 import Pid1, Pid1Layout
 from auraed.system import processes
 from auraed.system.monitor_protocol import MonitorSpec
 from auraed.system.supervisor import Supervisor
@@ -505,7 +507,8 @@ def test_network_by_ioctls_in_a_network_namespace(netns: str) -> None:
     gateway, address = (str(host) for host in list(subnet.hosts())[:2])
     code = (
         "import sys\n"
-        "from auraed.init.pid1 import BootArgs, Pid1\n"
+        "from auraed.bootargs import BootArgs\n"
+        "from auraed.init.pid1 import Pid1\n"
         "init = Pid1(args=BootArgs(ip=sys.argv[1], gateway=sys.argv[2]))\n"
         "init.configure_network()\n"
         "init.configure_network()  # idempotent: same address, the route already there\n"
@@ -554,7 +557,8 @@ def test_network_arguments_are_validated() -> None:
 def test_hostname_in_a_uts_namespace() -> None:
     code = (
         "import socket\n"
-        "from auraed.init.pid1 import BootArgs, Pid1\n"
+        "from auraed.bootargs import BootArgs\n"
+        "from auraed.init.pid1 import Pid1\n"
         "args = BootArgs.parse('console=ttyS0 auraed.role=guest auraed.hostname=guest-7')\n"
         "Pid1(args=args).set_hostname()\n"
         "print(socket.gethostname())\n"
@@ -575,7 +579,8 @@ def test_config_disk_is_mounted_read_only_before_the_config_is_loaded(pki: PkiPa
     code = (
         "import json, os, sys\n"
         "from auraed.config import load_config\n"
-        "from auraed.init.pid1 import BootArgs, Pid1, Pid1Layout\n"
+        "from auraed.bootargs import BootArgs\n"
+        "from auraed.init.pid1 import Pid1, Pid1Layout\n"
         "root, device = sys.argv[1], sys.argv[2]\n"
         "host = Pid1(Pid1Layout(root=root, config_device=device), BootArgs())\n"
         "host.mount_config_disk()  # a host without auraed.config_disk= has no config disk\n"
@@ -650,9 +655,9 @@ def test_boot_arguments_and_the_final_action_here() -> None:
     assert not pid1.is_machine_init()  # ... but not its init
 
 
-async def test_power_off_is_refused_unless_pid1_serves() -> None:
+def test_power_off_is_refused_unless_pid1_serves() -> None:
     with pytest.raises(AuraeError) as refused:
-        await pid1.power_off("test")
+        Pid1().power_off("test")
     assert refused.value.kind.value == "failed_precondition"
 
 

@@ -142,7 +142,8 @@ def test_loopback_comes_up_without_an_address_for_eth0(netns: str) -> None:
     """A guest booted without auraed.ip (no network device) still needs 127.0.0.1; before the fix
     lo came up only together with eth0's address."""
     code = (
-        "from auraed.init.pid1 import BootArgs, Pid1\nPid1(args=BootArgs(role='guest')).configure_network()\n"
+        "from auraed.bootargs import BootArgs\nfrom auraed.init.pid1 import Pid1\n"
+        "Pid1(args=BootArgs(role='guest')).configure_network()\n"
     )
     done = subprocess.run(
         ["ip", "netns", "exec", netns, sys.executable, "-c", code],

@@ -1,15 +1,16 @@
 """The kernel command line as PID 1 and the Daemon read it: they must agree on the role.
 
-PID 1 (auraed/init/pid1.py BootArgs) decides from the role whether to mount the config disk and
-whether the end is a power-off or a halt; the Daemon (auraed/init/roles.py) decides from it which
-services to serve. The host appends a VM's own kernel_args after ``auraed.role=guest``.
+Both read it with auraed/bootargs.py BootArgs: PID 1 (auraed/init/pid1.py) decides from the role
+whether to mount the config disk and whether the end is a power-off or a halt; the Daemon
+(auraed/init/roles.py) decides from it which services to serve. The host appends a VM's own
+kernel_args after ``auraed.role=guest``.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from auraed.init.pid1 import BootArgs
+from auraed.bootargs import BootArgs
 from auraed.init.roles import Role, detect_role
 
 
