@@ -20,6 +20,7 @@ from auraed.client.cli.arguments import size
 from auraed.client.client import client_config_text
 from auraed.pki import ensure_dev_pki
 from tests.conftest import DaemonProcess, free_all_cells
+from tests.support.interrupt import interruptible
 
 AER = [sys.executable, "-m", "auraed.aer"]
 
@@ -144,7 +145,11 @@ def test_follow_ends_quietly_on_ctrl_c(config: Path) -> None:
     ok("cell", "start", cell, "talker", "--shell", "echo one; exec sleep 60", config=config)
     command = [*AER, "--config", str(config), "observe", "logs", cell, "talker", "--follow"]
     follower = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment()
+        interruptible(command),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment(),
     )
     try:
         assert follower.stdout is not None and follower.stdout.readline() == "one\n"

@@ -28,6 +28,7 @@ from tests.conftest import DaemonProcess
 from tests.integration.test_cli import AER, assert_one_line_error, environment, unique
 from tests.integration.test_cli_edges import run_with_stdin_closed
 from tests.support.images import BuiltImage, push_layout
+from tests.support.interrupt import interruptible
 from tests.support.registry import LocalRegistry
 
 BUSYBOX = "localhost/busybox:cli"
@@ -309,7 +310,11 @@ def test_run_rm_cleans_up_on_ctrl_c(loaded: Path) -> None:
     command = [*AER, "--config", str(loaded), "container", "run", "--rm", name, BUSYBOX, "--",
                "sh", "-c", "echo up; exec sleep 300"]  # fmt: skip
     runner = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment()
+        interruptible(command),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment(),
     )
     try:
         assert runner.stdout is not None and runner.stdout.readline() == "up\n"

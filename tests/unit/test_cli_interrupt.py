@@ -9,6 +9,7 @@ import sys
 import time
 
 from auraed.client.cli.calls import EXIT_INTERRUPT_GRACE, EXIT_INTERRUPTED
+from tests.support.interrupt import interruptible
 
 STUBBORN = """
 import asyncio, os, signal, sys
@@ -29,7 +30,10 @@ asyncio.run(main())
 
 def test_an_interrupt_ends_the_process_even_when_the_work_ignores_it() -> None:
     process = subprocess.Popen(
-        [sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        interruptible([sys.executable, "-c", STUBBORN]),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert process.stdout is not None and process.stdout.readline() == "ready\n"
