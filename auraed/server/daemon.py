@@ -144,6 +144,11 @@ class Daemon:
     def _install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
+            # A SIGINT ignored from the start stays ignored, as Python's own default has it: a
+            # script starts its background jobs (`auraed &`) so, and its Ctrl-C then leaves the
+            # daemon to the script's clean-up, which still needs it (hack/demo frees its VM).
+            if sig is signal.SIGINT and signal.getsignal(sig) is signal.SIG_IGN:
+                continue
             loop.add_signal_handler(sig, self._on_signal, sig)
         # SIGHUP's default would end the daemon on the spot, without a graceful stop (a closed
         # terminal, or a "reload" from a service manager): there is nothing to reload, say so.

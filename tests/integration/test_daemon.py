@@ -162,6 +162,34 @@ async def test_sighup_is_not_the_end(daemon: DaemonProcess) -> None:
     assert daemon.stop() == 0
 
 
+@pytest.mark.parametrize("disposition", ["default", "ignore"])
+async def test_sigint_stops_the_daemon_unless_it_started_ignoring_it(pki: PkiPaths, disposition: str) -> None:
+    """Ctrl-C is a graceful stop. A script's background job (``auraed &``) starts with SIGINT
+    ignored, so that a Ctrl-C meant for the script leaves the daemon to the script's clean-up,
+    which still needs it: such a daemon ignores SIGINT, as Python itself does."""
+    daemon = DaemonProcess(Path(tempfile.mkdtemp(prefix="aurae-int-", dir="/tmp")), pki, [])
+    # env execs auraed in its own process: the pid, and so the signals, are the daemon's.
+    daemon.args = ["env", f"--{disposition}-signal=INT", *daemon.args]
+    try:
+        daemon.start()
+        assert daemon.process is not None
+        daemon.process.send_signal(signal.SIGINT)
+        if disposition == "default":
+            assert daemon.process.wait(timeout=30) == 0
+            assert "received SIGINT: shutting down" in daemon.log()
+            return
+        # Signals reach the loop in the order they came: SIGHUP's line follows SIGINT's, if any.
+        daemon.process.send_signal(signal.SIGHUP)
+        await wait_until(lambda: "received SIGHUP: ignored" in daemon.log())
+        assert "received SIGINT" not in daemon.log()
+        async with daemon.client() as client:
+            assert await client.health() == "SERVING"
+        assert daemon.stop() == 0
+    finally:
+        daemon.stop()
+        remove_daemon_leftovers(daemon)
+
+
 def test_client_reports_missing_certificate_files() -> None:
     # channel_for must fail with a clear error, not a traceback, when files are missing.
 
