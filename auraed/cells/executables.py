@@ -22,6 +22,7 @@ from auraed.cells.errors import CellError
 from auraed.cells.model import CellSpec, ExecutableSpec
 from auraed.errors import ErrorKind
 from auraed.observe.events import ObserveHub, SignalEvent
+from auraed.observe.logfile import LogSource
 from auraed.state.store import Store, StoreError, flat_doc
 from auraed.system import processes
 from auraed.system.monitor_protocol import ExitRecord, MonitorSpec, read_exit_record
@@ -111,6 +112,13 @@ class Executables:
 
     def get(self, workload: str) -> ExecutableRecord | None:
         return self._records.get(workload)
+
+    def log_source(self, workload: str) -> LogSource | None:
+        """Where ``workload``'s output is logged, for ObserveService; None if it is unknown."""
+        record = self._records.get(workload)
+        if record is None:
+            return None
+        return LogSource(record.log_path, lambda: record.state not in (State.RUNNING, State.STARTING))
 
     def in_cell(self, cell_name: str) -> list[ExecutableRecord]:
         return [r for r in self._records.values() if r.spec.cell_name == cell_name]

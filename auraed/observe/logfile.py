@@ -106,6 +106,14 @@ class LogLine:
     content: str
 
 
+@dataclasses.dataclass(frozen=True)
+class LogSource:
+    """A log file and whether its writer has finished: following it then ends at its end."""
+
+    path: Path
+    finished: Callable[[], bool]
+
+
 MAX_LINE_CHARS = 512 << 10
 """The most of one line a reader holds and sends. A process may write any length without a
 newline (its monitor splits it into partial records), but a LogItem must stay under grpc's 4 MiB

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from auraed.api.aurae.observe import v0 as pb
-from auraed.cells.cells import Cells
-from auraed.cells.executables import State
 from auraed.errors import AuraeError, ErrorKind
 from auraed.names import validate_label, validate_path
 from auraed.observe.events import ObserveHub, SignalEvent
-from auraed.observe.logfile import LogWatch, stream_lines
+from auraed.observe.logfile import LogSource, LogWatch, stream_lines
 from auraed.wire.handlers import Context
 
 SERVICE_NAME = "aurae.observe.v0.ObserveService"
@@ -65,9 +63,14 @@ def _signal_message(event: SignalEvent) -> pb.ObserveServiceGetPosixSignalsStrea
 
 
 class ObserveServicer:
-    def __init__(self, hub: ObserveHub, cells: Cells | None, log_watch: LogWatch) -> None:
+    """``executable_logs`` finds an executable's log by CELL/NAME (Executables.log_source): given,
+    not imported, so that observe, servicer and all, sits below the cells that publish into it."""
+
+    def __init__(
+        self, hub: ObserveHub, executable_logs: Callable[[str], LogSource | None], log_watch: LogWatch
+    ) -> None:
         self._hub = hub
-        self._cells = cells
+        self._executable_logs = executable_logs
         self._log_watch = log_watch
 
     async def get_aurae_daemon_log_stream(
@@ -93,14 +96,12 @@ class ObserveServicer:
         streams = _channel(request.channel_type)
         tail = _tail(request.tail)
         workload = f"{cell_name}/{name}"
-        record = self._cells.executables.get(workload) if self._cells is not None else None
-        if record is None:
+        source = self._executable_logs(workload)
+        if source is None:
             raise AuraeError.not_found(f"executable {name} in cell {cell_name}")
-
-        def finished() -> bool:
-            return record.state not in (State.RUNNING, State.STARTING)
-
-        lines = stream_lines(record.log_path, streams, tail, request.follow, finished, watch=self._log_watch)
+        lines = stream_lines(
+            source.path, streams, tail, request.follow, source.finished, watch=self._log_watch
+        )
         async with contextlib.aclosing(lines):  # its file watch ends with the call, not at GC
             async for line in lines:
                 yield pb.ObserveServiceGetSubProcessStreamResponse(

@@ -232,7 +232,9 @@ class Daemon:
             handlers.append(await self._vm_service(capabilities))
         handlers += [
             generic_handler(CELLS, CellServicer(cells)),
-            generic_handler(OBSERVE, ObserveServicer(self.hub, self.cells, self._log_watch)),
+            generic_handler(
+                OBSERVE, ObserveServicer(self.hub, cells.executables.log_source, self._log_watch)
+            ),
             generic_handler(
                 DISCOVERY, DiscoveryServicer(self.role, services, capabilities, lambda: self._serving)
             ),

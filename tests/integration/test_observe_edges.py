@@ -102,7 +102,7 @@ async def test_a_tail_then_follow_of_the_daemon_log_gives_each_line_once() -> No
     at that very moment, which a test cannot make a whole daemon do on demand."""
     hub = ObserveHub.create(DAEMON_LOG_LINES)
     hub.daemon_log.bind(asyncio.get_running_loop())
-    servicer = ObserveServicer(hub, None, LogWatch())
+    servicer = ObserveServicer(hub, lambda workload: None, LogWatch())
     request = observe.ObserveServiceGetAuraeDaemonLogStreamRequest(follow=True, tail=5)
     with logging_from_a_thread(hub):
         for _ in range(FOLLOW_TRIALS):
