@@ -2,4 +2,6 @@
 
 from auraed.client.cli import main
 
-main()
+# Guarded as auraed/aer.py is: guest-image/build imports every module to check the image.
+if __name__ == "__main__":
+    main()
