@@ -166,6 +166,21 @@ class DaemonConfig:
     log_buffer_lines: int = field(
         default=10000, metadata=_help("how many of auraed's own log lines Observe keeps")
     )
+    cri: bool = field(
+        default=True,
+        metadata=_help("serve the Kubernetes CRI (runtime.v1) to a kubelet on cri_socket (host role only)"),
+    )
+    cri_socket: Path = field(
+        default=Path("/run/aurae/cri.sock"),
+        metadata=_help(
+            "the kubelet's runtime endpoint: a plain unix socket (kubelets speak no TLS), mode 0600; "
+            "its directory must not be writable by others"
+        ),
+    )
+    cri_default_handler: str = field(
+        default="cell",
+        metadata=_help("runtime handler of a pod that names no RuntimeClass: cell (pinned namespaces on the host)"),
+    )
     authorization: AuthorizationPolicy = dataclasses.field(default_factory=AuthorizationPolicy)
     registries: Mapping[str, RegistryHost] = dataclasses.field(default_factory=dict)
     config_file: Path | None = None

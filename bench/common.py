@@ -82,6 +82,7 @@ class Daemon:
             sys.executable, "-m", "auraed",
             "--config", str(config),
             "--socket", str(self.socket),
+            "--cri-socket", str(root / "run" / "cri.sock"),
             "--ca-crt", str(pki.ca_crt),
             "--server-crt", str(pki.server_crt),
             "--server-key", str(pki.server_key),

@@ -71,6 +71,7 @@ class DaemonProcess:
         self.root = root
         self.pki = pki
         self.socket = root / "run" / "aurae.sock"
+        self.cri_socket = root / "run" / "cri.sock"
         self.cgroup_base = f"aurae-test-{os.getpid()}-{root.name}"
         self.log_path = root / "auraed.log"
         self.config_path = root / "auraed.toml"
@@ -79,6 +80,7 @@ class DaemonProcess:
             sys.executable, "-m", "auraed",
             "--config", str(self.config_path),
             "--socket", str(self.socket),
+            "--cri-socket", str(self.cri_socket),
             "--ca-crt", str(pki.ca_crt),
             "--server-crt", str(pki.server_crt),
             "--server-key", str(pki.server_key),

@@ -146,6 +146,20 @@ class AuthorizedHandlers(grpc.GenericRpcHandler):  # type: ignore[misc]
         return factory(behavior, handler.request_deserializer, handler.response_serializer)
 
 
+class GatedHandlers(AuthorizedHandlers):
+    """Serves what ``inner`` serves behind the gate alone: for the CRI's socket, which has no TLS.
+
+    Its callers are whoever may open the socket (owner-only: root), as a kubelet expects of its
+    runtime; there is no identity to check.
+    """
+
+    def __init__(self, inner: Sequence[grpc.GenericRpcHandler], gate: CallGate) -> None:
+        super().__init__(AuthorizationPolicy(), inner, gate)
+
+    async def _check(self, context: Context, method: str) -> None:
+        await self._gate.admit(context)
+
+
 def _handler_parts(handler: grpc.RpcMethodHandler) -> tuple[Callable[..., Any], Callable[..., Any]]:
     for attribute, factory in (
         ("unary_unary", grpc.unary_unary_rpc_method_handler),

@@ -28,9 +28,10 @@ from auraed.observe.events import DaemonLogHandler, ObserveHub
 from auraed.observe.logfile import LogWatch
 from auraed.observe.servicer import SERVICE_NAME as OBSERVE
 from auraed.observe.servicer import ObserveServicer
-from auraed.server.authz import AuthorizedHandlers
+from auraed.server.authz import AuthorizedHandlers, GatedHandlers
 from auraed.server.gate import CallGate
 from auraed.server.listeners import (
+    add_plain_unix_listener,
     add_tcp_listener,
     add_unix_listener,
     lock_state_dir,
@@ -48,6 +49,7 @@ from auraed.system.cgroupfs import Cgroupfs
 from auraed.system.supervisor import Supervisor
 
 if TYPE_CHECKING:
+    from auraed.cri.setup import Cri
     from auraed.containers.containers import Containers
     from auraed.images.images import Images
     from auraed.vms.guests import Guests
@@ -100,6 +102,9 @@ class Daemon:
         self._cgroups: Cgroupfs | None = None
         self._log_watch = LogWatch()
         self._server: grpc.aio.Server | None = None
+        self._cri_server: grpc.aio.Server | None = None
+        self.cri: Cri | None = None
+        self._cri_socket_bound = False
         self._gate = CallGate()
         self._stopping = asyncio.Event()
         self._serving = False
@@ -212,6 +217,9 @@ class Daemon:
         if config.tcp_listen:
             port = add_tcp_listener(server, config.tcp_listen, credentials)
             log.info("serving on %s (port %d)", config.tcp_listen, port)
+        # Before the aurae API's line: a watcher that saw it finds the kubelet's socket too.
+        if self.role is Role.HOST and config.cri and self.images is not None:
+            await self._serve_cri()
         await server.start()
         log.info("serving on unix:%s", config.socket)
         await self._set_health([*services, ""], serving=True)
@@ -256,6 +264,21 @@ class Daemon:
             # and refuses a VM named on any other method it knows.
             return [GuestRouter(self.guests.lookup, ImagePlacer(self.images), handlers)]
         return handlers
+
+    async def _serve_cri(self) -> None:
+        """The kubelet's endpoint: its own server, so the plain socket never reaches the aurae API."""
+        from auraed.cri import setup as cri_setup
+
+        config = self.config
+        assert self.images is not None
+        self.cri = cri_setup.build(config, self.images)
+        server = grpc.aio.server(options=server_options(config))
+        self._cri_server = server
+        server.add_generic_rpc_handlers([GatedHandlers(self.cri.handlers, self._gate)])
+        add_plain_unix_listener(server, config.cri_socket)
+        self._cri_socket_bound = True
+        await server.start()
+        log.info("serving the CRI on unix:%s", config.cri_socket)
 
     async def _vm_service(self, capabilities: Capabilities) -> grpc.GenericRpcHandler:
         from auraed.system.kvm import KvmProbe
@@ -312,6 +335,12 @@ class Daemon:
             self._cgroups.prune("")  # the base, made on demand, unless cells or containers remain
         if self._supervisor is not None:
             self._supervisor.close()
+        if self._cri_server is not None:
+            await self._cri_server.stop(SERVER_STOP_GRACE)
+        if self.cri is not None:
+            await self.cri.close()
+        if self._cri_socket_bound:
+            remove_unix_socket(self.config.cri_socket)
         if self._server is not None:
             await self._server.stop(SERVER_STOP_GRACE)
         if self._socket_bound:

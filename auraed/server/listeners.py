@@ -223,6 +223,18 @@ def add_unix_listener(server: grpc.aio.Server, path: Path, credentials: grpc.Ser
         path.chmod(0o600)
 
 
+def add_plain_unix_listener(server: grpc.aio.Server, path: Path) -> None:
+    """A unix socket without TLS (the CRI's: kubelets speak none to their runtime), owner-only."""
+    prepare_unix_socket(path)
+    previous = os.umask(0o177)
+    try:
+        server.add_insecure_port(f"unix:{path}")
+    finally:
+        os.umask(previous)
+    with contextlib.suppress(FileNotFoundError):
+        path.chmod(0o600)
+
+
 def add_tcp_listener(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials) -> int:
     try:
         port = server.add_secure_port(address, credentials)

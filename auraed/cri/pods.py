@@ -1,0 +1,211 @@
+"""Pods (CRI pod sandboxes): their records, lifecycle and lookups, whatever their handler.
+
+A pod's record is saved before anything is made for it and after each step, so a daemon killed
+at any point finds the pod again at start: a pod whose run did not finish is undone, one whose
+removal did not finish is removed, the others are recovered by their controller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+from auraed.cri.errors import CriError
+from auraed.cri.model import PodRecord, PodSpec, PodState
+from auraed.cri.sandbox import SandboxController
+from auraed.errors import ErrorKind
+from auraed.state.store import Store
+
+log = logging.getLogger(__name__)
+
+KIND = "cri_pod"
+ID_BYTES = 32  # 64 hex digits, as containerd's and CRI-O's ids
+MIN_PREFIX = 6  # the shortest id prefix a lookup takes (crictl shows 13)
+# Steps a record is saved in before the step runs: found at start, the step is finished or undone.
+RUNNING_STEP = "running"
+REMOVING_STEP = "removing"
+
+
+class PodContainers(Protocol):
+    """What the pods need of the pod's containers (the CRI container domain provides it)."""
+
+    async def stop_pod_containers(self, pod: PodRecord) -> None: ...
+
+    async def remove_pod_containers(self, pod: PodRecord) -> None: ...
+
+
+class Pods:
+    def __init__(
+        self,
+        store: Store,
+        controllers: Mapping[str, SandboxController],
+        default_handler: Callable[[PodSpec], str],
+    ) -> None:
+        self._store = store
+        self._controllers = dict(controllers)
+        self._default_handler = default_handler
+        self._records: dict[str, PodRecord] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.containers: PodContainers | None = None  # set once the container domain exists
+
+    # -- lookups -----------------------------------------------------------------------------
+
+    @property
+    def handlers(self) -> list[SandboxController]:
+        return list(self._controllers.values())
+
+    def find(self, pod_id: str) -> PodRecord | None:
+        """The pod with id ``pod_id`` or the one id starting with it; None when there is none."""
+        record = self._records.get(pod_id)
+        if record is not None or len(pod_id) < MIN_PREFIX:
+            return record
+        matches = [r for r in self._records.values() if r.id.startswith(pod_id)]
+        if len(matches) > 1:
+            raise CriError.invalid("pod_sandbox_id", f"{pod_id} is the start of {len(matches)} pods' ids")
+        return matches[0] if matches else None
+
+    def get(self, pod_id: str) -> PodRecord:
+        if not pod_id:
+            raise CriError.invalid("pod_sandbox_id", "is required")
+        record = self.find(pod_id)
+        if record is None:
+            raise CriError.not_found(f"pod sandbox {pod_id[:100]}")
+        return record
+
+    def all(self) -> list[PodRecord]:
+        return sorted(self._records.values(), key=lambda r: r.created_at)
+
+    def controller(self, pod: PodRecord) -> SandboxController:
+        return self._controllers[pod.handler]
+
+    def _lock(self, pod_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(pod_id, asyncio.Lock())
+
+    def save(self, pod: PodRecord) -> None:
+        self._store.put(KIND, pod.id, pod.to_doc())
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def resolve_handler(self, spec: PodSpec) -> PodSpec:
+        """The spec with its handler named: the request's, else the configured default's choice."""
+        import dataclasses
+
+        handler = spec.runtime_handler or self._default_handler(spec)
+        if handler not in self._controllers:
+            known = ", ".join(sorted(self._controllers))
+            raise CriError.invalid("runtime_handler", f"{handler!r} is not a handler of this runtime ({known})")
+        return dataclasses.replace(spec, runtime_handler=handler)
+
+    async def run(self, spec: PodSpec) -> PodRecord:
+        spec = self.resolve_handler(spec)
+        pod = PodRecord(
+            id=secrets.token_hex(ID_BYTES),
+            spec=spec,
+            state=PodState.NOT_READY,
+            created_at=time.time_ns(),
+            sandbox={"step": RUNNING_STEP},
+        )
+        async with self._lock(pod.id):
+            # Saved before anything exists: a crash from here on is undone at start.
+            self.save(pod)
+            self._records[pod.id] = pod
+            controller = self.controller(pod)
+            try:
+                await controller.run(pod)
+            except BaseException:
+                await self._forget(pod, controller)
+                raise
+            pod.sandbox.pop("step", None)
+            pod.state = PodState.READY
+            self.save(pod)
+        log.info(
+            "pod %s/%s (%s) runs as %s, ip %s",
+            spec.metadata.namespace,
+            spec.metadata.name,
+            pod.id[:13],
+            spec.runtime_handler,
+            pod.ip or "-",
+        )
+        return pod
+
+    async def _forget(self, pod: PodRecord, controller: SandboxController) -> None:
+        """Undo a pod whose run failed or was cut short; never raises (the first error matters)."""
+        try:
+            await asyncio.shield(self._undo(pod, controller))
+        except Exception:
+            log.exception("could not undo pod %s; it is removed at the next start", pod.id[:13])
+
+    async def _undo(self, pod: PodRecord, controller: SandboxController) -> None:
+        await controller.stop(pod)
+        await controller.remove(pod)
+        self._store.delete(KIND, pod.id)
+        self._records.pop(pod.id, None)
+
+    async def stop(self, pod_id: str) -> None:
+        """Stop the pod's containers and release its network. A pod that is gone is stopped."""
+        pod = self.find(pod_id) if pod_id else None
+        if pod_id == "":
+            raise CriError.invalid("pod_sandbox_id", "is required")
+        if pod is None:
+            return
+        async with self._lock(pod.id):
+            if self.containers is not None:
+                await self.containers.stop_pod_containers(pod)
+            await self.controller(pod).stop(pod)
+            pod.state = PodState.NOT_READY
+            self.save(pod)
+
+    async def remove(self, pod_id: str) -> None:
+        """Remove the pod, its containers and everything made for it. A pod that is gone is removed."""
+        if pod_id == "":
+            raise CriError.invalid("pod_sandbox_id", "is required")
+        pod = self.find(pod_id)
+        if pod is None:
+            return
+        async with self._lock(pod.id):
+            if pod.id not in self._records:  # removed while this call waited
+                return
+            pod.sandbox["step"] = REMOVING_STEP
+            pod.state = PodState.NOT_READY
+            self.save(pod)
+            # Runs to its end if the kubelet gives up: a half-removed pod is no use to anyone.
+            await asyncio.shield(self._remove(pod))
+        self._locks.pop(pod.id, None)
+
+    async def _remove(self, pod: PodRecord) -> None:
+        if self.containers is not None:
+            await self.containers.remove_pod_containers(pod)
+        await self._undo(pod, self.controller(pod))
+        log.info("pod %s (%s) removed", pod.spec.metadata.name, pod.id[:13])
+
+    # -- start -------------------------------------------------------------------------------
+
+    async def recover(self) -> None:
+        """Find every pod the store holds; finish what a crash interrupted."""
+        for pod_id, doc in self._store.list(KIND):
+            try:
+                pod = PodRecord.from_doc(doc)
+            except (KeyError, TypeError, ValueError) as exc:
+                log.error("pod record %s is unreadable (%s); dropped", pod_id[:13], exc)
+                self._store.delete(KIND, pod_id)
+                continue
+            controller = self._controllers.get(pod.handler)
+            if controller is None:
+                log.error("pod %s has handler %r, which is not configured; kept as is", pod_id[:13], pod.handler)
+                continue
+            self._records[pod.id] = pod
+            step = pod.sandbox.get("step")
+            try:
+                if step in (RUNNING_STEP, REMOVING_STEP):
+                    log.info("pod %s: finishing its interrupted %s", pod.id[:13], "run" if step == RUNNING_STEP else "removal")
+                    await self._remove(pod)
+                    continue
+                await controller.recover(pod)
+            except Exception as exc:
+                kind = exc.kind if isinstance(exc, CriError) else ErrorKind.INTERNAL
+                log.error("pod %s could not be recovered (%s): %s", pod.id[:13], kind.value, exc)
+        log.info("recovered %d pods", len(self._records))

@@ -1,0 +1,46 @@
+"""The seam between the CRI and what a pod is: one sandbox controller per runtime handler.
+
+The CRI's pod RPCs are the same whatever a pod is made of; a runtime handler (the pod's
+RuntimeClass) decides that. ``cell`` makes a pod of pinned namespaces and a pod cgroup on the host;
+``vm`` (a later handler) of a guest VM. Each implements :class:`SandboxController`, so no RPC
+branches on the handler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+from auraed.cri.model import PodRecord
+
+
+@dataclasses.dataclass(frozen=True)
+class HandlerFeatures:
+    """What Status reports of a handler (the CRI's RuntimeHandlerFeatures)."""
+
+    recursive_read_only_mounts: bool = False
+    user_namespaces: bool = False
+
+
+class SandboxController(Protocol):
+    """Makes, stops and removes the sandbox of the pods of one runtime handler.
+
+    Every method is idempotent: a kubelet retries, and a daemon restarted in the middle of one
+    runs it again. What a controller made is kept in ``pod.sandbox`` (saved by the caller after
+    each call), so a restarted daemon can undo it.
+    """
+
+    name: str
+    features: HandlerFeatures
+
+    async def run(self, pod: PodRecord) -> None:
+        """Make the pod's sandbox and its network; on failure, undo all of it, then raise."""
+
+    async def stop(self, pod: PodRecord) -> None:
+        """Release the pod's network (its containers are stopped already); the sandbox stays."""
+
+    async def remove(self, pod: PodRecord) -> None:
+        """Remove everything the pod's sandbox holds (after ``stop``)."""
+
+    async def recover(self, pod: PodRecord) -> None:
+        """At start: make the in-memory state of a pod found in the store (it may be gone)."""
