@@ -179,7 +179,9 @@ class DaemonConfig:
     )
     cri_default_handler: str = field(
         default="cell",
-        metadata=_help("runtime handler of a pod that names no RuntimeClass: cell (pinned namespaces on the host)"),
+        metadata=_help(
+            "runtime handler of a pod that names no RuntimeClass: cell (pinned namespaces on the host)"
+        ),
     )
     authorization: AuthorizationPolicy = dataclasses.field(default_factory=AuthorizationPolicy)
     registries: Mapping[str, RegistryHost] = dataclasses.field(default_factory=dict)

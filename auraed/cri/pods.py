@@ -97,7 +97,9 @@ class Pods:
         handler = spec.runtime_handler or self._default_handler(spec)
         if handler not in self._controllers:
             known = ", ".join(sorted(self._controllers))
-            raise CriError.invalid("runtime_handler", f"{handler!r} is not a handler of this runtime ({known})")
+            raise CriError.invalid(
+                "runtime_handler", f"{handler!r} is not a handler of this runtime ({known})"
+            )
         return dataclasses.replace(spec, runtime_handler=handler)
 
     async def run(self, spec: PodSpec) -> PodRecord:
@@ -147,9 +149,9 @@ class Pods:
 
     async def stop(self, pod_id: str) -> None:
         """Stop the pod's containers and release its network. A pod that is gone is stopped."""
-        pod = self.find(pod_id) if pod_id else None
         if pod_id == "":
             raise CriError.invalid("pod_sandbox_id", "is required")
+        pod = self.find(pod_id)
         if pod is None:
             return
         async with self._lock(pod.id):
@@ -195,13 +197,14 @@ class Pods:
                 continue
             controller = self._controllers.get(pod.handler)
             if controller is None:
-                log.error("pod %s has handler %r, which is not configured; kept as is", pod_id[:13], pod.handler)
+                log.error("pod %s has handler %r, not configured; kept as it is", pod_id[:13], pod.handler)
                 continue
             self._records[pod.id] = pod
             step = pod.sandbox.get("step")
             try:
                 if step in (RUNNING_STEP, REMOVING_STEP):
-                    log.info("pod %s: finishing its interrupted %s", pod.id[:13], "run" if step == RUNNING_STEP else "removal")
+                    what = "run" if step == RUNNING_STEP else "removal"
+                    log.info("pod %s: finishing its interrupted %s", pod.id[:13], what)
                     await self._remove(pod)
                     continue
                 await controller.recover(pod)

@@ -49,8 +49,8 @@ from auraed.system.cgroupfs import Cgroupfs
 from auraed.system.supervisor import Supervisor
 
 if TYPE_CHECKING:
-    from auraed.cri.setup import Cri
     from auraed.containers.containers import Containers
+    from auraed.cri.setup import Cri
     from auraed.images.images import Images
     from auraed.vms.guests import Guests
 
