@@ -21,7 +21,7 @@ from auraed.errors import ErrorKind
 from auraed.images.errors import ImageError
 from auraed.images.images import Images
 from auraed.images.model import ImageRecord
-from auraed.server.rpc import Context
+from auraed.wire.handlers import Context
 
 SERVICE_NAME = "runtime.v1.ImageService"
 MAX_REFERENCE = 4096

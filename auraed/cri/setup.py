@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 
-import grpc
-
 from auraed.config import DaemonConfig
 from auraed.cri.images import SERVICE_NAME as IMAGE_SERVICE
 from auraed.cri.images import FsUsageCache, ImageServicer
 from auraed.images.images import Images
-from auraed.server.rpc import generic_handler
 
 
 @dataclasses.dataclass
 class Cri:
-    """The CRI's services, ready to serve on the kubelet's socket."""
+    """The CRI's servicers by service name, for the server to serve on the kubelet's socket."""
 
-    handlers: list[grpc.GenericRpcHandler]
+    servicers: dict[str, object]
 
     async def close(self) -> None:
         pass
@@ -25,4 +22,4 @@ class Cri:
 
 def build(config: DaemonConfig, images: Images) -> Cri:
     fs_usage = FsUsageCache(config.state_dir / "images")
-    return Cri(handlers=[generic_handler(IMAGE_SERVICE, ImageServicer(images, fs_usage))])
+    return Cri(servicers={IMAGE_SERVICE: ImageServicer(images, fs_usage)})

@@ -274,7 +274,8 @@ class Daemon:
         self.cri = cri_setup.build(config, self.images)
         server = grpc.aio.server(options=server_options(config))
         self._cri_server = server
-        server.add_generic_rpc_handlers([GatedHandlers(self.cri.handlers, self._gate)])
+        handlers = [generic_handler(name, servicer) for name, servicer in self.cri.servicers.items()]
+        server.add_generic_rpc_handlers([GatedHandlers(handlers, self._gate)])
         add_plain_unix_listener(server, config.cri_socket)
         self._cri_socket_bound = True
         await server.start()
