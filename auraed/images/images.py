@@ -249,7 +249,12 @@ class Images:
         config: ImageConfigFile,
         reference: str,
         repository: str,
+        *,
+        resolved_digest: str = "",
     ) -> ImageRecord:
+        """Record the image; its repo digest is ``repository@resolved_digest``: what the reference
+        resolved to (an index's digest for a multi-arch image, as docker and containerd report
+        it), the manifest's when it named one."""
         layers = tuple(
             LayerRecord(blob.digest, diff_id, blob.size, blob.media_type)
             for blob, diff_id in zip(manifest.layers, config.diff_ids, strict=True)
@@ -265,7 +270,7 @@ class Images:
                 )
         previous = self._store.get(KIND, image_id)
         old = ImageRecord.from_doc(previous) if previous else None
-        repo_digest = f"{repository}@{manifest_digest}"
+        repo_digest = f"{repository}@{resolved_digest or manifest_digest}"
         image = ImageRecord(
             id=image_id,
             references=tuple(dict.fromkeys([*(old.references if old else ()), reference])),
@@ -465,7 +470,14 @@ class Images:
             await asyncio.to_thread(self.content.write_blob, resolved.digest, resolved.raw)
         except RegistryError as exc:
             raise registry_error(exc) from None
-        image = self._register(resolved.digest, manifest, config, ref.name, ref.repository_name)
+        image = self._register(
+            resolved.digest,
+            manifest,
+            config,
+            ref.name,
+            ref.repository_name,
+            resolved_digest=resolved.index_digest or resolved.digest,
+        )
         yield PullProgress("done", done=progress.total, total=progress.total)
         yield image
 

@@ -1091,10 +1091,14 @@ class Image(betterproto2.Message):
 
     repo_digests: "list[str]" = betterproto2.field(3, betterproto2.TYPE_STRING, repeated=True)
     """
-    "repository@sha256:..." of the manifest(s) it was pulled or imported as.
+    "repository@sha256:..." of what it was pulled or imported by: an index's digest for a
+    multi-arch image (as docker and containerd report it), else its manifest's.
     """
 
     manifest_digest: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+    """
+    The image manifest's digest (for a multi-arch image, the one chosen for this platform).
+    """
 
     size: "int" = betterproto2.field(5, betterproto2.TYPE_UINT64)
     """
