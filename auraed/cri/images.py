@@ -9,6 +9,7 @@ whatever reference pulled it. Repo tags are the image's tagged references, repo 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import AsyncIterator
@@ -68,13 +69,27 @@ def _reference(spec: cri.ImageSpec | None, field: str) -> str:
     return reference
 
 
-def _find(images: Images, reference: str) -> ImageRecord | None:
+def _pull_reference(spec: cri.ImageSpec | None) -> str:
+    """The reference to pull: only a name, never an image id, can be fetched from a registry."""
+    reference = _reference(spec, "image")
+    from auraed.images.reference import ReferenceError, parse_reference
+
+    try:
+        parse_reference(reference)
+    except ReferenceError as exc:
+        raise CriError.invalid("image.image", str(exc)) from None
+    return reference
+
+
+def _find(images: Images, reference: str, field: str) -> ImageRecord | None:
     """The image ``reference`` names, None when there is none (the CRI's "image unset")."""
     try:
         return images.find(reference)
     except ImageError as exc:
         if exc.kind is ErrorKind.NOT_FOUND:
             return None
+        if exc.kind is ErrorKind.INVALID_ARGUMENT:  # worded for the field the kubelet filled in
+            raise CriError.invalid(f"{field}.image", exc.message.removeprefix("reference: ")) from None
         raise
 
 
@@ -131,9 +146,9 @@ class ImageServicer:
         self._fs_usage = fs_usage
 
     def _listed(self, request_filter: cri.ImageFilter | None) -> list[cri.Image]:
-        wanted = request_filter.image.image if request_filter and request_filter.image else ""
-        if wanted:
-            found = _find(self._images, _reference(request_filter.image, "filter.image"))  # type: ignore[union-attr]
+        spec = request_filter.image if request_filter else None
+        if spec is not None and spec.image:
+            found = _find(self._images, _reference(spec, "filter.image"), "filter.image")
             return [image_message(found)] if found else []
         return [image_message(image) for image in sorted(self._images.all(), key=lambda i: i.created_at)]
 
@@ -148,13 +163,11 @@ class ImageServicer:
     async def image_status(
         self, request: cri.ImageStatusRequest, context: Context
     ) -> cri.ImageStatusResponse:
-        image = _find(self._images, _reference(request.image, "image"))
+        image = _find(self._images, _reference(request.image, "image"), "image")
         if image is None:
             return cri.ImageStatusResponse()
         info: dict[str, str] = {}
         if request.verbose:
-            import json
-
             info["info"] = json.dumps(
                 {
                     "manifestDigest": image.manifest_digest,
@@ -168,7 +181,7 @@ class ImageServicer:
         return cri.ImageStatusResponse(image=image_message(image), info=info)
 
     async def pull_image(self, request: cri.PullImageRequest, context: Context) -> cri.PullImageResponse:
-        reference = _reference(request.image, "image")
+        reference = _pull_reference(request.image)
         # Imported here: the HTTP stack costs ~5 MiB and guests, which never pull, never load it.
         from auraed.images.registry import Credentials
 
@@ -185,7 +198,7 @@ class ImageServicer:
         self, request: cri.RemoveImageRequest, context: Context
     ) -> cri.RemoveImageResponse:
         reference = _reference(request.image, "image")
-        if _find(self._images, reference) is None:
+        if _find(self._images, reference, "image") is None:
             return cri.RemoveImageResponse()  # idempotent: already gone
         try:
             await self._images.remove(reference)
