@@ -43,7 +43,7 @@ import subprocess
 import tarfile
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -611,19 +611,23 @@ def push_index(
     headers: Mapping[str, str] | None = None,
     base_layers: Sequence[LayerSpec] = (),
     media_type: str = OCI_INDEX,
+    config: ImageConfig | None = None,
 ) -> PushedIndex:
     """An index over one small image per platform ("os/arch[/variant]"), pushed to ``tag``.
 
     Each image is ``base_layers`` plus a layer holding /etc/platform with the platform's name,
-    and its config says that platform, so a test can tell which one it got.
+    and its config is ``config`` (default ``ImageConfig()``) for that platform, so a test can
+    tell which one it got.
     """
     images: dict[str, BuiltImage] = {}
     entries = []
     for platform in platforms:
         os_name, arch, *rest = platform.split("/")
-        config = ImageConfig(os=os_name, architecture=arch, variant=rest[0] if rest else None)
+        for_platform = replace(
+            config or ImageConfig(), os=os_name, architecture=arch, variant=rest[0] if rest else None
+        )
         layers: list[LayerSpec] = [*base_layers, {"etc/platform": f"{platform}\n".encode()}]
-        image = build_layout(workdir / platform.replace("/", "-"), layers, config, ref_name=tag)
+        image = build_layout(workdir / platform.replace("/", "-"), layers, for_platform, ref_name=tag)
         push_image_raw(image, registry_url, repository, image.manifest_digest, headers)
         images[platform] = image
         entries.append(image.manifest_descriptor())
