@@ -183,6 +183,19 @@ class DaemonConfig:
             "runtime handler of a pod that names no RuntimeClass: cell (pinned namespaces on the host)"
         ),
     )
+    cni_conf_dir: Path = field(
+        default=Path("/etc/cni/net.d"),
+        metadata=_help(
+            "CNI network configs (*.conflist, *.conf, *.json); the first in lexical order is pods'"
+        ),
+    )
+    cni_bin_dirs: str = field(
+        default="/usr/lib/cni:/opt/cni/bin",
+        metadata=_help("directories holding CNI plugin binaries, separated by ':' as in CNI_PATH"),
+    )
+    cni_plugin_timeout: float = field(
+        default=60.0, metadata=_help("seconds one CNI plugin call (ADD, DEL, CHECK) may take")
+    )
     authorization: AuthorizationPolicy = dataclasses.field(default_factory=AuthorizationPolicy)
     registries: Mapping[str, RegistryHost] = dataclasses.field(default_factory=dict)
     config_file: Path | None = None

@@ -25,6 +25,7 @@ class ErrorKind(enum.Enum):
     RESOURCE_EXHAUSTED = "resource_exhausted"
     UNAVAILABLE = "unavailable"
     DEADLINE_EXCEEDED = "deadline_exceeded"
+    UNIMPLEMENTED = "unimplemented"  # an optional API this runtime does not offer (CRI checkpoints)
     INTERNAL = "internal"
 
 

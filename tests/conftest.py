@@ -81,6 +81,7 @@ class DaemonProcess:
             "--config", str(self.config_path),
             "--socket", str(self.socket),
             "--cri-socket", str(self.cri_socket),
+            "--cni-conf-dir", str(root / "net.d"),
             "--ca-crt", str(pki.ca_crt),
             "--server-crt", str(pki.server_crt),
             "--server-key", str(pki.server_key),

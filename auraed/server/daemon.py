@@ -271,7 +271,11 @@ class Daemon:
 
         config = self.config
         assert self.images is not None
-        self.cri = cri_setup.build(config, self.images)
+        from auraed.containers.setup import runtime_binary
+
+        assert self.store is not None and self._cgroups is not None
+        oci_runtime = runtime_binary(config, self._cgroups.layout)
+        self.cri = cri_setup.build(config, self.store, self.images, oci_runtime)
         server = grpc.aio.server(options=server_options(config))
         self._cri_server = server
         handlers = [generic_handler(name, servicer) for name, servicer in self.cri.servicers.items()]

@@ -21,6 +21,7 @@ STATUS_FOR_KIND: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorKind.UNIMPLEMENTED: grpc.StatusCode.UNIMPLEMENTED,
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 
