@@ -41,8 +41,13 @@ class PtyMaster:
 
     async def _ready(self, add: str, remove: str) -> None:
         loop = asyncio.get_running_loop()
-        ready = loop.create_future()
-        getattr(loop, add)(self.fd, lambda: ready.done() or ready.set_result(None))
+        ready: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        getattr(loop, add)(self.fd, wake)
         try:
             await ready
         finally:
@@ -103,7 +108,9 @@ class ProcessStreams:
             os.close(self.pty.fd)
 
 
-async def start_process(argv: tuple[str, ...], *, tty: bool, stdin: bool, stdout: bool, stderr: bool, owned: bool) -> ProcessStreams:
+async def start_process(
+    argv: tuple[str, ...], *, tty: bool, stdin: bool, stdout: bool, stderr: bool, owned: bool
+) -> ProcessStreams:
     if tty:
         master, slave = os.openpty()
         try:
@@ -134,7 +141,9 @@ class ProcessBackend:
         self.sessions: list[ProcessStreams] = []
         self.dialed: list[int] = []
 
-    async def run_container(self, container_id: str, argv: tuple[str, ...], *, tty: bool = False) -> ProcessStreams:
+    async def run_container(
+        self, container_id: str, argv: tuple[str, ...], *, tty: bool = False
+    ) -> ProcessStreams:
         streams = await start_process(argv, tty=tty, stdin=True, stdout=True, stderr=not tty, owned=True)
         self.containers[container_id] = streams
         return streams

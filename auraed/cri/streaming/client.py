@@ -23,7 +23,7 @@ from websockets.utils import accept_key, generate_key
 from auraed.cri.streaming import portforward, remotecommand
 from auraed.cri.streaming.channels import CLOSE_CHANNEL
 from auraed.cri.streaming.spdy import Headers, SpdyLimits
-from auraed.cri.streaming.spdy_session import SpdySession, SpdyStream
+from auraed.cri.streaming.spdy_session import SpdySession, SpdyStream, SpdyStreamClosed
 from auraed.cri.streaming.transport import ByteTransport, StreamTransport
 from auraed.cri.streaming.websocket import WebSocketConnection, WebSocketTransport
 
@@ -146,12 +146,14 @@ class _SpdyCommand(RemoteCommand):
         ]
 
     async def _copy(self, stream: SpdyStream | None, queue: asyncio.Queue[bytes]) -> None:
+        # A reset ends an output as its end does (spdystream reads it as EOF, so client-go does):
+        # the kubelet resets every stream once it wrote the status.
         try:
             if stream is not None:
                 while chunk := await stream.read():
                     await queue.put(chunk)
-        except Exception as exc:
-            self._failure = self._failure or exc
+        except SpdyStreamClosed:
+            pass
         finally:
             await queue.put(b"")
 

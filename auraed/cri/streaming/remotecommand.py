@@ -207,11 +207,11 @@ class CommandSpec:
 
 
 async def run_remote_command(
-    streams: RemoteStreams, spec: CommandSpec, version: int, client_gone: Awaitable[None]
+    streams: RemoteStreams, spec: CommandSpec, version: int, client_gone: Callable[[], Awaitable[None]]
 ) -> None:
     """Start the session, pipe its streams, write its status on the error stream, close it.
 
-    ``client_gone`` completes when the client's connection ends (or idles out): the session is
+    ``client_gone()`` completes when the client's connection ends (or idles out): the session is
     then closed (an exec'd process killed) without a status.
     """
     try:
@@ -223,7 +223,7 @@ async def run_remote_command(
         await _finish(streams, encode_status(internal_error_status(f"{spec.failure}: {message}"), version))
         return
     try:
-        code = await _until_client_gone(_pipe(session, streams), client_gone)
+        code = await _until_client_gone(_pipe(session, streams), client_gone())
     except (SpdyError, ChannelClosed, WebSocketClosed, ConnectionError) as exc:
         log.info("streaming client went away: %s", exc)
         code = None

@@ -73,6 +73,7 @@ class StreamingServer:
         self._tokens = TokenRegistry(self.config.token_ttl, self.config.max_pending_tokens)
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
+        self._closing = False
         self.base_url = ""
 
     @property
@@ -87,6 +88,7 @@ class StreamingServer:
         self.base_url = f"http://{_url_host(self.config.url_host or self.config.bind_address)}:{port}"
 
     async def close(self) -> None:
+        self._closing = True
         if self._server is not None:
             self._server.close()
         for task in list(self._connections):
@@ -200,10 +202,13 @@ class StreamingServer:
                     spdy, options, version, self.config.stream_creation_timeout
                 )
                 if streams is not None:
-                    gone = _first(spdy.wait_ended(), self._idle(lambda: spdy.last_activity))
+
+                    def gone() -> Awaitable[None]:
+                        return _first(spdy.wait_ended(), self._idle(lambda: spdy.last_activity))
+
                     await remotecommand.run_remote_command(streams, spec, version, gone)
         finally:
-            await spdy.close(self.config.close_grace)
+            await spdy.close(self._close_grace())
             reading.cancel()
             await asyncio.gather(reading, return_exceptions=True)
 
@@ -277,7 +282,10 @@ class StreamingServer:
         routing = asyncio.create_task(mux.run())
         try:
             await remotecommand.announce_websocket(mux, options)
-            gone = _first(connection.wait_closed(), self._idle(lambda: connection.last_activity))
+
+            def gone() -> Awaitable[None]:
+                return _first(connection.wait_closed(), self._idle(lambda: connection.last_activity))
+
             await remotecommand.run_remote_command(
                 remotecommand.websocket_streams(mux, options),
                 spec,
@@ -285,9 +293,13 @@ class StreamingServer:
                 gone,
             )
         finally:
-            await connection.close(self.config.close_grace)
+            await connection.close(self._close_grace())
             routing.cancel()
             await asyncio.gather(routing, return_exceptions=True)
+
+    def _close_grace(self) -> float:
+        """How long a session's end waits for its client: not at all when the server stops."""
+        return 0.0 if self._closing else self.config.close_grace
 
     async def _idle(self, last_activity: Callable[[], float]) -> None:
         """Returns once nothing went either way for ``idle_timeout`` seconds."""

@@ -73,6 +73,7 @@ class SpdyStream:
         self._drained = asyncio.Event()
         self._drained.set()
         self._replied = asyncio.Event()
+        self._reply_received = False
         self._remote_fin = False
         self._local_fin = False
         self._closed_reason: str | None = None
@@ -197,6 +198,7 @@ class SpdyStream:
         self.session.forget(self)
 
     def mark_replied(self, fin: bool) -> None:
+        self._reply_received = True
         self._replied.set()
         if fin:
             self.received(b"", fin=True)
@@ -205,8 +207,10 @@ class SpdyStream:
         await self._drained.wait()
 
     async def wait_replied(self) -> None:
+        """Until the peer's SYN_REPLY; SpdyStreamClosed if it reset the stream instead."""
         await self._replied.wait()
-        self._check_open()
+        if not self._reply_received:
+            self._check_open()
 
 
 class SpdySession:
