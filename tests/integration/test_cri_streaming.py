@@ -411,3 +411,46 @@ async def test_the_server_refuses_more_pending_tokens_than_allowed(backend: Proc
     finally:
         with contextlib.suppress(Exception):
             await server.close()
+
+
+async def test_an_idle_session_is_closed_and_its_process_killed(backend: ProcessBackend) -> None:
+    server = StreamingServer(backend, StreamingConfig(idle_timeout=0.5, close_grace=0.5))
+    await server.start()
+    try:
+        command = await open_remote_command(exec_url(server, "sleep", "1000"))
+        for _ in range(100):
+            if backend.sessions and backend.sessions[0].process.returncode is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert backend.sessions[0].process.returncode is not None
+        await command.close()
+    finally:
+        await server.close()
+
+
+async def test_streams_not_opened_in_time_end_the_session(backend: ProcessBackend) -> None:
+    server = StreamingServer(backend, StreamingConfig(stream_creation_timeout=0.3, close_grace=0.5))
+    await server.start()
+    try:
+        url = exec_url(server, "true", stdin=True)
+        # The request wants stdin, the client opens only the error stream: nothing runs.
+        with pytest.raises(StreamingClientError):
+            await asyncio.wait_for(run_remote_command(url, transport="spdy"), TIMEOUT)
+        assert backend.sessions == []
+    finally:
+        await server.close()
+
+
+async def test_a_port_forward_pair_left_incomplete_is_told_so(backend: ProcessBackend, echo_port: int) -> None:
+    server = StreamingServer(backend, StreamingConfig(stream_creation_timeout=0.3))
+    await server.start()
+    forward = await open_port_forward(server.url_for(PortForwardRequest("pod")))
+    try:
+        headers = {"streamtype": ("error",), "port": (str(echo_port),), "requestid": ("9",)}
+        error = await forward._spdy.open_stream(headers, TIMEOUT)  # type: ignore[attr-defined]
+        message = await asyncio.wait_for(error.read_all(4096), TIMEOUT)
+        assert message == b"timed out waiting for the streams of request 9"
+        assert backend.dialed == []
+    finally:
+        await forward.close()
+        await server.close()
