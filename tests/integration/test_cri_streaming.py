@@ -441,13 +441,13 @@ async def test_streams_not_opened_in_time_end_the_session(backend: ProcessBacken
         await server.close()
 
 
-async def test_a_port_forward_pair_left_incomplete_is_told_so(backend: ProcessBackend, echo_port: int) -> None:
+async def test_an_incomplete_port_forward_pair_is_told_so(backend: ProcessBackend, echo_port: int) -> None:
     server = StreamingServer(backend, StreamingConfig(stream_creation_timeout=0.3))
     await server.start()
     forward = await open_port_forward(server.url_for(PortForwardRequest("pod")))
     try:
         headers = {"streamtype": ("error",), "port": (str(echo_port),), "requestid": ("9",)}
-        error = await forward._spdy.open_stream(headers, TIMEOUT)  # type: ignore[attr-defined]
+        error = await forward._spdy.open_stream(headers, TIMEOUT)
         message = await asyncio.wait_for(error.read_all(4096), TIMEOUT)
         assert message == b"timed out waiting for the streams of request 9"
         assert backend.dialed == []
