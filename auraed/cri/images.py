@@ -72,7 +72,7 @@ def _reference(spec: cri.ImageSpec | None, field: str) -> str:
 def _pull_reference(spec: cri.ImageSpec | None) -> str:
     """The reference to pull: only a name, never an image id, can be fetched from a registry."""
     reference = _reference(spec, "image")
-    from auraed.images.reference import ReferenceError, parse_reference
+    from auraed.references import ReferenceError, parse_reference
 
     try:
         parse_reference(reference)

@@ -20,7 +20,7 @@ import pytest
 
 from auraed.api.runtime import v1 as cri
 from auraed.client import AuraeClient, ClientError
-from auraed.images.reference import parse_reference
+from auraed.references import parse_reference
 from tests.conftest import DaemonFactory, DaemonProcess
 from tests.support.cri import (
     BUSYBOX_IMAGE,

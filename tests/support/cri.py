@@ -25,7 +25,7 @@ import grpc
 
 from auraed.api.runtime import v1 as cri
 from auraed.client import AuraeClient
-from auraed.images.reference import parse_reference
+from auraed.references import parse_reference
 from tests.support.images import (
     OCI_INDEX,
     BuiltImage,
