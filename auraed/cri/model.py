@@ -275,6 +275,12 @@ def _namespace_modes(context: cri.LinuxSandboxSecurityContext | None) -> tuple[b
         raise CriError.invalid(
             "config.linux.security_context.namespace_options.pid", "must be POD, CONTAINER or NODE for a pod"
         )
+    userns = options.userns_options
+    if userns is not None and userns.mode != node:  # no handler advertises user_namespaces
+        raise CriError.invalid(
+            "config.linux.security_context.namespace_options.userns_options.mode",
+            "must be NODE: this runtime gives pods no user namespace of their own",
+        )
     return options.network == node, options.pid == node, options.ipc == node, options.pid == pod
 
 

@@ -3,11 +3,17 @@
 A pod's record is saved before anything is made for it and after each step, so a daemon killed
 at any point finds the pod again at start: a pod whose run did not finish is undone, one whose
 removal did not finish is removed, the others are recovered by their controller.
+
+A pod is named by its metadata (name, uid, namespace, attempt) as well as by its id: a second
+RunPodSandbox of the same metadata gets the pod that exists, or waits for the run in flight and
+gets its pod, as critest's uniqueness specs ask. A run goes on when its caller leaves (a kubelet's
+deadline): it finishes into the one pod a retry then finds, or fails and leaves nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -15,9 +21,9 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from auraed.cri.errors import CriError
-from auraed.cri.model import PodRecord, PodSpec, PodState
+from auraed.cri.model import PodMetadata, PodRecord, PodSpec, PodState
 from auraed.cri.sandbox import SandboxController
-from auraed.errors import ErrorKind
+from auraed.errors import AuraeError, ErrorKind
 from auraed.state.store import Store
 
 log = logging.getLogger(__name__)
@@ -50,6 +56,7 @@ class Pods:
         self._default_handler = default_handler
         self._records: dict[str, PodRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._running: dict[PodMetadata, asyncio.Future[PodRecord]] = {}  # runs in flight
         self.containers: PodContainers | None = None  # set once the container domain exists
 
     # -- lookups -----------------------------------------------------------------------------
@@ -79,6 +86,13 @@ class Pods:
     def all(self) -> list[PodRecord]:
         return sorted(self._records.values(), key=lambda r: r.created_at)
 
+    def by_metadata(self, metadata: PodMetadata) -> PodRecord | None:
+        """The pod of ``metadata``, if one exists that is neither being made nor removed."""
+        for record in self._records.values():
+            if record.spec.metadata == metadata and "step" not in record.sandbox:
+                return record
+        return None
+
     def controller(self, pod: PodRecord) -> SandboxController:
         return self._controllers[pod.handler]
 
@@ -92,8 +106,6 @@ class Pods:
 
     def resolve_handler(self, spec: PodSpec) -> PodSpec:
         """The spec with its handler named: the request's, else the configured default's choice."""
-        import dataclasses
-
         handler = spec.runtime_handler or self._default_handler(spec)
         if handler not in self._controllers:
             known = ", ".join(sorted(self._controllers))
@@ -103,7 +115,31 @@ class Pods:
         return dataclasses.replace(spec, runtime_handler=handler)
 
     async def run(self, spec: PodSpec) -> PodRecord:
+        """The pod of ``spec``'s metadata: the one that exists, the one a run in flight makes, or
+        a new one. The run goes on if the caller leaves (see the module's docstring)."""
         spec = self.resolve_handler(spec)
+        running = self._running.get(spec.metadata)
+        if running is None:
+            existing = self.by_metadata(spec.metadata)
+            if existing is not None:
+                return existing
+            running = asyncio.ensure_future(self._run(spec))
+            running.add_done_callback(_retrieved)
+            self._running[spec.metadata] = running
+        return await asyncio.shield(running)
+
+    async def _run(self, spec: PodSpec) -> PodRecord:
+        try:
+            return await self._make(spec)
+        except Exception as exc:  # the caller may have left: say it here too
+            meta = spec.metadata
+            log.warning("pod %s/%s (attempt %d) did not run: %s",
+                        meta.namespace, meta.name, meta.attempt, exc)  # fmt: skip
+            raise
+        finally:
+            self._running.pop(spec.metadata, None)
+
+    async def _make(self, spec: PodSpec) -> PodRecord:
         pod = PodRecord(
             id=secrets.token_hex(ID_BYTES),
             spec=spec,
@@ -117,7 +153,7 @@ class Pods:
             self._records[pod.id] = pod
             controller = self.controller(pod)
             try:
-                await controller.run(pod)
+                await controller.run(pod, self.save)
             except BaseException:
                 await self._forget(pod, controller)
                 raise
@@ -187,7 +223,32 @@ class Pods:
     # -- start -------------------------------------------------------------------------------
 
     async def recover(self) -> None:
-        """Find every pod the store holds; finish what a crash interrupted."""
+        """Find every pod the store holds; finish what a crash interrupted. The pods that live
+        are taken back first, so that undoing the others never takes what they share (the
+        cgroup of another attempt of the same pod)."""
+        interrupted = []
+        for pod in self._load():
+            self._records[pod.id] = pod
+            if pod.sandbox.get("step") in (RUNNING_STEP, REMOVING_STEP):
+                interrupted.append(pod)
+                continue
+            try:
+                await self.controller(pod).recover(pod)
+                self.save(pod)
+            except Exception as exc:
+                _log_unrecovered(pod, exc)
+        for pod in interrupted:
+            what = "run" if pod.sandbox["step"] == RUNNING_STEP else "removal"
+            log.info("pod %s: finishing its interrupted %s", pod.id[:13], what)
+            try:
+                await self._remove(pod)
+            except Exception as exc:
+                _log_unrecovered(pod, exc)
+        log.info("recovered %d pods", len(self._records))
+
+    def _load(self) -> list[PodRecord]:
+        """The store's pods of configured handlers; an unreadable record is dropped."""
+        found = []
         for pod_id, doc in self._store.list(KIND):
             try:
                 pod = PodRecord.from_doc(doc)
@@ -195,20 +256,25 @@ class Pods:
                 log.error("pod record %s is unreadable (%s); dropped", pod_id[:13], exc)
                 self._store.delete(KIND, pod_id)
                 continue
-            controller = self._controllers.get(pod.handler)
-            if controller is None:
+            if pod.handler not in self._controllers:
                 log.error("pod %s has handler %r, not configured; kept as it is", pod_id[:13], pod.handler)
                 continue
-            self._records[pod.id] = pod
-            step = pod.sandbox.get("step")
-            try:
-                if step in (RUNNING_STEP, REMOVING_STEP):
-                    what = "run" if step == RUNNING_STEP else "removal"
-                    log.info("pod %s: finishing its interrupted %s", pod.id[:13], what)
-                    await self._remove(pod)
-                    continue
-                await controller.recover(pod)
-            except Exception as exc:
-                kind = exc.kind if isinstance(exc, CriError) else ErrorKind.INTERNAL
-                log.error("pod %s could not be recovered (%s): %s", pod.id[:13], kind.value, exc)
-        log.info("recovered %d pods", len(self._records))
+            found.append(pod)
+        return found
+
+    async def close(self) -> None:
+        """Let the runs in flight finish (their pods outlive the daemon, as every pod does)."""
+        if self._running:
+            await asyncio.gather(*self._running.values(), return_exceptions=True)
+
+
+def _log_unrecovered(pod: PodRecord, exc: Exception) -> None:
+    kind = exc.kind if isinstance(exc, AuraeError) else ErrorKind.INTERNAL
+    log.error("pod %s could not be recovered (%s): %s", pod.id[:13], kind.value, exc)
+
+
+def _retrieved(run: asyncio.Future[PodRecord]) -> None:
+    """Take a run's outcome, so that a failed run whose callers all left is not reported as an
+    exception nobody retrieved (its error went to the log and to any caller still waiting)."""
+    if not run.cancelled():
+        run.exception()

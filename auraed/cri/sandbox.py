@@ -9,6 +9,7 @@ branches on the handler.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Protocol
 
 from auraed.cri.model import PodRecord
@@ -27,14 +28,17 @@ class SandboxController(Protocol):
 
     Every method is idempotent: a kubelet retries, and a daemon restarted in the middle of one
     runs it again. What a controller made is kept in ``pod.sandbox`` (saved by the caller after
-    each call), so a restarted daemon can undo it.
+    each call, and by ``run`` through its ``save`` as it goes), so a restarted daemon can undo it.
     """
 
     name: str
     features: HandlerFeatures
 
-    async def run(self, pod: PodRecord) -> None:
-        """Make the pod's sandbox and its network; on failure, undo all of it, then raise."""
+    async def run(self, pod: PodRecord, save: Callable[[PodRecord], None]) -> None:
+        """Make the pod's sandbox and its network; on failure, undo all of it, then raise.
+
+        ``save(pod)`` writes the record as it is: called before each thing is made, so that a
+        daemon killed in the middle finds, at start, what to undo."""
 
     async def stop(self, pod: PodRecord) -> None:
         """Release the pod's network (its containers are stopped already); the sandbox stays."""
