@@ -7,15 +7,22 @@ import dataclasses
 from auraed.cni.cni import Cni
 from auraed.cni.model import CniSettings, parse_bin_dirs
 from auraed.config import DaemonConfig
+from auraed.cri.cell import CellSandbox
 from auraed.cri.images import SERVICE_NAME as IMAGE_SERVICE
 from auraed.cri.images import FsUsageCache, ImageServicer
 from auraed.cri.info import InfoRpcs
+from auraed.cri.pod_rpcs import PodRpcs
+from auraed.cri.pods import Pods
 from auraed.cri.runtime import SERVICE_NAME as RUNTIME_SERVICE
 from auraed.cri.runtime import RuntimeServicer
-from auraed.cri.sandbox import HandlerFeatures
+from auraed.cri.sandbox import SandboxController
 from auraed.cri.unserved import Unserved
 from auraed.images.images import Images
 from auraed.state.store import Store
+from auraed.system.cgroupfs import Cgroupfs
+
+PODS_DIR = "pods"
+"""Below the runtime dir: one directory per cell pod (its pins, files and /dev/shm)."""
 
 
 @dataclasses.dataclass
@@ -24,9 +31,12 @@ class Cri:
 
     servicers: dict[str, object]
     cni: Cni
+    pods: Pods
 
     async def close(self) -> None:
-        pass
+        """Let runs in flight finish; pods keep running across a restart of auraed, so nothing
+        is stopped."""
+        await self.pods.close()
 
 
 def cni_settings(config: DaemonConfig) -> CniSettings:
@@ -37,15 +47,28 @@ def cni_settings(config: DaemonConfig) -> CniSettings:
     )
 
 
-def build(config: DaemonConfig, store: Store, images: Images, oci_runtime: str) -> Cri:
+async def build(
+    config: DaemonConfig, store: Store, images: Images, cgroups: Cgroupfs, oci_runtime: str
+) -> Cri:
+    """The CRI with its pods recovered: what a crash left half made is undone first."""
     cni = Cni(store, cni_settings(config))
-    handlers = [("cell", HandlerFeatures())]
-    info = InfoRpcs(oci_runtime, cni.status, lambda: handlers, config.cri_default_handler)
+    controllers: dict[str, SandboxController] = {
+        "cell": CellSandbox(cni, cgroups, config.runtime_dir / PODS_DIR),
+    }
+    pods = Pods(store, controllers, lambda spec: config.cri_default_handler)
+    await pods.recover()
+    info = InfoRpcs(
+        oci_runtime,
+        cni.status,
+        lambda: [(handler.name, handler.features) for handler in pods.handlers],
+        config.cri_default_handler,
+    )
     fs_usage = FsUsageCache(config.state_dir / "images")
     return Cri(
         servicers={
             IMAGE_SERVICE: ImageServicer(images, fs_usage),
-            RUNTIME_SERVICE: RuntimeServicer(info, Unserved()),
+            RUNTIME_SERVICE: RuntimeServicer(info, PodRpcs(pods), Unserved()),
         },
         cni=cni,
+        pods=pods,
     )

@@ -37,12 +37,6 @@ NOT_YET = (
     "list_pod_sandbox_metrics",
     "stream_pod_sandbox_metrics",
     "update_pod_sandbox_resources",
-    "run_pod_sandbox",
-    "stop_pod_sandbox",
-    "remove_pod_sandbox",
-    "pod_sandbox_status",
-    "list_pod_sandbox",
-    "stream_pod_sandboxes",
 )
 
 
@@ -53,7 +47,6 @@ STREAMING = frozenset(
         "stream_pod_sandbox_stats",
         "get_container_events",
         "stream_pod_sandbox_metrics",
-        "stream_pod_sandboxes",
     }
 )
 

@@ -275,7 +275,7 @@ class Daemon:
 
         assert self.store is not None and self._cgroups is not None
         oci_runtime = runtime_binary(config, self._cgroups.layout)
-        self.cri = cri_setup.build(config, self.store, self.images, oci_runtime)
+        self.cri = await cri_setup.build(config, self.store, self.images, self._cgroups, oci_runtime)
         server = grpc.aio.server(options=server_options(config))
         self._cri_server = server
         handlers = [generic_handler(name, servicer) for name, servicer in self.cri.servicers.items()]
