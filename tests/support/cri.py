@@ -250,3 +250,95 @@ async def image_fs_info(client: AuraeClient) -> cri.ImageFsInfoResponse:
         IMAGE_SERVICE, "ImageFsInfo", cri.ImageFsInfoRequest(), CALL_TIMEOUT
     )
     return response
+
+
+# -- pods ---------------------------------------------------------------------------------------
+
+
+def pod_config(
+    name: str = "pod",
+    *,
+    uid: str = "",
+    namespace: str = "default",
+    attempt: int = 2,
+    hostname: str = "",
+    dns: cri.DnsConfig | None = None,
+    port_mappings: list[cri.PortMapping] | None = None,
+    labels: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+    linux: cri.LinuxPodSandboxConfig | None = None,
+) -> cri.PodSandboxConfig:
+    """A pod's config as critest's helpers make it: metadata (attempt 2, critest's default; uid
+    ``<name>-uid`` unless given), labels {} unless given, and what else is given."""
+    metadata = cri.PodSandboxMetadata(
+        name=name, uid=uid or f"{name}-uid", namespace=namespace, attempt=attempt
+    )
+    return cri.PodSandboxConfig(
+        metadata=metadata,
+        hostname=hostname,
+        dns_config=dns,
+        port_mappings=port_mappings or [],
+        labels=labels or {},
+        annotations=annotations or {},
+        linux=linux or cri.LinuxPodSandboxConfig(),
+    )
+
+
+def namespaces(
+    network: cri.NamespaceMode = cri.NamespaceMode.POD,
+    pid: cri.NamespaceMode = cri.NamespaceMode.POD,
+    ipc: cri.NamespaceMode = cri.NamespaceMode.POD,
+) -> cri.LinuxSandboxSecurityContext:
+    return cri.LinuxSandboxSecurityContext(
+        namespace_options=cri.NamespaceOption(network=network, pid=pid, ipc=ipc)
+    )
+
+
+async def run_pod(
+    client: AuraeClient, config: cri.PodSandboxConfig, handler: str = "", timeout: float = CALL_TIMEOUT
+) -> str:
+    """RunPodSandbox; the pod's id."""
+    request = cri.RunPodSandboxRequest(config=config, runtime_handler=handler)
+    response: cri.RunPodSandboxResponse = await client.call(
+        RUNTIME_SERVICE, "RunPodSandbox", request, timeout
+    )
+    return response.pod_sandbox_id
+
+
+async def stop_pod(client: AuraeClient, pod_id: str) -> None:
+    request = cri.StopPodSandboxRequest(pod_sandbox_id=pod_id)
+    await client.call(RUNTIME_SERVICE, "StopPodSandbox", request, CALL_TIMEOUT)
+
+
+async def remove_pod(client: AuraeClient, pod_id: str) -> None:
+    request = cri.RemovePodSandboxRequest(pod_sandbox_id=pod_id)
+    await client.call(RUNTIME_SERVICE, "RemovePodSandbox", request, CALL_TIMEOUT)
+
+
+async def pod_status(client: AuraeClient, pod_id: str, verbose: bool = False) -> cri.PodSandboxStatusResponse:
+    request = cri.PodSandboxStatusRequest(pod_sandbox_id=pod_id, verbose=verbose)
+    response: cri.PodSandboxStatusResponse = await client.call(
+        RUNTIME_SERVICE, "PodSandboxStatus", request, CALL_TIMEOUT
+    )
+    return response
+
+
+async def list_pods(
+    client: AuraeClient, pod_filter: cri.PodSandboxFilter | None = None
+) -> list[cri.PodSandbox]:
+    request = cri.ListPodSandboxRequest(filter=pod_filter)
+    response: cri.ListPodSandboxResponse = await client.call(
+        RUNTIME_SERVICE, "ListPodSandbox", request, CALL_TIMEOUT
+    )
+    return response.items
+
+
+async def stream_pods(
+    client: AuraeClient, pod_filter: cri.PodSandboxFilter | None = None
+) -> list[cri.PodSandbox]:
+    """StreamPodSandboxes, every pod of every message until the stream ends."""
+    request = cri.StreamPodSandboxesRequest(filter=pod_filter)
+    pods: list[cri.PodSandbox] = []
+    async for response in client.stream(RUNTIME_SERVICE, "StreamPodSandboxes", request, CALL_TIMEOUT):
+        pods += response.pod_sandboxes
+    return pods
