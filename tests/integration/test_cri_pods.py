@@ -509,7 +509,7 @@ async def test_failed_runs_leave_nothing(daemon_factory: DaemonFactory, tmp_path
 # -- auraed killed ---------------------------------------------------------------------------------
 
 
-async def test_pods_outlive_a_killed_auraed(pods: Node) -> None:
+async def test_pods_outlive_auraed_killed_or_stopped(pods: Node) -> None:
     client = pods.client
     shared = await run_pod(client, pod_config("survivor", hostname="survivor"))
     host = await run_pod(
@@ -528,6 +528,12 @@ async def test_pods_outlive_a_killed_auraed(pods: Node) -> None:
     with listener_in(cell["namespaces"]["net"], POD_PORT):
         assert probe(before[shared].network.ip, POD_PORT) == f"hello from {pods.network.gateway}"  # type: ignore[union-attr]
     assert await run_pod(client, pod_config("survivor", hostname="survivor")) == shared
+
+    pods.daemon.stop()  # a graceful stop stops no pod either
+    client = await restarted(pods)
+    for pod_id, status in before.items():
+        assert (await pod_status(client, pod_id)).status == status
+    assert os.path.ismount(cell["namespaces"]["net"])
 
     for pod_id in before:
         await remove_pod(client, pod_id)
