@@ -35,6 +35,14 @@ Decisions worth knowing:
   which a request mount at the same destination replaces, as it replaces the defaults.
 * Seccomp: see :func:`default_seccomp_profile`: allow by default, deny a list of dangerous
   syscalls with EPERM (clone3 with ENOSYS so that libc falls back to clone, which is filtered).
+  A request may instead give a whole OCI seccomp section (``security.seccomp``).
+* Privileged (``security.privileged``, as Docker and containerd mean it): every capability auraed
+  holds, every device node of the host's /dev and access to all devices, no seccomp filter, no
+  masked or read-only paths, /sys and /sys/fs/cgroup writable.
+* Mount propagation: a bind mount's own ("rshared", "rslave" among its options; "rprivate" when
+  none is given) needs the root's to carry it: a shared bind mount makes the root rshared, so
+  that what the container mounts below it reaches the host, and a slave one makes it rslave
+  (``linux.rootfsPropagation``, as containerd sets it).
 """
 
 from __future__ import annotations
@@ -84,6 +92,10 @@ DEFAULT_NOFILE = 1024
 DEFAULT_CPU_PERIOD_US = 100_000
 ONLINE_CPUS = Path("/sys/devices/system/cpu/online")
 ONLINE_MEMORY_NODES = Path("/sys/devices/system/node/online")
+HOST_DEV = Path("/dev")
+# Directories of /dev whose contents a privileged container does not get from the host (runc's
+# and containerd's list): it has pts, shm and mqueue of its own, fd is /proc/self/fd.
+_PRIVATE_DEV_DIRS = frozenset({"pts", "shm", "fd", "mqueue", ".lxc", ".lxd-mounts", ".udev"})
 # /etc/passwd and /etc/group larger than this are refused rather than read into memory.
 MAX_ID_FILE_BYTES = 4 * 1024 * 1024
 _MAX_SYMLINKS = 40
@@ -626,6 +638,8 @@ def capability_name(raw: str, where: str) -> str:
 
 
 def compute_capabilities(security: Security, available: frozenset[str]) -> list[str]:
+    if security.privileged:
+        return sorted(available, key=_CAP_INDEX.__getitem__)
     adds = [
         (capability_name(raw, f"security.capabilities_add[{i}]"), i)
         for i, raw in enumerate(security.capabilities_add)
@@ -744,7 +758,14 @@ def default_seccomp_profile(
     }
 
 
-def _seccomp(profile: str, capabilities: list[str], machine: str) -> dict[str, Any] | None:
+def _seccomp(security: Security, capabilities: list[str], machine: str) -> dict[str, Any] | None:
+    """The spec's linux.seccomp: none for a privileged container, else the request's section, else
+    the profile it names."""
+    if security.privileged:
+        return None
+    if security.seccomp is not None:
+        return _checked_seccomp(security.seccomp, "security.seccomp", "the section")
+    profile = security.seccomp_profile
     where = "security.seccomp_profile"
     check_text(profile, where)
     if profile in ("", "default"):
@@ -762,11 +783,14 @@ def _seccomp(profile: str, capabilities: list[str], machine: str) -> dict[str, A
         loaded = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise SpecError("invalid", f"{where}: {quoted(profile)} is not JSON: {exc}") from None
-    if not isinstance(loaded, dict) or not isinstance(loaded.get("defaultAction"), str):
-        raise SpecError(
-            "invalid", f"{where}: {quoted(profile)} is not an OCI seccomp profile (no defaultAction)"
-        )
-    return loaded
+    return _checked_seccomp(loaded, where, quoted(profile))
+
+
+def _checked_seccomp(section: object, where: str, what: str) -> dict[str, Any]:
+    """``section`` if it has the shape of an OCI seccomp section; the runtime checks the rest."""
+    if not isinstance(section, Mapping) or not isinstance(section.get("defaultAction"), str):
+        raise SpecError("invalid", f"{where}: {what} is not an OCI seccomp profile (no defaultAction)")
+    return dict(section)
 
 
 # ----------------------------------------------------------------------------------- process
@@ -896,7 +920,8 @@ def _namespaces(request: ContainerRequest, shared: SharedNamespaces) -> list[dic
 # ------------------------------------------------------------------------------------- mounts
 
 
-def _default_mounts() -> list[dict[str, Any]]:
+def _default_mounts(writable_sys: bool = False) -> list[dict[str, Any]]:
+    read_only = [] if writable_sys else ["ro"]
     return [
         {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
         {
@@ -927,13 +952,13 @@ def _default_mounts() -> list[dict[str, Any]]:
             "destination": "/sys",
             "type": "sysfs",
             "source": "sysfs",
-            "options": ["nosuid", "noexec", "nodev", "ro"],
+            "options": ["nosuid", "noexec", "nodev", *read_only],
         },
         {
             "destination": "/sys/fs/cgroup",
             "type": "cgroup",
             "source": "cgroup",
-            "options": ["nosuid", "noexec", "nodev", "relatime", "ro"],
+            "options": ["nosuid", "noexec", "nodev", "relatime", *read_only],
         },
     ]
 
@@ -1026,9 +1051,21 @@ def _mounts(
     # tmpfs asked for at /dev still gets /dev/pts, /dev/shm and /dev/mqueue mounted on it.
     shared = _sandbox_mounts(sandbox, request.security.read_only_rootfs)
     replaced = {m["destination"] for m in shared}
-    defaults = [m for m in _default_mounts() if m["destination"] not in replaced] + shared
+    defaults = [
+        m for m in _default_mounts(request.security.privileged) if m["destination"] not in replaced
+    ] + shared
     defaults = [m for m in defaults if m["destination"] not in taken]
     return sorted(defaults + extra, key=lambda m: _path_depth(m["destination"]))
+
+
+def _rootfs_propagation(mounts: Sequence[Mount]) -> str | None:
+    """The root's propagation the request's bind mounts need (None: the runtime's default)."""
+    wanted = {option for m in mounts if m.type.strip().lower() in ("", "bind") for option in m.options}
+    if wanted & {"shared", "rshared"}:
+        return "rshared"
+    if wanted & {"slave", "rslave"}:
+        return "rslave"
+    return None
 
 
 def _path_depth(path: str) -> int:
@@ -1038,7 +1075,7 @@ def _path_depth(path: str) -> int:
 # -------------------------------------------------------------------------------------- linux
 
 
-def _resources(resources: Resources, host: HostFacts) -> dict[str, Any]:
+def _resources(resources: Resources, host: HostFacts, all_devices: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     cpu: dict[str, Any] = {}
     if resources.cpu_weight is not None:
@@ -1066,10 +1103,51 @@ def _resources(resources: Resources, host: HostFacts) -> dict[str, Any]:
         }
     if resources.pids_max is not None:
         out["pids"] = {"limit": check_int(resources.pids_max, "resources.pids_max", 1, PID_MAX_LIMIT)}
-    out["devices"] = [{"allow": False, "access": "rwm"}] + [
-        _device_rule(kind, major, minor, access) for kind, major, minor, access in _DEFAULT_DEVICES
-    ]
+    if all_devices:
+        out["devices"] = [{"allow": True, "access": "rwm"}]
+    else:
+        out["devices"] = [{"allow": False, "access": "rwm"}] + [
+            _device_rule(kind, major, minor, access) for kind, major, minor, access in _DEFAULT_DEVICES
+        ]
     return out
+
+
+def host_devices(root: Path = HOST_DEV) -> list[dict[str, Any]]:
+    """The device nodes under ``root`` (the host's /dev) as the spec's linux.devices, for a
+    privileged container: what containerd hands one. Symlinks, fifos, sockets, /dev/console
+    and the directories the container has of its own are left out."""
+    devices: list[dict[str, Any]] = []
+    pending = [root]
+    while pending:
+        directory = pending.pop()
+        try:
+            entries = sorted(os.scandir(directory), key=lambda entry: entry.name)
+        except OSError:
+            continue  # gone, or unreadable: not a device to hand on
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                if entry.name not in _PRIVATE_DEV_DIRS:
+                    pending.append(Path(entry.path))
+                continue
+            kind = "c" if stat.S_ISCHR(st.st_mode) else "b" if stat.S_ISBLK(st.st_mode) else None
+            if kind is None or (directory == root and entry.name == "console"):
+                continue
+            devices.append(
+                {
+                    "path": "/dev/" + os.path.relpath(entry.path, root),
+                    "type": kind,
+                    "major": os.major(st.st_rdev),
+                    "minor": os.minor(st.st_rdev),
+                    "fileMode": stat.S_IMODE(st.st_mode),
+                    "uid": st.st_uid,
+                    "gid": st.st_gid,
+                }
+            )
+    return sorted(devices, key=lambda device: device["path"])
 
 
 def _cpuset(value: str, where: str, online_now: Callable[[], frozenset[int] | None]) -> str:
@@ -1136,9 +1214,11 @@ def _hooks(hooks: Hooks) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def _paths(paths: Sequence[str], defaults: tuple[str, ...], where: str) -> list[str]:
+def _paths(paths: Sequence[str], defaults: tuple[str, ...], where: str, security: Security) -> list[str]:
+    if security.privileged:
+        return []
     if not paths:
-        return list(defaults)
+        return [] if security.exact_paths else list(defaults)
     return [check_path(p, f"{where}[{i}]", allow_root=False) for i, p in enumerate(paths)]
 
 
@@ -1198,10 +1278,14 @@ def build_spec(
     linux: dict[str, Any] = {
         "namespaces": namespaces,
         "cgroupsPath": cgroups_path,
-        "resources": _resources(request.resources, host),
-        "maskedPaths": _paths(security.masked_paths, DEFAULT_MASKED_PATHS, "security.masked_paths"),
-        "readonlyPaths": _paths(security.readonly_paths, DEFAULT_READONLY_PATHS, "security.readonly_paths"),
+        "resources": _resources(request.resources, host, all_devices=security.privileged),
+        "maskedPaths": _paths(security.masked_paths, DEFAULT_MASKED_PATHS, "security.masked_paths", security),
+        "readonlyPaths": _paths(
+            security.readonly_paths, DEFAULT_READONLY_PATHS, "security.readonly_paths", security
+        ),
     }
+    if security.privileged:
+        linux["devices"] = host_devices()
     own_netns = not request.host_network
     sysctls = {
         **check_sysctls(sandbox.sysctls, "sandbox.sysctls", own_netns),
@@ -1209,7 +1293,7 @@ def build_spec(
     }
     if sysctls:
         linux["sysctl"] = sysctls
-    seccomp = _seccomp(security.seccomp_profile, capabilities, host.machine)
+    seccomp = _seccomp(security, capabilities, host.machine)
     if seccomp is not None:
         linux["seccomp"] = seccomp
 
@@ -1241,6 +1325,9 @@ def build_spec(
         "mounts": _mounts(image, request, sandbox),
         "linux": linux,
     }
+    propagation = _rootfs_propagation(request.mounts)
+    if propagation is not None:
+        linux["rootfsPropagation"] = propagation
     hooks = _hooks(request.hooks)
     if hooks:
         spec["hooks"] = hooks

@@ -14,7 +14,7 @@ import re
 import signal
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from auraed.containers.runtime import DELETE_TIMEOUT
 from auraed.system.supervisor import START_TIMEOUT
@@ -94,7 +94,7 @@ class Security:
     capabilities_drop: tuple[str, ...] = ()
     no_new_privileges: bool = False
     read_only_rootfs: bool = False
-    # Replace the defaults when non-empty.
+    # Replace the defaults when non-empty (see exact_paths).
     masked_paths: tuple[str, ...] = ()
     readonly_paths: tuple[str, ...] = ()
     # "name", "uid", "uid:gid" or "name:group"; the image's User when empty.
@@ -103,6 +103,14 @@ class Security:
     # "default" (also when empty), "unconfined", or the path of an OCI seccomp JSON on this machine.
     seccomp_profile: str = ""
     oom_score_adj: int | None = None
+    # Every capability auraed holds (capabilities_add and _drop are not used), every host device,
+    # no seccomp filter, no masked or read-only paths, /sys and /sys/fs/cgroup writable.
+    privileged: bool = False
+    # An OCI seccomp section (the spec's linux.seccomp) to use as it is, instead of seccomp_profile.
+    seccomp: Mapping[str, Any] | None = None
+    # masked_paths and readonly_paths are exactly the paths, empty meaning none (the CRI's
+    # meaning); without it an empty list means the defaults (the aurae API's).
+    exact_paths: bool = False
 
 
 @dataclass(frozen=True)
