@@ -123,7 +123,7 @@ def linux_security(
     localhost = cri.SecurityProfileProfileType.Localhost
     if not security.privileged and profile is not None and profile.profile_type == localhost:
         security = replace(security, seccomp=_localhost_seccomp(profile, profile_field, security))
-    mounts = tuple(_bound(mount, where) for mount, where in planned)
+    mounts = tuple(map(_bound, planned))
     return LinuxSecurity(security, mounts, namespaces)
 
 
@@ -190,8 +190,8 @@ def _capabilities(capabilities: cri.Capability | None, where: str) -> tuple[tupl
         return (), ()
     if capabilities.add_ambient_capabilities:
         raise CriError.invalid(f"{where}.add_ambient_capabilities", "ambient capabilities are not supported")
-    adds = _capability_names(capabilities.add_capabilities, f"{where}.add_capabilities")
-    drops = _capability_names(capabilities.drop_capabilities, f"{where}.drop_capabilities")
+    adds = _capability_names(capabilities.add_capabilities, f"{where}.add_capabilities", to_hold=True)
+    drops = _capability_names(capabilities.drop_capabilities, f"{where}.drop_capabilities", to_hold=False)
     named_adds = [name for name in adds if name != "ALL"]
     named_drops = tuple(dict.fromkeys(name for name in drops if name != "ALL"))
     kept = tuple(dict.fromkeys(name for name in named_adds if name not in named_drops))
@@ -202,7 +202,9 @@ def _capabilities(capabilities: cri.Capability | None, where: str) -> tuple[tupl
     return kept, named_drops
 
 
-def _capability_names(names: Sequence[str], where: str) -> list[str]:
+def _capability_names(names: Sequence[str], where: str, *, to_hold: bool) -> list[str]:
+    """Capability names normalised ("net_admin" is CAP_NET_ADMIN); ``to_hold``: each one must be
+    one auraed holds, or the runtime would fail on it."""
     available: frozenset[str] | None = None
     out = []
     for index, raw in enumerate(names):
@@ -210,7 +212,7 @@ def _capability_names(names: Sequence[str], where: str) -> list[str]:
             name = capability_name(raw, f"{where}[{index}]")
         except SpecError as exc:
             raise CriError(ErrorKind.INVALID_ARGUMENT, exc.message) from None
-        if name != "ALL" and where.endswith("add_capabilities"):
+        if to_hold and name != "ALL":
             available = available if available is not None else HostFacts.probe().capabilities
             if name not in available:
                 raise CriError.invalid(
@@ -254,8 +256,10 @@ def _seccomp_choice(context: cri.LinuxContainerSecurityContext) -> tuple[cri.Sec
     if context.seccomp is not None:
         profile = context.seccomp
         where = f"{CONTEXT}.seccomp.localhost_ref"
-        if (profile.profile_type == kinds.Localhost) != bool(profile.localhost_ref):
-            raise CriError.invalid(where, "is for a Localhost profile, which needs it")
+        if profile.profile_type == kinds.Localhost and not profile.localhost_ref:
+            raise CriError.invalid(where, "is required for a Localhost profile")
+        if profile.profile_type != kinds.Localhost and profile.localhost_ref:
+            raise CriError.invalid(where, "is only for a Localhost profile")
         return profile, where
     where = f"{CONTEXT}.seccomp_profile_path"
     path = context.seccomp_profile_path
@@ -315,8 +319,10 @@ def container_namespaces(options: cri.NamespaceOption | None, pod: PodSpec) -> C
 
 def _pid_scope(options: cri.NamespaceOption, pod: PodSpec, where: str) -> tuple[NamespaceScope, str]:
     modes = cri.NamespaceMode
-    if (options.pid == modes.TARGET) != bool(options.target_id):
-        raise CriError.invalid(f"{where}.target_id", "is for a pid mode of TARGET, which needs it")
+    if options.pid == modes.TARGET and not options.target_id:
+        raise CriError.invalid(f"{where}.target_id", "is required with a pid mode of TARGET")
+    if options.pid != modes.TARGET and options.target_id:
+        raise CriError.invalid(f"{where}.target_id", "is only for a pid mode of TARGET")
     if options.pid == modes.TARGET:
         return NamespaceScope.TARGET, options.target_id
     if options.pid == modes.NODE:
@@ -335,8 +341,15 @@ def _pid_scope(options: cri.NamespaceOption, pod: PodSpec, where: str) -> tuple[
 # ------------------------------------------------------------------------------------ mounts
 
 
-def _planned_mount(mount: cri.Mount, where: str, recursive_read_only: bool) -> tuple[Mount, str]:
-    """The request's mount with the host path as given (resolved later by :func:`_bound`)."""
+class _Planned(NamedTuple):
+    """A request mount, checked, its host path as given (resolved by :func:`_bound`)."""
+
+    mount: Mount
+    where: str  # the CRI's field: "config.mounts[3]"
+    propagation: str  # "rprivate", "rslave" or "rshared", also among the mount's options
+
+
+def _planned_mount(mount: cri.Mount, where: str, recursive_read_only: bool) -> _Planned:
     if mount.image is not None:
         raise CriError(ErrorKind.UNIMPLEMENTED, f"{where}.image: image volumes are not supported")
     if mount.image_sub_path:
@@ -351,7 +364,7 @@ def _planned_mount(mount: cri.Mount, where: str, recursive_read_only: bool) -> t
     options = [propagation]
     if mount.recursive_read_only:
         options.append(_recursive_read_only(mount, where, recursive_read_only))
-    return Mount(destination, source, "bind", tuple(options), mount.readonly), where
+    return _Planned(Mount(destination, source, "bind", tuple(options), mount.readonly), where, propagation)
 
 
 def _recursive_read_only(mount: cri.Mount, where: str, supported: bool) -> str:
@@ -365,17 +378,18 @@ def _recursive_read_only(mount: cri.Mount, where: str, supported: bool) -> str:
     return "rro"
 
 
-def _check_distinct(planned: list[tuple[Mount, str]]) -> None:
+def _check_distinct(planned: list[_Planned]) -> None:
     seen: set[str] = set()
-    for mount, where in planned:
+    for mount, where, _ in planned:
         if mount.destination in seen:
             raise CriError.invalid(f"{where}.container_path", f"{mount.destination} is mounted twice")
         seen.add(mount.destination)
 
 
-def _bound(mount: Mount, where: str) -> Mount:
-    """``mount`` from its host path as it is on the host: created (a directory) when missing, its
-    symlinks resolved, on a mount that can carry the propagation asked for."""
+def _bound(planned: _Planned) -> Mount:
+    """The mount from its host path as it is on the host: created (a directory) when missing,
+    its symlinks resolved, on a mount that can carry the propagation asked for."""
+    mount, where, propagation = planned
     field = f"{where}.host_path"
     path = mount.source
     if not os.path.lexists(path):
@@ -386,7 +400,7 @@ def _bound(mount: Mount, where: str) -> Mount:
     elif not os.path.exists(path):
         raise CriError.invalid(field, f"{path} is a symlink to nothing")
     real = os.path.realpath(path)
-    _check_propagation(real, mount.options[0], f"{where}.propagation")
+    _check_propagation(real, propagation, f"{where}.propagation")
     return replace(mount, source=real)
 
 

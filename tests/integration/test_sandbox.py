@@ -10,6 +10,7 @@ Needs root and runc. Every container is deleted, every Containers closed, and th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 from collections.abc import AsyncIterator
@@ -126,17 +127,24 @@ class Lab:
         assert left == [], f"cgroups left behind: {left}"
 
 
-@pytest.fixture
-async def lab(tmp_path: Path, busybox_layout: BuiltImage) -> AsyncIterator[Lab]:
-    store = Store(tmp_path / "auraed.db")
-    local = LocalStore(tmp_path / "images")
+@contextlib.asynccontextmanager
+async def open_lab(root: Path, image: BuiltImage, reference: str, cgroup_base: str) -> AsyncIterator[Lab]:
+    """A Lab under ``root`` holding ``image`` as ``reference``, cleaned when left."""
+    store = Store(root / "auraed.db")
+    local = LocalStore(root / "images")
     images = Images(store, local, local, no_registry)
-    await images.import_layout(busybox_layout.layout, "latest", BUSYBOX)
-    lab = Lab(tmp_path, store, images, Cgroupfs(base=BASE))
+    await images.import_layout(image.layout, image.ref_name, reference)
+    lab = Lab(root, store, images, Cgroupfs(base=cgroup_base))
     try:
         yield lab
     finally:
         await lab.clean()
+
+
+@pytest.fixture
+async def lab(tmp_path: Path, busybox_layout: BuiltImage) -> AsyncIterator[Lab]:
+    async with open_lab(tmp_path, busybox_layout, BUSYBOX, BASE) as made:
+        yield made
 
 
 async def create(
