@@ -69,20 +69,23 @@ class Daemon:
     whatever cgroups it may have left (it also frees cells itself on shutdown).
     """
 
-    def __init__(self, root: Path, pki: PkiPaths, *extra_args: str, log_level: str = "INFO") -> None:
+    def __init__(
+        self, root: Path, pki: PkiPaths, *extra_args: str, log_level: str = "INFO", config_text: str = ""
+    ) -> None:
         root.mkdir(parents=True, exist_ok=True)
         self.root = root
         self.pki = pki
         self.socket = root / "run" / "aurae.sock"
+        self.cri_socket = root / "run" / "cri.sock"
         self.cgroup_base = f"aurae-bench-{os.getpid()}"
         self.log_path = root / "auraed.log"
         config = root / "auraed.toml"
-        config.write_text("")  # never pick up /etc/aurae/auraed.toml
+        config.write_text(config_text)  # never pick up /etc/aurae/auraed.toml
         self.args = [
             sys.executable, "-m", "auraed",
             "--config", str(config),
             "--socket", str(self.socket),
-            "--cri-socket", str(root / "run" / "cri.sock"),
+            "--cri-socket", str(self.cri_socket),
             "--ca-crt", str(pki.ca_crt),
             "--server-crt", str(pki.server_crt),
             "--server-key", str(pki.server_key),
