@@ -65,8 +65,9 @@ def client_config(pki: PkiPaths, socket: Path) -> ClientConfig:
 class Daemon:
     """One real auraed started as a subprocess, with its own socket, state, runtime dir and cgroup base.
 
-    ``stop()`` is safe to call any number of times; ``cleanup()`` stops the daemon and removes
-    whatever cgroups it may have left (it also frees cells itself on shutdown).
+    ``config_text`` is its TOML config file (empty: every default). ``stop()`` is safe to call any
+    number of times; ``cleanup()`` stops the daemon and removes whatever cgroups it may have left
+    (it also frees cells itself on shutdown).
     """
 
     def __init__(

@@ -1,4 +1,4 @@
-"""CRI pod lifecycle: one pod with one busybox container through the kubelet's API, against containerd.
+"""CRI pod lifecycle: a pod with a busybox container through the kubelet's API, auraed vs containerd.
 
     .venv/bin/python bench/cri.py [--iterations 20] [--warmup 2] [--gap-ms 100] [--pods 50]
         [--runtimes auraed,containerd] [--json-only]
@@ -63,6 +63,7 @@ concurrent pods all succeed on both, and nothing leaks.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import asyncio
 import contextlib
@@ -132,6 +133,7 @@ CALL_TIMEOUT = 120.0
 READY_TIMEOUT = 30.0
 LEAK_SETTLE_S = 5.0  # how long what a removed pod held may take to go, after the last reply
 TARGET_RATIO = 0.8
+NOT_SERVED_STATUS = 3  # the exit status when a runtime does not serve the lifecycle's RPCs
 UP = ("run_pod", "create", "start", "exec_sync")
 DOWN = ("stop", "remove", "stop_pod", "remove_pod")
 PHASES = (*UP, *DOWN)
@@ -319,7 +321,7 @@ async def remove_everything(client: AuraeClient) -> None:
 # ------------------------------------------------------------------------------ the runtimes
 
 
-class Runtime:
+class Runtime(abc.ABC):
     """One CRI runtime under measurement: its socket, its directory, what of it may leak."""
 
     name = ""
@@ -336,8 +338,8 @@ class Runtime:
         assert self._client is not None, "connect() first"
         return self._client
 
-    def start(self) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def start(self) -> None: ...
 
     @property
     def connected(self) -> bool:
@@ -376,15 +378,16 @@ class Runtime:
         """cgroup bases of the runtime's own (beside the pods' cgroup parents)."""
         return ()
 
+    @abc.abstractmethod
     def leftover_processes(self) -> list[Process]:
         """Processes a removed pod must not leave behind (shims, monitors)."""
-        raise NotImplementedError
 
-    def log(self) -> str:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def log(self) -> str: ...
 
+    @abc.abstractmethod
     def cleanup(self) -> None:
-        raise NotImplementedError
+        """Stop the runtime and remove everything it made, whatever state it is in."""
 
 
 class Auraed(Runtime):
@@ -889,11 +892,14 @@ def compile_pause(workdir: Path) -> Path:
 
 
 def report(
-    args: argparse.Namespace, results: dict[str, dict[str, Any]], network: CniNetwork
+    args: argparse.Namespace,
+    machine: dict[str, Any],
+    results: dict[str, dict[str, Any]],
+    network: CniNetwork,
 ) -> dict[str, Any]:
     result: dict[str, Any] = {
         "benchmark": "cri",
-        "machine": machine_info(),
+        "machine": machine,
         "source": source_state(),
         "iterations": args.iterations,
         "warmup": args.warmup,
@@ -1020,7 +1026,7 @@ def make_runtime(name: str, root: Path, network: CniNetwork, registry: LocalRegi
     return Containerd(root / "containerd", network, registry, ensure_containerd())
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -1041,38 +1047,44 @@ def main() -> None:
     )
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
     args = parser.parse_args()
-    names = [n for n in RUNTIMES if n in args.runtimes.split(",")]
-    if not names or set(args.runtimes.split(",")) - set(RUNTIMES):
+    args.names = [n for n in RUNTIMES if n in args.runtimes.split(",")]
+    if not args.names or set(args.runtimes.split(",")) - set(RUNTIMES):
         parser.error(f"--runtimes takes {', '.join(RUNTIMES)} (comma-separated)")
     if args.iterations < 1 or args.warmup < 0 or args.gap_ms < 0 or args.pods < 0:
         parser.error("--iterations must be positive; --warmup, --gap-ms and --pods not negative")
     if os.geteuid() != 0:
         parser.exit(2, "cri: needs root (pods: namespaces, cgroups, mounts, CNI)\n")
     tests_support()
-    from tests.support.cni import cni_network, missing_plugins
-    from tests.support.cri import BUSYBOX_IMAGE
-    from tests.support.registry import LocalRegistry
+    from tests.support.cni import missing_plugins
 
     if missing_plugins():
         parser.exit(
             2, f"cri: CNI plugins missing: {', '.join(missing_plugins())} (containernetworking-plugins)\n"
         )
+    return args
 
-    exit_on_sigterm()
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole run, every runtime set up and, whatever happens, cleaned up; the result."""
+    tests_support()
+    from tests.support.cni import cni_network
+    from tests.support.cri import BUSYBOX_IMAGE
+    from tests.support.registry import LocalRegistry
+
+    machine = machine_info()  # now: the load before this run's own pods
     pods_base = f"aurae-bench-cri-{os.getpid()}"
-    not_served: NotServed | None = None
     with temp_dir("auraed-bench-cri-") as root, LocalRegistry() as registry, cni_network(root) as network:
         network.write(network.conflist())
-        publish_images(root / "images", registry, pause="containerd" in names)
+        publish_images(root / "images", registry, pause="containerd" in args.names)
         runtimes: list[Runtime] = []
         try:
-            for name in names:
+            for name in args.names:
                 runtimes.append(make_runtime(name, root, network, registry))
                 runtimes[-1].start()
             setup = Setup(BUSYBOX_IMAGE, network, root / "pods", pods_base)
             results = asyncio.run(run(args, runtimes, setup))
-        except NotServed as error:
-            not_served = error
+        except NotServed:
+            raise
         except Exception:
             for runtime in runtimes:
                 with contextlib.suppress(Exception):
@@ -1083,10 +1095,17 @@ def main() -> None:
                 with contextlib.suppress(Exception):
                     runtime.cleanup()
             remove_cgroup_base(pods_base)
-        if not_served is None:
-            result = report(args, results, network)
-    if not_served is not None:
-        parser.exit(3, f"cri: {not_served}\n")
+        return report(args, machine, results, network)
+
+
+def main() -> None:
+    args = parse_args()
+    exit_on_sigterm()
+    try:
+        result = measure(args)
+    except NotServed as error:
+        print(f"cri: {error}", file=sys.stderr)
+        sys.exit(NOT_SERVED_STATUS)
     print_json(result)
 
 
