@@ -307,15 +307,20 @@ async def check_pod_network(client: AuraeClient, pod: Pod, network: CniNetwork) 
 
 
 async def remove_everything(client: AuraeClient) -> None:
-    """Every container and pod the runtime lists, stopped and removed (after a failure)."""
+    """Every container, then every pod the runtime lists, stopped and removed (after a failure;
+    a runtime may list pods and not containers)."""
     with contextlib.suppress(ClientError):
         containers = (await call(client, "ListContainers", cri.ListContainersRequest())).containers
+        await calls_ignoring_errors(client, [c for ctr in containers for c in teardown(ctr.id, "")])
+    with contextlib.suppress(ClientError):
         pods = (await call(client, "ListPodSandbox", cri.ListPodSandboxRequest())).items
-        calls = [c for container in containers for c in teardown(container.id, "")]
-        calls += [c for pod in pods for c in teardown("", pod.id)]
-        for _, method, request in calls:
-            with contextlib.suppress(ClientError):
-                await call(client, method, request)
+        await calls_ignoring_errors(client, [c for pod in pods for c in teardown("", pod.id)])
+
+
+async def calls_ignoring_errors(client: AuraeClient, calls: list[tuple[str, str, Any]]) -> None:
+    for _, method, request in calls:
+        with contextlib.suppress(ClientError):
+            await call(client, method, request)
 
 
 # ------------------------------------------------------------------------------ the runtimes
