@@ -71,7 +71,6 @@ import dataclasses
 import ipaddress
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -110,6 +109,7 @@ from auraed.cri.images import SERVICE_NAME as IMAGE_SERVICE
 from auraed.cri.runtime import SERVICE_NAME as RUNTIME_SERVICE
 from auraed.system import namespaces
 from auraed.system.monitor_launcher import MONITOR_NAME
+from auraed.system.mounts import read_mounts
 from auraed.system.pod_namespaces import POD_INIT_NAME
 
 if TYPE_CHECKING:
@@ -635,13 +635,8 @@ def naming(text: str) -> list[Process]:
 
 
 def mounts_under(root: Path) -> list[str]:
-    """Mount points at or below ``root`` (from mountinfo, octal escapes decoded), deepest last."""
-    found = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4])
-        if Path(point).is_relative_to(root):
-            found.append(point)
-    return found
+    """Mount points at or below ``root``."""
+    return [m.mount_point for m in read_mounts() if Path(m.mount_point).is_relative_to(root)]
 
 
 def unmount_under(root: Path) -> None:
