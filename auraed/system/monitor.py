@@ -84,6 +84,9 @@ ADOPTION_WAIT = 2.0
 EARLY_OUTPUT_MAX = 1024 * 1024
 """With runtime_starts: how much of stderr is read while the runtime runs (the rest waits)."""
 
+SHELL_KILLED_EXIT_CODE = 128 + 9
+"""How a shell reports a command killed by SIGKILL: 128 + the signal's number."""
+
 _READ_SIZE = 64 * 1024
 _EIO = 5  # errno.EIO: a terminal master once the last slave descriptor is closed
 
@@ -263,7 +266,10 @@ class _Monitor:
             elif os.WIFSIGNALED(status):
                 signal = os.WTERMSIG(status)
         oom = False
-        if signal == _signal.SIGKILL and self.oom_before is not None:
+        # Killed by SIGKILL, or a shell (a container's init, say) telling that its command was:
+        # the OOM killer's doing if the cgroup's counter rose meanwhile.
+        killed = signal == _signal.SIGKILL or exit_code == SHELL_KILLED_EXIT_CODE
+        if killed and self.oom_before is not None:
             after = _read_counter(self.oom_file)
             oom = after is not None and after > self.oom_before
         record = ExitRecord(
@@ -857,7 +863,9 @@ def _own_session_and_signals() -> None:
             os.setsid()
         except OSError as exc:
             log_error(f"setsid: {describe(exc)}")
-    for sig in (_signal.SIGINT, _signal.SIGHUP, _signal.SIGPIPE):
+    # SIGUSR1 (reopen the log) too, until supervise() handles it: one sent while the process
+    # starts would end the monitor otherwise. auraed sends it again until the log is reopened.
+    for sig in (_signal.SIGINT, _signal.SIGHUP, _signal.SIGPIPE, _signal.SIGUSR1):
         _signal.signal(sig, _signal.SIG_IGN)
     _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)  # SIG_IGN (inherited) would auto-reap
 

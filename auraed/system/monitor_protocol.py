@@ -7,7 +7,9 @@
   could not start; EOF without a line when the monitor died first;
 - the exit record, monitor to auraed: exit.json, written atomically once the process has ended
   (write_exit_record, read_exit_record);
-- SIGUSR1, auraed to monitor: reopen the log file (log rotation, CRI ReopenContainerLog).
+- SIGUSR1, auraed to monitor: reopen the log file (log rotation, CRI ReopenContainerLog). The
+  monitor has done so once it holds the file now at the log's path open (holds_open); until then
+  auraed sends it again, since one that comes while the monitor starts is ignored.
 
 JSON goes through the tiny codec here (dumps, loads), not the json package, which would cost the
 monitor ~10 ms (re, enum, collections) natively and ~10x that in emulated guests.
@@ -288,3 +290,20 @@ def parse_report(line: bytes) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError):
         return {"error": f"the monitor reported garbage: {line[:200]!r}"}
     return dict(report) if isinstance(report, dict) else {"error": f"the monitor reported {report!r}"}
+
+
+def holds_open(pid: int, file: os.stat_result) -> bool:
+    """Whether process ``pid`` has ``file`` (that inode, whatever its name now) open: how auraed
+    sees that a monitor reopened its log."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            opened = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if (opened.st_dev, opened.st_ino) == (file.st_dev, file.st_ino):
+            return True
+    return False
