@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
 import secrets
 import signal as signals
@@ -24,8 +25,8 @@ from typing import Any
 from auraed.containers.errors import ContainerError
 from auraed.containers.exec import ExecSession
 from auraed.containers.model import ContainerRecord, State
-from auraed.containers.oci_spec import build_spec, image_runtime_config, stop_signal
-from auraed.containers.request import ContainerRequest, SpecError
+from auraed.containers.oci_spec import build_spec, image_runtime_config, resource_limits, stop_signal
+from auraed.containers.request import ContainerRequest, Resources, SpecError, check_path
 from auraed.containers.rootfs import Snapshotter
 from auraed.containers.runtime import OciRuntime, OciRuntimeError
 from auraed.containers.sandbox import CGROUP_PARENT, HOST_LOCAL, SandboxContext
@@ -35,8 +36,9 @@ from auraed.images.images import Images
 from auraed.images.model import ImageRecord
 from auraed.observe.logfile import LogLine, LogWatch, stream_line_batches
 from auraed.state.store import Store, StoreError
+from auraed.system import processes
 from auraed.system.cgroupfs import CgroupError, Cgroupfs
-from auraed.system.monitor_protocol import ExitRecord, MonitorSpec, read_exit_record
+from auraed.system.monitor_protocol import ExitRecord, MonitorSpec, holds_open, read_exit_record
 from auraed.system.supervisor import ORPHANED, MonitorStartError, Supervisor
 from auraed.system.tasks import run_to_end
 
@@ -47,6 +49,10 @@ KILL_WAIT = 30.0  # seconds to wait for a SIGKILLed container to be reaped
 ENDED_BEFORE_START = "its process ended before it was started"
 ID_BYTES = 16  # a container id is this many random bytes in hex: 32 lowercase hex digits
 ID_SHAPE = re.compile(f"[0-9a-f]{{{2 * ID_BYTES}}}")
+LOG_REOPEN_TIMEOUT = 5.0  # seconds a monitor has to reopen its log once asked
+LOG_REOPEN_RESEND = 0.1  # seconds between asks (one sent while the monitor starts goes unseen)
+LOG_REOPEN_POLL = 0.005  # seconds between looks at whether it has
+LOG_MODE = 0o640  # what the monitor creates a log with (auraed.system.cri_log)
 
 SPEC_ERROR_KINDS = {
     "invalid": ErrorKind.INVALID_ARGUMENT,
@@ -154,11 +160,13 @@ class Containers:
         start: bool = False,
         *,
         sandbox: SandboxContext = HOST_LOCAL,
+        log_path: Path | None = None,
     ) -> ContainerRecord:
         """Create a container: its rootfs and bundle, and with ``start`` its process.
 
         ``sandbox`` is where it lives and what it shares (its cgroup parent, namespaces, files);
-        the default, a container on its own.
+        the default, a container on its own. ``log_path`` is where its CRI-format log goes (an
+        absolute path; its directory is made if missing); None: in its own directory.
 
         With ``start``, one ``run --detach``. Without, the reply does not wait for the runtime:
         its ``create`` is handed to a monitor before the reply goes (create_ahead) and runs while
@@ -174,6 +182,7 @@ class Containers:
                 "config.name", f"{request.name} has the shape of a container id (32 hex digits)"
             )
         self._check_cgroup_parent(sandbox.cgroup_parent)
+        log_file = self._check_log_path(log_path)
         async with self._lock:
             if any(r.name == request.name for r in self._records.values()):
                 raise ContainerError.already_exists(f"container {request.name}")
@@ -191,6 +200,7 @@ class Containers:
                 process={},
                 cgroup_parent=sandbox.cgroup_parent,
                 sandbox_id=sandbox.sandbox_id,
+                log_file=log_file,
                 created_at=time.time(),
             )
             self._changing[record.id] = "created"  # claimed before the record can be seen
@@ -234,6 +244,15 @@ class Containers:
             image_name,
         )
         return record
+
+    @staticmethod
+    def _check_log_path(log_path: Path | None) -> str:
+        if log_path is None:
+            return ""
+        try:
+            return check_path(str(log_path), "log_path", allow_root=False)
+        except SpecError as exc:
+            raise spec_error(exc) from None
 
     def _check_cgroup_parent(self, parent: str) -> None:
         """A cgroup path below the base, not the base itself (where cells are)."""
@@ -671,6 +690,65 @@ class Containers:
         except CgroupError as exc:
             raise ContainerError.precondition(f"container {record.name}: {exc}") from None
 
+    def written(self, record: ContainerRecord) -> Path:
+        """Where what the container wrote to its root filesystem is kept (its writable layer)."""
+        return self._snapshotter.written(record.path)
+
+    async def reopen_log(self, record: ContainerRecord) -> None:
+        """A new log file at the log's path, which its owner moved away (log rotation): the file
+        exists when this returns, and the monitor writes only there from then on."""
+        if record.state != State.RUNNING:
+            raise ContainerError.precondition(f"container {record.name} is not running ({record.state})")
+        if not Supervisor.alive(record.supervised):
+            raise ContainerError.precondition(f"container {record.name} is {ORPHANED}")
+        fresh = await asyncio.to_thread(_create_log_file, record.log_path)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + LOG_REOPEN_TIMEOUT
+        while loop.time() < deadline:
+            if not processes.send_signal(record.monitor_pid, signals.SIGUSR1, record.monitor_ticks):
+                raise ContainerError.precondition(f"container {record.name}: its monitor ended")
+            resend_at = loop.time() + LOG_REOPEN_RESEND
+            while loop.time() < resend_at:
+                if holds_open(record.monitor_pid, fresh):
+                    return
+                await asyncio.sleep(LOG_REOPEN_POLL)
+        raise ContainerError(
+            ErrorKind.UNAVAILABLE,
+            f"container {record.name}: its monitor did not reopen {record.log_path} "
+            f"in {LOG_REOPEN_TIMEOUT:g}s",
+        )
+
+    async def update_resources(self, record: ContainerRecord, resources: Resources) -> None:
+        """New limits for a created or running container: its cgroup now (the runtime's
+        ``update``), and its bundle for a run that is still to come."""
+        if not record.alive:
+            raise ContainerError.precondition(f"container {record.name} is {record.state}")
+        with self._changing_now(record, "updated"):
+            await self._runtime_create_settled(record)
+            try:
+                limits = resource_limits(resources)
+            except SpecError as exc:
+                raise spec_error(exc) from None
+            update = await asyncio.to_thread(self._write_limits, record, limits)
+            if self._runtime.knows(record.id):
+                try:
+                    await self._runtime.update(record.id, update)
+                except OciRuntimeError as exc:
+                    raise runtime_error(exc, f"cannot update container {record.name}") from None
+
+    @staticmethod
+    def _write_limits(record: ContainerRecord, limits: dict[str, Any]) -> Path:
+        """The limits merged into the bundle's spec, and written alone for the runtime's update."""
+        config = record.bundle / "config.json"
+        spec = json.loads(config.read_text())
+        current = spec.setdefault("linux", {}).setdefault("resources", {})
+        for key, values in limits.items():
+            current[key] = {**current.get(key, {}), **values}
+        config.write_text(json.dumps(spec))
+        update = record.path / "resources.json"
+        update.write_text(json.dumps(limits))
+        return update
+
     # -- persistence and restart -----------------------------------------------------------
 
     def _save(self, record: ContainerRecord) -> None:
@@ -737,3 +815,13 @@ class Containers:
             )
         except OciRuntimeError as exc:
             raise runtime_error(exc, f"exec in container {record.name}") from None
+
+
+def _create_log_file(path: Path) -> os.stat_result:
+    """The log file at ``path``, made if missing (as the monitor makes it); its identity."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, LOG_MODE)
+    try:
+        return os.fstat(fd)
+    finally:
+        os.close(fd)

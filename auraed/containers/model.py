@@ -34,6 +34,9 @@ class ContainerRecord:
     # have neither field and were host-local.
     cgroup_parent: str = CGROUP_PARENT
     sandbox_id: str = ""  # the sandbox it belongs to, "" for none
+    # Where its CRI-format log goes when its sandbox names a place (a kubelet's log directory);
+    # "": container.log in its own directory, as for every record saved before.
+    log_file: str = ""
     state: str = State.CREATING
     created_at: float = 0.0
     started_at: float | None = None
@@ -61,7 +64,7 @@ class ContainerRecord:
 
     @property
     def log_path(self) -> Path:
-        return self.path / "container.log"
+        return Path(self.log_file) if self.log_file else self.path / "container.log"
 
     @property
     def exit_path(self) -> Path:

@@ -3,7 +3,8 @@
 Only the subcommands and flags both runc (1.1) and crun (1.x) accept are used, always with
 ``--root`` before the subcommand: ``create --bundle B --pid-file P [--console-socket S] ID``,
 ``start ID``, ``state ID``, ``kill [--all] ID SIGNUM``, ``delete [--force] ID``,
-``ps --format json ID`` and ``exec --detach --pid-file P --process F [--tty --console-socket S] ID``.
+``ps --format json ID``, ``update --resources F ID`` and
+``exec --detach --pid-file P --process F [--tty --console-socket S] ID``.
 Both keep a container's state in ``<root>/<id>/``, which is how an unknown id is recognised
 whatever the runtime's wording. :class:`OciCli` is that shared command line, and serves any
 runtime that speaks it; :class:`Runc` and :class:`Crun` add how each one's created init waits at
@@ -183,6 +184,10 @@ class OciCli:
                 "failed", f"{self.name} ps {container_id}: not JSON: {out[:200]!r}"
             ) from None
         return [int(pid) for pid in pids or []]
+
+    async def update(self, container_id: str, resources_file: Path) -> None:
+        """``update --resources FILE``: the limits of a created or running container."""
+        await self._check("update", container_id, options=["--resources", str(resources_file)])
 
     # -- plumbing ----------------------------------------------------------------------------
 

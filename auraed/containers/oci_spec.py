@@ -61,12 +61,15 @@ from typing import Any
 
 from auraed.containers.request import (
     MAX_CFS_QUOTA_US,
+    MAX_CPU_SHARES,
     MAX_HOOK_TIMEOUT_SECONDS,
     MAX_ID,
     MAX_INT64,
     MAX_UINT64,
+    MIN_CPU_SHARES,
     MIN_MEMORY_BYTES,
     PID_MAX_LIMIT,
+    UNLIMITED,
     ContainerRequest,
     Hooks,
     Mount,
@@ -1076,14 +1079,47 @@ def _path_depth(path: str) -> int:
 
 
 def _resources(resources: Resources, host: HostFacts, all_devices: bool) -> dict[str, Any]:
+    out = resource_limits(resources, host)
+    if all_devices:
+        out["devices"] = [{"allow": True, "access": "rwm"}]
+    else:
+        out["devices"] = [{"allow": False, "access": "rwm"}] + [
+            _device_rule(kind, major, minor, access) for kind, major, minor, access in _DEFAULT_DEVICES
+        ]
+    return out
+
+
+def resource_limits(resources: Resources, host: HostFacts | None = None) -> dict[str, Any]:
+    """The spec's ``linux.resources`` for the limits asked for, devices aside: also what an OCI
+    runtime's ``update --resources`` takes for a container that runs."""
+    if host is None:
+        host = HostFacts.probe()
     out: dict[str, Any] = {}
+    cpu = _cpu_limits(resources, host)
+    if cpu:
+        out["cpu"] = cpu
+    memory = _memory_limits(resources)
+    if memory:
+        out["memory"] = memory
+    if resources.pids_max is not None:
+        out["pids"] = {"limit": check_int(resources.pids_max, "resources.pids_max", 1, PID_MAX_LIMIT)}
+    return out
+
+
+def _cpu_limits(resources: Resources, host: HostFacts) -> dict[str, Any]:
     cpu: dict[str, Any] = {}
+    if resources.cpu_weight is not None and resources.cpu_shares is not None:
+        raise SpecError("invalid", "resources.cpu_shares: give cpu_weight or cpu_shares, not both")
     if resources.cpu_weight is not None:
         weight = check_int(resources.cpu_weight, "resources.cpu_weight", 1, 10_000)
         try:
             cpu["shares"] = cpu_weight_to_shares(weight)
         except CgroupError as exc:  # pragma: no cover - the range is checked above
             raise SpecError("invalid", f"resources.cpu_weight: {exc}") from None
+    if resources.cpu_shares is not None:
+        cpu["shares"] = check_int(
+            resources.cpu_shares, "resources.cpu_shares", MIN_CPU_SHARES, MAX_CPU_SHARES
+        )
     if resources.cpu_period is not None:
         cpu["period"] = check_int(resources.cpu_period, "resources.cpu_period", 1_000, 1_000_000)
     if resources.cpu_max is not None:
@@ -1095,21 +1131,21 @@ def _resources(resources: Resources, host: HostFacts, all_devices: bool) -> dict
     ):
         if value is not None:
             cpu[key] = _cpuset(value, where, online)
-    if cpu:
-        out["cpu"] = cpu
+    return cpu
+
+
+def _memory_limits(resources: Resources) -> dict[str, Any]:
+    memory: dict[str, Any] = {}
     if resources.memory_max is not None:
-        out["memory"] = {
-            "limit": check_int(resources.memory_max, "resources.memory_max", MIN_MEMORY_BYTES, MAX_INT64)
-        }
-    if resources.pids_max is not None:
-        out["pids"] = {"limit": check_int(resources.pids_max, "resources.pids_max", 1, PID_MAX_LIMIT)}
-    if all_devices:
-        out["devices"] = [{"allow": True, "access": "rwm"}]
-    else:
-        out["devices"] = [{"allow": False, "access": "rwm"}] + [
-            _device_rule(kind, major, minor, access) for kind, major, minor, access in _DEFAULT_DEVICES
-        ]
-    return out
+        memory["limit"] = check_int(resources.memory_max, "resources.memory_max", MIN_MEMORY_BYTES, MAX_INT64)
+    if resources.memory_swap is not None:
+        # The kernel takes memory + swap only above a memory limit (v1 refuses memsw below it).
+        if resources.memory_max is None:
+            raise SpecError("invalid", "resources.memory_swap: needs resources.memory_max")
+        if resources.memory_swap != UNLIMITED:
+            check_int(resources.memory_swap, "resources.memory_swap", resources.memory_max, MAX_INT64)
+        memory["swap"] = resources.memory_swap
+    return memory
 
 
 def host_devices(root: Path = HOST_DEV) -> list[dict[str, Any]]:

@@ -29,6 +29,11 @@ PID_MAX_LIMIT = 4 * 1024 * 1024
 # kernel/sched/core.c max_cfs_runtime: MAX_BW = 2^(64 - BW_SHIFT 20) - 1 µs; cpu.max and
 # cpu.cfs_quota_us refuse a larger quota (EINVAL).
 MAX_CFS_QUOTA_US = (1 << 44) - 1
+# kernel/sched/sched.h MIN_SHARES and MAX_SHARES: v1 cpu.shares (v2 cpu.weight is derived from it).
+MIN_CPU_SHARES = 2
+MAX_CPU_SHARES = 262_144
+UNLIMITED = -1
+"""A memory + swap limit of -1: swap without a limit (the OCI spec's and the kernel's word)."""
 # Every hook runs inside a runtime command auraed waits for at most this long: create, start and
 # poststart hooks within the monitor's START_TIMEOUT, poststop hooks within `delete`'s
 # DELETE_TIMEOUT. A longer hook timeout could never fire: auraed would give up on the runtime first.
@@ -86,6 +91,9 @@ class Resources:
     cpuset_mems: str | None = None
     memory_max: int | None = None  # bytes
     pids_max: int | None = None
+    cpu_shares: int | None = None  # cgroup v1 cpu.shares, 2..262144 (instead of cpu_weight)
+    # Memory plus swap, bytes (v1 memory.memsw.limit_in_bytes); at least memory_max, or UNLIMITED.
+    memory_swap: int | None = None
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,10 @@ class Snapshotter(Protocol):
 
     def is_mounted(self, target: Path) -> bool: ...
 
+    def written(self, writable: Path) -> Path:
+        """Where, in ``writable``, what the container wrote to its root filesystem is kept."""
+        ...
+
 
 class OverlaySnapshotter:
     """overlayfs: the image's layer snapshots as lower dirs, ``writable/upper`` (with its
@@ -48,10 +52,13 @@ class OverlaySnapshotter:
         lowers = [
             self._layers.snapshot_path(layer.diff_id) for layer in reversed(image.layers)
         ]  # topmost first
-        mount_rootfs(lowers, writable / "upper", writable / "work", target)
+        mount_rootfs(lowers, self.written(writable), writable / "work", target)
 
     def unmount(self, target: Path) -> None:
         unmount_rootfs(target)
+
+    def written(self, writable: Path) -> Path:
+        return writable / "upper"
 
     def is_mounted(self, target: Path) -> bool:
         return is_mounted(target)

@@ -112,6 +112,11 @@ class OciRuntime(Protocol):
         """Host pids of the container's processes."""
         ...
 
+    async def update(self, container_id: str, resources_file: Path) -> None:
+        """Apply the limits of ``resources_file`` (the spec's ``linux.resources`` as JSON) to a
+        created or running container's cgroup."""
+        ...
+
     def error(
         self, what: str, container_id: str, stderr: bytes | str, code: int | None = None
     ) -> OciRuntimeError:

@@ -497,6 +497,14 @@ class Cgroupfs:
         # v1 reports "unlimited" as a huge page-rounded number.
         return None if value == "max" or int(value) >= 1 << 62 else int(value)
 
+    def memory_working_set(self, path: str) -> int:
+        """Memory in use less what the kernel can reclaim at once (inactive page cache), as the
+        kubelet and cAdvisor count a workload's memory."""
+        usage = self.memory_current(path)
+        stat = parse_flat_keyed(_read(self._controller_file("memory", path, "memory.stat")))
+        inactive = stat.get("inactive_file" if self.is_v2 else "total_inactive_file", 0)
+        return max(usage - inactive, 0)
+
     def pids_current(self, path: str) -> int:
         return int(_read(self._controller_file("pids", path, "pids.current")))
 
