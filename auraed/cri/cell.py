@@ -28,7 +28,8 @@ interrupted by a crash is removed completely from its record. Stop detaches the 
 the pod stays, NOT_READY, with its namespaces, until it is removed. Nothing needs stopping when
 auraed stops: pods outlive it, and are checked when it starts again.
 
-:meth:`CellSandbox.container_join` says what a container of the pod joins.
+:meth:`CellSandbox.container_join` says what a container of the pod joins, and
+:meth:`CellSandbox.container_sandbox` says it as the host container domain takes it.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from auraed.cni.cni import Cni
 from auraed.cni.errors import CniError
 from auraed.cni.model import PodNetwork
 from auraed.cni.model import PortMapping as CniPortMapping
+from auraed.containers.sandbox import SandboxContext, SharedNamespaces
 from auraed.cri.errors import CriError
 from auraed.cri.model import PodRecord, PodResources, PodSpec, PodState
 from auraed.cri.sandbox import HandlerFeatures
@@ -98,6 +100,9 @@ MAX_CPU_SHARES = 262_144
 MIN_CPU_SHARES = 2
 # The pins' names (the kernel's) and the OCI runtime spec's names of the same namespaces.
 OCI_NAMESPACES = {NET: "network", IPC: "ipc", UTS: "uts", PID: "pid"}
+HOST_NAMESPACES = Path("/proc/1/ns")
+"""The host's namespaces (``net``, ``ipc``, ...): the host init's, which runc joins by path (that
+pid stays valid whatever becomes of auraed's own)."""
 _NAMESPACE_NAMES = {NET: "network", IPC: "IPC", UTS: "UTS"}
 # What a CNI model field holds, as the kubelet's request names it.
 _CNI_FIELDS = {
@@ -382,6 +387,26 @@ class CellSandbox:
             hosts=layout.hosts,
             shm=layout.shm,
             cgroup_parent=layout.cgroup,
+        )
+
+    def container_sandbox(self, pod: PodRecord) -> SandboxContext:
+        """:meth:`container_join` as the host container domain takes it: the host's namespaces
+        by the host init's paths (the network's is the request's ``host_network``)."""
+        join = self.container_join(pod)
+        paths = {kind: Path(path) for kind, path in join.namespaces.items()}
+        for kind, oci_name in OCI_NAMESPACES.items():
+            if kind != NET and oci_name in join.host_namespaces:
+                paths[oci_name] = HOST_NAMESPACES / kind
+        return SandboxContext(
+            sandbox_id=pod.id,
+            cgroup_parent=join.cgroup_parent,
+            namespaces=SharedNamespaces(
+                network=paths.get("network"), ipc=paths.get("ipc"), uts=paths.get("uts"), pid=paths.get("pid")
+            ),
+            resolv_conf=join.resolv_conf,
+            hosts=join.hosts,
+            hostname_file=join.hostname_file,
+            shm=join.shm,
         )
 
     # -- run -------------------------------------------------------------------------------

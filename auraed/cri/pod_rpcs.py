@@ -59,7 +59,8 @@ def _listed(pod: PodRecord) -> cri.PodSandbox:
     )
 
 
-def _status(pod: PodRecord) -> cri.PodSandboxStatus:
+def status_message(pod: PodRecord) -> cri.PodSandboxStatus:
+    """A pod's PodSandboxStatus (its containers' events carry it too)."""
     return cri.PodSandboxStatus(
         id=pod.id,
         metadata=_metadata(pod),
@@ -135,7 +136,7 @@ class PodRpcs:
     ) -> cri.PodSandboxStatusResponse:
         pod = self._pods.get(_pod_id(request.pod_sandbox_id))
         return cri.PodSandboxStatusResponse(
-            status=_status(pod),
+            status=status_message(pod),
             info=_verbose_info(pod) if request.verbose else {},
             timestamp=time.time_ns(),
         )

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Protocol
 
+from auraed.containers.sandbox import SandboxContext
 from auraed.cri.model import PodRecord
 
 
@@ -48,3 +49,7 @@ class SandboxController(Protocol):
 
     async def recover(self, pod: PodRecord) -> None:
         """At start: make the in-memory state of a pod found in the store (it may be gone)."""
+
+    def container_sandbox(self, pod: PodRecord) -> SandboxContext:
+        """Where a container of the pod lives and what it shares with the pod's others: the pod's
+        cgroup parent, namespaces, /etc files, /dev/shm (of a READY pod)."""

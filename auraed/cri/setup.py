@@ -7,11 +7,14 @@ import dataclasses
 from auraed.cni.cni import Cni
 from auraed.cni.model import CniSettings, parse_bin_dirs
 from auraed.config import DaemonConfig
+from auraed.containers.containers import Containers
 from auraed.cri.cell import CellSandbox
+from auraed.cri.container_rpcs import ContainerRpcs
+from auraed.cri.containers import CriContainers
 from auraed.cri.images import SERVICE_NAME as IMAGE_SERVICE
 from auraed.cri.images import FsUsageCache, ImageServicer
 from auraed.cri.info import InfoRpcs
-from auraed.cri.pod_rpcs import PodRpcs
+from auraed.cri.pod_rpcs import PodRpcs, status_message
 from auraed.cri.pods import Pods
 from auraed.cri.runtime import SERVICE_NAME as RUNTIME_SERVICE
 from auraed.cri.runtime import RuntimeServicer
@@ -32,11 +35,13 @@ class Cri:
     servicers: dict[str, object]
     cni: Cni
     pods: Pods
+    containers: CriContainers
 
     async def close(self) -> None:
         """Let runs in flight finish; pods keep running across a restart of auraed, so nothing
         is stopped."""
         await self.pods.close()
+        await self.containers.close()
 
 
 def cni_settings(config: DaemonConfig) -> CniSettings:
@@ -48,14 +53,25 @@ def cni_settings(config: DaemonConfig) -> CniSettings:
 
 
 async def build(
-    config: DaemonConfig, store: Store, images: Images, cgroups: Cgroupfs, oci_runtime: str
+    config: DaemonConfig,
+    store: Store,
+    images: Images,
+    cgroups: Cgroupfs,
+    oci_runtime: str,
+    *,
+    containers: Containers,
 ) -> Cri:
-    """The CRI with its pods recovered: what a crash left half made is undone first."""
+    """The CRI with its pods and containers recovered: what a crash left half made is undone
+    first."""
     cni = Cni(store, cni_settings(config))
     controllers: dict[str, SandboxController] = {
         "cell": CellSandbox(cni, cgroups, config.runtime_dir / PODS_DIR),
     }
     pods = Pods(store, controllers, lambda spec: config.cri_default_handler)
+    pod_containers = CriContainers(store, pods, containers, cgroups)
+    pods.containers = pod_containers
+    # Containers first: a pod whose removal a crash interrupted removes its containers.
+    await pod_containers.recover()
     await pods.recover()
     info = InfoRpcs(
         oci_runtime,
@@ -64,11 +80,15 @@ async def build(
         config.cri_default_handler,
     )
     fs_usage = FsUsageCache(config.state_dir / "images")
+    pod_rpcs = PodRpcs(pods)
     return Cri(
         servicers={
             IMAGE_SERVICE: ImageServicer(images, fs_usage),
-            RUNTIME_SERVICE: RuntimeServicer(info, PodRpcs(pods), Unserved()),
+            RUNTIME_SERVICE: RuntimeServicer(
+                info, pod_rpcs, ContainerRpcs(pod_containers, pods, status_message), Unserved()
+            ),
         },
         cni=cni,
         pods=pods,
+        containers=pod_containers,
     )

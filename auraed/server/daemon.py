@@ -275,7 +275,10 @@ class Daemon:
 
         assert self.store is not None and self._cgroups is not None
         oci_runtime = runtime_binary(config, self._cgroups.layout)
-        self.cri = await cri_setup.build(config, self.store, self.images, self._cgroups, oci_runtime)
+        assert self.containers is not None
+        self.cri = await cri_setup.build(
+            config, self.store, self.images, self._cgroups, oci_runtime, containers=self.containers
+        )
         server = grpc.aio.server(options=server_options(config))
         self._cri_server = server
         handlers = [generic_handler(name, servicer) for name, servicer in self.cri.servicers.items()]

@@ -1,0 +1,523 @@
+"""CRI containers: a pod's containers, each a host container (auraed.containers) in its pod's
+sandbox, and the CRI's record of it.
+
+The host container holds the process, its states, exit and log; the CRI record (kind
+``cri_container`` in the state store, keyed by the host container's id, which is the CRI's id
+too) holds what only the CRI knows: the pod, the metadata, labels and annotations, the image as
+the kubelet named it, the log path, the mounts as asked. A record is saved once its host
+container exists; a host container of a sandbox whose record was never saved (auraed killed in
+between) is removed at start.
+
+Events (GetContainerEvents) go to every subscriber: created, started, stopped (the process
+ended, however: a Stop, an OOM kill, its own exit) and deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
+from typing import Any
+
+from auraed.containers.containers import Containers, spec_error
+from auraed.containers.errors import ContainerError
+from auraed.containers.exec import ExecSession
+from auraed.containers.model import ContainerRecord, State
+from auraed.containers.oci_spec import exec_process
+from auraed.containers.request import Resources, SpecError
+from auraed.cri.container_config import ContainerSpec, CriMount, ImageAsked
+from auraed.cri.errors import CriError
+from auraed.cri.images import FsUsage, FsUsageCache
+from auraed.cri.model import PodRecord, PodState
+from auraed.cri.pods import MIN_PREFIX, Pods
+from auraed.errors import AuraeError, ErrorKind
+from auraed.state.store import Store
+from auraed.system.cgroupfs import CgroupError, Cgroupfs
+
+log = logging.getLogger(__name__)
+
+KIND = "cri_container"
+EXEC_OUTPUT_MAX = 8 * 1024 * 1024
+"""Bytes of each of an ExecSync's stdout and stderr kept, so that the reply fits the 16 MiB a
+kubelet's client receives (containerd keeps 16 MiB of each, a reply the kubelet can refuse); the
+rest is read and dropped, so the process never blocks on a full pipe."""
+EVENT_BACKLOG = 1024
+"""Events held for a GetContainerEvents subscriber that reads slowly; one further behind has
+its stream ended (a kubelet then subscribes again and relists)."""
+POD_STOP_GRACE = 0.0
+"""StopPodSandbox kills what still runs at once, as containerd does: the kubelet has stopped each
+container with its own grace period before."""
+WRITABLE_USAGE_TTL = 10.0
+"""Seconds a container's writable layer usage is reused for (a kubelet asks every few seconds)."""
+
+
+class EventType(enum.Enum):
+    CREATED = "created"
+    STARTED = "started"
+    STOPPED = "stopped"
+    DELETED = "deleted"
+
+
+@dataclasses.dataclass(frozen=True)
+class ContainerEvent:
+    container_id: str
+    pod_id: str
+    type: EventType
+    created_ns: int
+
+
+@dataclasses.dataclass
+class CriContainerRecord:
+    """What the CRI keeps of a container; the rest is its host container's."""
+
+    id: str
+    pod_id: str
+    name: str
+    attempt: int
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    image: ImageAsked
+    image_id: str
+    log_path: str  # absolute
+    mounts: tuple[CriMount, ...]
+    created_ns: int
+
+    def to_doc(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "pod_id": self.pod_id,
+            "name": self.name,
+            "attempt": self.attempt,
+            "labels": self.labels,
+            "annotations": self.annotations,
+            "image": dataclasses.asdict(self.image),
+            "image_id": self.image_id,
+            "log_path": self.log_path,
+            "mounts": [mount.to_doc() for mount in self.mounts],
+            "created_ns": self.created_ns,
+        }
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> CriContainerRecord:
+        return cls(
+            **{
+                **doc,
+                "image": ImageAsked(**doc["image"]),
+                "mounts": tuple(CriMount.from_doc(m) for m in doc["mounts"]),
+            }
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Container:
+    """A CRI container as reported: its record and its host container's current state."""
+
+    record: CriContainerRecord
+    host: ContainerRecord
+
+
+@dataclasses.dataclass(frozen=True)
+class ContainerFilter:
+    """ListContainers' and ListContainerStats' filter; empty fields match everything."""
+
+    id: str = ""
+    states: frozenset[str] | None = None  # host states (auraed.containers.model.State)
+    pod_id: str = ""
+    labels: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class CgroupUsage:
+    timestamp_ns: int
+    cpu_ns: int
+    memory_working_set: int
+    memory_usage: int
+    processes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ContainerUsage:
+    container: Container
+    cgroup: CgroupUsage | None  # None: no process (created, exited)
+    writable: FsUsage
+    writable_root: Path
+
+
+@dataclasses.dataclass(frozen=True)
+class PodUsage:
+    pod: PodRecord
+    cgroup: CgroupUsage | None
+    containers: tuple[ContainerUsage, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+
+
+class ContainerEvents:
+    """Container events to every subscriber, each with a backlog of its own."""
+
+    def __init__(self) -> None:
+        self._subscribers: set[asyncio.Queue[ContainerEvent | None]] = set()
+
+    def publish(self, event: ContainerEvent) -> None:
+        for queue in list(self._subscribers):
+            try:
+                queue.put_nowait(event)
+            except asyncio.QueueFull:
+                self._subscribers.discard(queue)  # it ends once it has read what it holds
+                with contextlib.suppress(asyncio.QueueFull):
+                    queue.get_nowait()
+                    queue.put_nowait(None)
+
+    async def subscribe(self) -> AsyncIterator[ContainerEvent]:
+        """Every event from now on, until the caller stops (or falls EVENT_BACKLOG behind:
+        RESOURCE_EXHAUSTED then)."""
+        queue: asyncio.Queue[ContainerEvent | None] = asyncio.Queue(EVENT_BACKLOG)
+        self._subscribers.add(queue)
+        try:
+            while (event := await queue.get()) is not None:
+                yield event
+        finally:
+            self._subscribers.discard(queue)
+        raise CriError(ErrorKind.RESOURCE_EXHAUSTED, f"the events stream fell {EVENT_BACKLOG} events behind")
+
+    def close(self) -> None:
+        for queue in self._subscribers:
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait(None)
+
+
+def _ns(seconds: float | None) -> int:
+    return round(seconds * 1e9) if seconds else 0
+
+
+class CriContainers:
+    """The pods' containers over the host's Containers (the PodContainers of auraed.cri.pods)."""
+
+    def __init__(self, store: Store, pods: Pods, containers: Containers, cgroups: Cgroupfs) -> None:
+        self._store = store
+        self._pods = pods
+        self._containers = containers
+        self._cgroups = cgroups
+        self._records: dict[str, CriContainerRecord] = {}
+        self._watchers: dict[str, asyncio.Task[None]] = {}
+        self._writable: dict[str, FsUsageCache] = {}
+        self.events = ContainerEvents()
+
+    # -- lookups -----------------------------------------------------------------------------
+
+    def find(self, container_id: str) -> CriContainerRecord | None:
+        """The container with id ``container_id`` or the one id starting with it; None if none."""
+        record = self._records.get(container_id)
+        if record is not None or len(container_id) < MIN_PREFIX:
+            return record
+        matches = [r for r in self._records.values() if r.id.startswith(container_id)]
+        if len(matches) > 1:
+            raise CriError.invalid(
+                "container_id", f"{container_id} is the start of {len(matches)} containers' ids"
+            )
+        return matches[0] if matches else None
+
+    def get(self, container_id: str) -> Container:
+        if not container_id:
+            raise CriError.invalid("container_id", "is required")
+        record = self.find(container_id)
+        container = self._container(record) if record is not None else None
+        if container is None:
+            raise CriError.not_found(f"container {container_id[:100]}")
+        return container
+
+    def _container(self, record: CriContainerRecord) -> Container | None:
+        try:
+            return Container(record, self._containers.get(record.id))
+        except ContainerError:
+            return None  # removed meanwhile
+
+    def all(self, wanted: ContainerFilter | None = None) -> list[Container]:
+        wanted = wanted or ContainerFilter()
+        if wanted.id:
+            found = self.find(wanted.id)
+            records = [found] if found is not None else []
+        else:
+            records = sorted(self._records.values(), key=lambda r: r.created_ns)
+        listed = []
+        for record in records:
+            container = self._container(record)
+            if container is None or (wanted.pod_id and not record.pod_id.startswith(wanted.pod_id)):
+                continue
+            if wanted.states is not None and container.host.state not in wanted.states:
+                continue
+            if any(record.labels.get(key) != value for key, value in wanted.labels.items()):
+                continue
+            listed.append(container)
+        return listed
+
+    def in_pod(self, pod_id: str) -> list[Container]:
+        return [c for c in self.all() if c.record.pod_id == pod_id]
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def create(self, pod: PodRecord, spec: ContainerSpec) -> Container:
+        """A container in ``pod`` (which must be READY), in the pod's sandbox."""
+        if pod.state is not PodState.READY:
+            raise CriError.precondition(f"pod sandbox {pod.id[:13]} is not ready")
+        sandbox = dataclasses.replace(self._pods.controller(pod).container_sandbox(pod), sandbox_id=pod.id)
+        host = await self._containers.create(
+            spec.request, spec.image.image, dict(spec.labels), sandbox=sandbox, log_path=spec.log_path
+        )
+        record = CriContainerRecord(
+            id=host.id,
+            pod_id=pod.id,
+            name=spec.name,
+            attempt=spec.attempt,
+            labels=dict(spec.labels),
+            annotations=dict(spec.annotations),
+            image=spec.image,
+            image_id=host.image_id,
+            log_path=str(host.log_path),
+            mounts=spec.mounts,
+            created_ns=_ns(host.created_at),
+        )
+        try:
+            self._save(record)
+            # A StopPodSandbox or RemovePodSandbox while this ran missed this container.
+            if self._pods.find(pod.id) is not pod or pod.state is not PodState.READY:
+                raise CriError.precondition(
+                    f"pod sandbox {pod.id[:13]} stopped while the container was created"
+                )
+        except BaseException:
+            await asyncio.shield(self._forget(record, host))
+            raise
+        self._publish(record, EventType.CREATED)
+        log.info("container %s (%s) created in pod %s", spec.name, host.id[:13], pod.id[:13])
+        return Container(record, host)
+
+    async def _forget(self, record: CriContainerRecord, host: ContainerRecord) -> None:
+        try:
+            await self._containers.delete(host, force=True, keep_logs=False)
+        except ContainerError as exc:
+            log.warning("container %s could not be removed: %s", host.id[:13], exc)
+        self._drop(record)
+
+    async def start(self, container_id: str) -> Container:
+        container = self.get(container_id)
+        await self._containers.start(container.host)
+        self._publish(container.record, EventType.STARTED)
+        self._watch(container)
+        return container
+
+    async def stop(self, container_id: str, timeout: float) -> None:
+        """The stop signal, SIGKILL after ``timeout`` seconds. A container that is gone, or no
+        longer runs, is stopped."""
+        record = self.find(container_id) if container_id else None
+        container = self._container(record) if record is not None else None
+        if container is None:
+            if not container_id:
+                raise CriError.invalid("container_id", "is required")
+            return
+        await self._containers.stop(container.host, timeout)
+
+    async def remove(self, container_id: str) -> None:
+        """Remove the container, killing it if it runs. A container that is gone is removed."""
+        if not container_id:
+            raise CriError.invalid("container_id", "is required")
+        record = self.find(container_id)
+        if record is None:
+            return
+        container = self._container(record)
+        if container is not None:
+            await self._containers.delete(container.host, force=True, keep_logs=False)
+        if record.id in self._records:
+            self._drop(record)
+            self._publish(record, EventType.DELETED)
+            log.info("container %s (%s) removed", record.name, record.id[:13])
+
+    # -- the pod's hooks (auraed.cri.pods.PodContainers) --------------------------------------
+
+    async def stop_pod_containers(self, pod: PodRecord) -> None:
+        await _all(self._containers.stop(c.host, POD_STOP_GRACE) for c in self.in_pod(pod.id))
+
+    async def remove_pod_containers(self, pod: PodRecord) -> None:
+        ids = [record.id for record in self._records.values() if record.pod_id == pod.id]
+        await _all(self.remove(container_id) for container_id in ids)
+
+    # -- in a running container ----------------------------------------------------------------
+
+    def _running(self, container_id: str, what: str) -> Container:
+        container = self.get(container_id)
+        if container.host.state != State.RUNNING:
+            raise CriError.precondition(
+                f"container {container.record.id[:13]} is {container.host.state}: cannot {what}"
+            )
+        return container
+
+    async def exec_sync(self, container_id: str, command: list[str], timeout: float | None) -> ExecResult:
+        """Run ``command`` in the container to its end, or kill it after ``timeout`` seconds
+        (None: no limit) and raise DEADLINE_EXCEEDED. A non-zero exit is a result, not an error."""
+        container = self._running(container_id, "exec")
+        try:
+            process = exec_process(self._containers.process_defaults(container.host), command, (), "")
+        except SpecError as exc:
+            raise spec_error(exc) from None
+        session = await self._containers.exec(container.host, process, False, stdin=False, size=None)
+        try:
+            async with asyncio.timeout(timeout):
+                stdout, stderr = await _collect(session, EXEC_OUTPUT_MAX)
+                exit_code = await session.wait()
+        except TimeoutError:
+            await session.kill()
+            raise CriError(
+                ErrorKind.DEADLINE_EXCEEDED, f"command {command[0][:100]!r} timed out after {timeout:g}s"
+            ) from None
+        finally:
+            await session.close()  # kills it too when the caller went away
+        return ExecResult(exit_code, stdout, stderr)
+
+    async def reopen_log(self, container_id: str) -> None:
+        await self._containers.reopen_log(self._running(container_id, "reopen its log").host)
+
+    async def update_resources(self, container_id: str, resources: Resources) -> None:
+        await self._containers.update_resources(self.get(container_id).host, resources)
+
+    async def runtime_spec(self, container: Container) -> dict[str, Any] | None:
+        """The container's OCI runtime spec (its bundle's config.json), None when unreadable."""
+
+        def read() -> dict[str, Any] | None:
+            try:
+                spec: dict[str, Any] = json.loads((container.host.bundle / "config.json").read_text())
+            except (OSError, ValueError):
+                return None
+            return spec
+
+        return await asyncio.to_thread(read)
+
+    # -- stats -------------------------------------------------------------------------------
+
+    def _cgroup_usage(self, path: str) -> CgroupUsage | None:
+        try:
+            if not self._cgroups.exists(path):
+                return None
+            return CgroupUsage(
+                timestamp_ns=time.time_ns(),
+                cpu_ns=self._cgroups.cpu_stat(path).get("usage_usec", 0) * 1000,
+                memory_working_set=self._cgroups.memory_working_set(path),
+                memory_usage=self._cgroups.memory_current(path),
+                processes=self._cgroups.pids_current(path),
+            )
+        except CgroupError:
+            return None  # removed as it was read (the container ended)
+
+    async def usage(self, container: Container) -> ContainerUsage:
+        host = container.host
+        cgroup = None
+        if host.state == State.RUNNING:
+            cgroup = await asyncio.to_thread(self._cgroup_usage, self._containers.cgroup(host))
+        root = self._containers.written(host)
+        cache = self._writable.setdefault(host.id, FsUsageCache(root, WRITABLE_USAGE_TTL))
+        return ContainerUsage(container, cgroup, await cache.usage(), root)
+
+    async def usages(self, wanted: ContainerFilter | None = None) -> list[ContainerUsage]:
+        return [await self.usage(c) for c in self.all(wanted)]
+
+    async def pod_usage(self, pod: PodRecord) -> PodUsage:
+        cgroup = None
+        with contextlib.suppress(AuraeError):  # a pod whose sandbox is gone has no cgroup to read
+            parent = self._pods.controller(pod).container_sandbox(pod).cgroup_parent
+            cgroup = await asyncio.to_thread(self._cgroup_usage, parent)
+        containers = [await self.usage(c) for c in self.in_pod(pod.id) if c.host.state == State.RUNNING]
+        return PodUsage(pod, cgroup, tuple(containers))
+
+    # -- records and restart -----------------------------------------------------------------
+
+    def _save(self, record: CriContainerRecord) -> None:
+        self._store.put(KIND, record.id, record.to_doc())
+        self._records[record.id] = record
+
+    def _drop(self, record: CriContainerRecord) -> None:
+        self._store.delete(KIND, record.id)
+        self._records.pop(record.id, None)
+        self._writable.pop(record.id, None)
+        watcher = self._watchers.pop(record.id, None)
+        if watcher is not None and watcher is not asyncio.current_task():
+            watcher.cancel()
+
+    def _publish(self, record: CriContainerRecord, kind: EventType) -> None:
+        self.events.publish(ContainerEvent(record.id, record.pod_id, kind, time.time_ns()))
+
+    def _watch(self, container: Container) -> None:
+        """Until the container's process ends: then its STOPPED event."""
+        record = container.record
+
+        async def watch() -> None:
+            try:
+                await self._containers.wait(container.host)
+            except ContainerError:
+                return  # removed before it ran
+            finally:
+                self._watchers.pop(record.id, None)
+            if record.id in self._records:
+                self._publish(record, EventType.STOPPED)
+
+        earlier = self._watchers.pop(record.id, None)
+        if earlier is not None:
+            earlier.cancel()
+        self._watchers[record.id] = asyncio.get_running_loop().create_task(
+            watch(), name=f"cri watch {record.id}"
+        )
+
+    async def recover(self) -> None:
+        """At start, after the host's containers: every record whose host container is still
+        there; host containers of a sandbox without a record (a Create cut short) removed."""
+        for record in self._store.load(KIND, CriContainerRecord.from_doc):
+            self._records[record.id] = record
+            container = self._container(record)
+            if container is None:
+                log.info("container %s is gone; its record is dropped", record.id[:13])
+                self._drop(record)
+            elif container.host.state == State.RUNNING:
+                self._watch(container)
+        # Only the CRI puts host containers in sandboxes: one without a record is a Create's.
+        for host in self._containers.all():
+            if host.sandbox_id and host.id not in self._records:
+                log.warning(
+                    "container %s of pod %s has no CRI record; removing it",
+                    host.id[:13],
+                    host.sandbox_id[:13],
+                )
+                with contextlib.suppress(ContainerError):
+                    await self._containers.delete(host, force=True, keep_logs=False)
+        log.info("recovered %d CRI containers", len(self._records))
+
+    async def close(self) -> None:
+        self.events.close()
+        for task in list(self._watchers.values()):
+            task.cancel()
+        await asyncio.gather(*self._watchers.values(), return_exceptions=True)
+
+
+async def _all(calls: Iterable[Any]) -> None:
+    """Run every call; then raise the first failure, if any."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+
+
+async def _collect(session: ExecSession, limit: int) -> tuple[bytes, bytes]:
+    """stdout and stderr to their end, each cut at ``limit`` bytes."""
+    kept = {"stdout": bytearray(), "stderr": bytearray()}
+    async for stream, data in session.output():
+        buffer = kept[stream]
+        if len(buffer) < limit:
+            buffer += data[: limit - len(buffer)]
+    return bytes(kept["stdout"]), bytes(kept["stderr"])
