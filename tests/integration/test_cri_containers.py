@@ -1,0 +1,748 @@
+"""CRI containers in cell pods through the kubelet's socket, as critest and a kubelet use them:
+CreateContainer, StartContainer, StopContainer, RemoveContainer, ListContainers,
+StreamContainers, ContainerStatus, UpdateContainerResources, ReopenContainerLog, ExecSync,
+container and pod stats, GetContainerEvents; and a daemon killed with -9 finding them again.
+
+Each daemon has a private CNI network (tests.support.cni) and critest's busybox image from a
+local registry that mirrors registry.k8s.io. The test image is Debian's busybox-static, which
+has no ``pgrep``: critest's check that a timed-out exec was killed is made with ``pidof``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from auraed.api.runtime import v1 as cri
+from auraed.client import AuraeClient, ClientError
+from auraed.cri.containers import EXEC_OUTPUT_MAX
+from auraed.system.cri_log import parse_rfc3339_ns
+from tests.conftest import DaemonFactory, DaemonProcess, wait_until
+from tests.support.cni import CniNetwork, cni_network
+from tests.support.cri import (
+    BUSYBOX_IMAGE,
+    CALL_TIMEOUT,
+    RUNTIME_SERVICE,
+    cri_client,
+    mirrors_config,
+    publish,
+    pull_image,
+)
+from tests.support.images import BuiltImage
+from tests.support.registry import LocalRegistry
+
+CREATED = cri.ContainerState.CONTAINER_CREATED
+RUNNING = cri.ContainerState.CONTAINER_RUNNING
+EXITED = cri.ContainerState.CONTAINER_EXITED
+ATTEMPT = 2  # critest's DefaultAttempt
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+MIB = 1024 * 1024
+TOP = ["top"]
+LOOP_LOG = ["sh", "-c", "while true; do echo hello World; sleep 0.2; done"]
+IGNORES_TERM = ["sh", "-c", "trap '' TERM; while true; do sleep 0.2; done"]
+ATTRIBUTES = {
+    "foo": "bar",
+    "io.kubernetes.container.name": "preserved",
+    "io.kubernetes.pod.name": "fake-pod-name",
+    "io.kubernetes.pod.namespace": "fake-pod-namespace",
+    "io.kubernetes.pod.uid": "fake-pod-uid",
+}
+BIG_RECEIVE = [("grpc.max_receive_message_length", 32 * MIB)]
+
+
+@pytest.fixture(scope="module")
+def mirror(busybox_layout: BuiltImage) -> Iterator[LocalRegistry]:
+    """A registry serving critest's busybox as the mirror of registry.k8s.io."""
+    with LocalRegistry() as registry:
+        publish(busybox_layout, registry, BUSYBOX_IMAGE)
+        yield registry
+
+
+@dataclass
+class Node:
+    """A daemon with its own CNI network and busybox pulled, and a client on its CRI socket."""
+
+    daemon: DaemonProcess
+    network: CniNetwork
+    client: AuraeClient
+    image_id: str
+    log_root: Path
+
+    async def call(self, method: str, request: Any, timeout: float = CALL_TIMEOUT) -> Any:
+        return await self.client.call(RUNTIME_SERVICE, method, request, timeout)
+
+    async def stream(self, method: str, request: Any) -> list[Any]:
+        return [reply async for reply in self.client.stream(RUNTIME_SERVICE, method, request, CALL_TIMEOUT)]
+
+    # -- pods --------------------------------------------------------------------------------
+
+    async def run_pod(
+        self, name: str, *, log_directory: bool = False, labels: dict[str, str] | None = None
+    ) -> str:
+        """A pod as critest's helpers make one (attempt 2, labels {}), with a log directory of
+        its own under log_root when asked."""
+        directory = ""
+        if log_directory:
+            path = self.log_root / name
+            path.mkdir(mode=0o777, parents=True)
+            directory = str(path)
+        config = cri.PodSandboxConfig(
+            metadata=cri.PodSandboxMetadata(
+                name=name, uid=f"{name}-uid", namespace="critest", attempt=ATTEMPT
+            ),
+            log_directory=directory,
+            labels=labels or {},
+            linux=cri.LinuxPodSandboxConfig(),
+        )
+        reply = await self.call("RunPodSandbox", cri.RunPodSandboxRequest(config=config))
+        pod_id: str = reply.pod_sandbox_id
+        return pod_id
+
+    async def stop_pod(self, pod_id: str) -> None:
+        await self.call("StopPodSandbox", cri.StopPodSandboxRequest(pod_sandbox_id=pod_id))
+
+    async def remove_pod(self, pod_id: str) -> None:
+        await self.call("RemovePodSandbox", cri.RemovePodSandboxRequest(pod_sandbox_id=pod_id))
+
+    async def pod_ids(self) -> list[str]:
+        reply = await self.call("ListPodSandbox", cri.ListPodSandboxRequest())
+        return [pod.id for pod in reply.items]
+
+    # -- containers --------------------------------------------------------------------------
+
+    def config(
+        self,
+        name: str,
+        command: list[str] | None = None,
+        *,
+        args: list[str] | None = None,
+        log: bool = False,
+        labels: dict[str, str] | None = None,
+        annotations: dict[str, str] | None = None,
+        linux: cri.LinuxContainerConfig | None = None,
+        **fields: Any,
+    ) -> cri.ContainerConfig:
+        """critest's container config: the image by id with the name the user gave, attempt 2."""
+        return cri.ContainerConfig(
+            metadata=cri.ContainerMetadata(name=name, attempt=ATTEMPT),
+            image=cri.ImageSpec(image=self.image_id, user_specified_image=BUSYBOX_IMAGE),
+            command=command or [],
+            args=args or [],
+            log_path=f"{name}.log" if log else "",
+            labels=labels or {},
+            annotations=annotations or {},
+            linux=linux,
+            **fields,
+        )
+
+    async def create(self, pod_id: str, config: cri.ContainerConfig) -> str:
+        request = cri.CreateContainerRequest(pod_sandbox_id=pod_id, config=config)
+        container_id: str = (await self.call("CreateContainer", request)).container_id
+        assert container_id
+        return container_id
+
+    async def start(self, container_id: str) -> None:
+        await self.call("StartContainer", cri.StartContainerRequest(container_id=container_id))
+
+    async def run(self, pod_id: str, config: cri.ContainerConfig) -> str:
+        container_id = await self.create(pod_id, config)
+        await self.start(container_id)
+        return container_id
+
+    async def stop(self, container_id: str, timeout: int = 0) -> None:
+        await self.call("StopContainer", cri.StopContainerRequest(container_id=container_id, timeout=timeout))
+
+    async def remove(self, container_id: str) -> None:
+        await self.call("RemoveContainer", cri.RemoveContainerRequest(container_id=container_id))
+
+    async def status_reply(self, container_id: str, verbose: bool = False) -> Any:
+        return await self.call(
+            "ContainerStatus", cri.ContainerStatusRequest(container_id=container_id, verbose=verbose)
+        )
+
+    async def status(self, container_id: str) -> Any:
+        status = (await self.status_reply(container_id)).status
+        # What cri-client checks of every ContainerStatus before a test sees it.
+        assert status.id and status.metadata.name and status.created_at
+        assert status.image.image and status.image_ref
+        return status
+
+    async def containers(self, **filter_fields: Any) -> list[Any]:
+        container_filter = cri.ContainerFilter(**filter_fields) if filter_fields else None
+        listed: list[Any] = (
+            await self.call("ListContainers", cri.ListContainersRequest(filter=container_filter))
+        ).containers
+        streamed = [
+            c
+            for reply in await self.stream(
+                "StreamContainers", cri.StreamContainersRequest(filter=container_filter)
+            )
+            for c in reply.containers
+        ]
+        assert [c.id for c in streamed] == [c.id for c in listed]
+        return listed
+
+    async def ids(self, **filter_fields: Any) -> list[str]:
+        return [c.id for c in await self.containers(**filter_fields)]
+
+    async def wait_state(self, container_id: str, state: cri.ContainerState, timeout: float = 60) -> Any:
+        async def reached() -> bool:
+            return (await self.status(container_id)).state == state
+
+        await eventually(reached, timeout)
+        return await self.status(container_id)
+
+    async def exec_sync(self, container_id: str, cmd: list[str], timeout: int = 30) -> cri.ExecSyncResponse:
+        request = cri.ExecSyncRequest(container_id=container_id, cmd=cmd, timeout=timeout)
+        reply: cri.ExecSyncResponse = await self.call("ExecSync", request, CALL_TIMEOUT + timeout)
+        return reply
+
+
+@pytest.fixture
+async def node(daemon_factory: DaemonFactory, mirror: LocalRegistry, tmp_path: Path) -> AsyncIterator[Node]:
+    with cni_network(tmp_path) as network:
+        network.write(network.conflist())
+        daemon = daemon_factory("--cni-conf-dir", str(network.conf_dir), config_text=mirrors_config(mirror))
+        found = Node(daemon, network, cri_client(daemon), "", tmp_path / "logs")
+        try:
+            found.image_id = await pull_image(found.client, BUSYBOX_IMAGE)
+            yield found
+            # As critest's AfterEach: stop and remove every pod, which takes its containers.
+            for pod_id in await found.pod_ids():
+                await found.stop_pod(pod_id)
+                await found.remove_pod(pod_id)
+            assert await found.containers() == []
+        finally:
+            await found.client.close()  # the test's last client (a restart makes a new one)
+        assert leftover_cgroups(daemon) == []
+
+
+def leftover_cgroups(daemon: DaemonProcess) -> list[str]:
+    found = []
+    for hierarchy in CGROUP_ROOT.iterdir():
+        base = hierarchy / daemon.cgroup_base
+        if base.is_dir():
+            found += [str(p) for p in base.rglob("*") if p.is_dir()]
+    return found
+
+
+async def eventually(
+    check: Callable[[], Awaitable[bool]], timeout: float = 60, interval: float = 0.1
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(interval)
+
+
+async def cri_error(call: Awaitable[object]) -> ClientError:
+    with pytest.raises(ClientError) as error:
+        await call
+    return error.value
+
+
+def container_cgroup(daemon: DaemonProcess, hierarchy: str, container_id: str) -> Path:
+    found = list((CGROUP_ROOT / hierarchy / daemon.cgroup_base).rglob(container_id))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def log_records(path: Path) -> list[tuple[str, str, str, str]]:
+    """The file's lines as critest's parser splits them: 4 fields, a valid timestamp."""
+    records = []
+    for line in path.read_text().splitlines():
+        fields = line.split(" ", 3)
+        assert len(fields) == 4, line
+        parse_rfc3339_ns(fields[0])
+        assert fields[1] in ("stdout", "stderr") and fields[2] == "F", line
+        records.append((fields[0], fields[1], fields[2], fields[3]))
+    return records
+
+
+def stdout_lines(path: Path) -> list[str]:
+    return [content for _, stream, _, content in log_records(path) if stream == "stdout"]
+
+
+# -- lifecycle ---------------------------------------------------------------------------------
+
+
+async def test_created_container_keeps_its_attributes(node: Node) -> None:
+    """critest's "preserving container attributes": no command (the image's), labels and
+    annotations echoed by ContainerStatus and ListContainers, never started."""
+    pod_id = await node.run_pod("attributes")
+    config = node.config("preserved", labels=ATTRIBUTES, annotations={"abc": "def"})
+    container_id = await node.create(pod_id, config)
+    status = await node.status(container_id)
+    assert (status.metadata.name, status.metadata.attempt) == ("preserved", ATTEMPT)
+    assert status.state == CREATED and status.started_at == 0 and status.finished_at == 0
+    assert status.labels == ATTRIBUTES and status.annotations == {"abc": "def"}
+    assert status.image.image == BUSYBOX_IMAGE  # as the user named it
+    assert status.image_ref == status.image_id == node.image_id
+    assert abs(status.created_at - time.time_ns()) < 60 * 10**9
+    assert status.log_path.startswith("/") and status.mounts == []
+    [listed] = await node.containers(id=container_id)
+    assert (listed.id, listed.pod_sandbox_id, listed.state) == (container_id, pod_id, CREATED)
+    assert listed.metadata.name == "preserved" and listed.labels == ATTRIBUTES
+    assert listed.annotations == {"abc": "def"} and listed.image_ref == node.image_id
+    info = json.loads((await node.status_reply(container_id, verbose=True)).info["info"])
+    assert info["sandboxID"] == pod_id and info["pid"] == 0
+    assert info["runtimeSpec"]["process"]["args"] == ["/bin/sh"]  # the image's Cmd
+
+
+async def test_start_stop_remove_and_filters(node: Node) -> None:
+    pod_id = await node.run_pod("lifecycle", labels={"pod": "one"})
+    other_pod = await node.run_pod("other")
+    top = await node.run(pod_id, node.config("top", TOP, labels={"foo": "bar"}))
+    created = await node.create(pod_id, node.config("created", TOP))
+    elsewhere = await node.create(other_pod, node.config("elsewhere", TOP, labels={"foo": "bar"}))
+    running = await node.wait_state(top, RUNNING)
+    assert running.started_at >= running.created_at > 0
+    pid = json.loads((await node.status_reply(top, verbose=True)).info["info"])["pid"]
+    assert pid > 0 and Path(f"/proc/{pid}").exists()
+
+    assert await node.ids(id=top[:8]) == [top]  # an id prefix, as crictl sends them
+    assert await node.ids(state=cri.ContainerStateValue(state=RUNNING)) == [top]
+    assert await node.ids(state=cri.ContainerStateValue(state=CREATED)) == [created, elsewhere]
+    assert await node.ids(pod_sandbox_id=pod_id) == [top, created]
+    assert await node.ids(label_selector={"foo": "bar"}) == [top, elsewhere]
+    assert await node.ids(label_selector={"foo": "bar"}, pod_sandbox_id=other_pod) == [elsewhere]
+    assert await node.ids(label_selector={"foo": "baz"}) == []
+    assert await node.ids(id="non-existent-id") == []
+
+    began = time.monotonic()
+    await node.stop(top, timeout=60)  # critest: must return well before its 60 s
+    assert time.monotonic() - began < 10
+    stopped = await node.status(top)
+    assert stopped.state == EXITED and stopped.finished_at >= stopped.started_at
+    assert (stopped.exit_code, stopped.reason) == (143, "Error")  # SIGTERM
+    assert not Path(f"/proc/{pid}").exists()
+    await node.stop(top, timeout=60)  # stopped already: nothing to do
+
+    await node.remove(top)
+    await node.remove(created)  # never started
+    assert await node.ids(pod_sandbox_id=pod_id) == []
+    assert (await cri_error(node.status(top))).code == "NOT_FOUND"
+
+
+async def test_stop_and_remove_are_idempotent(node: Node) -> None:
+    """critest's idempotence specs: Stop and Remove of what does not exist, or no longer does."""
+    pod_id = await node.run_pod("idempotence")
+    missing = "0" * 64
+    await node.stop(missing)
+    await node.remove(missing)
+    container_id = await node.run(pod_id, node.config("twice", TOP))
+    await node.wait_state(container_id, RUNNING)
+    await node.stop(container_id)
+    assert (await node.status(container_id)).state == EXITED
+    await node.remove(container_id)
+    await node.remove(container_id)
+    await node.stop(container_id)
+    # A running container is removed directly (force), its process killed.
+    running = await node.run(pod_id, node.config("running", IGNORES_TERM))
+    await node.wait_state(running, RUNNING)
+    pid = json.loads((await node.status_reply(running, verbose=True)).info["info"])["pid"]
+    began = time.monotonic()
+    await node.remove(running)
+    assert time.monotonic() - began < 10
+    assert await node.ids() == [] and not Path(f"/proc/{pid}").exists()
+
+
+async def test_create_refuses_what_it_cannot_run(node: Node) -> None:
+    pod_id = await node.run_pod("refusals")
+    unknown_pod = await cri_error(node.create("0" * 64, node.config("c", TOP)))
+    assert unknown_pod.code == "NOT_FOUND" and "pod sandbox" in unknown_pod.message
+    not_pulled = node.config("c", TOP)
+    not_pulled.image = cri.ImageSpec(image="registry.k8s.io/e2e-test-images/nginx:1.14-2")
+    assert (await cri_error(node.create(pod_id, not_pulled))).code == "NOT_FOUND"
+    no_metadata = node.config("c", TOP)
+    no_metadata.metadata = None
+    error = await cri_error(node.create(pod_id, no_metadata))
+    assert error.code == "INVALID_ARGUMENT" and "config.metadata" in error.message
+    no_image = node.config("c", TOP)
+    no_image.image = None
+    error = await cri_error(node.create(pod_id, no_image))
+    assert error.code == "INVALID_ARGUMENT" and "config.image.image" in error.message
+    bad_env = node.config("c", TOP, envs=[cri.KeyValue(key="", value="x")])
+    error = await cri_error(node.create(pod_id, bad_env))
+    assert error.code == "INVALID_ARGUMENT" and "config.envs[0].key" in error.message
+    assert (await cri_error(node.start("0" * 64))).code == "NOT_FOUND"
+    await node.stop_pod(pod_id)
+    stopped = await cri_error(node.create(pod_id, node.config("c", TOP)))
+    assert stopped.code == "FAILED_PRECONDITION"
+    assert await node.ids() == []
+
+
+# -- what runs, and its log ----------------------------------------------------------------------
+
+
+async def test_command_args_env_workdir_and_logs(node: Node) -> None:
+    """Command is the image's entrypoint replaced and args its Cmd, as the kubelet means them;
+    each container's log is <pod log_directory>/<log_path>, lines in the CRI format."""
+    pod_id = await node.run_pod("logs", log_directory=True)
+    log_dir = node.log_root / "logs"
+    env = node.config(
+        "env",
+        ["sh", "-c", "echo $GREETING from $(pwd); exit 3"],
+        log=True,
+        envs=[cri.KeyValue(key="GREETING", value="hi")],
+        working_dir="/tmp",
+    )
+    args_only = node.config("args", args=["echo", "args only"], log=True)
+    image_default = node.config("default", log=True)  # the image's /bin/sh: stdin is empty
+    world = node.config("world", ["echo", "hello World"], log=True)  # critest's log spec
+    empty_lines = node.config("empty", ["printf", "a\\n\\nb\\n"], log=True)
+    stderr = node.config("stderr", ["sh", "-c", "echo oops >&2"], log=True)
+    configs = {"env": env, "args": args_only, "default": image_default, "world": world}
+    configs |= {"empty": empty_lines, "stderr": stderr}
+    ids = {name: await node.run(pod_id, config) for name, config in configs.items()}
+    statuses = {name: await node.wait_state(container_id, EXITED) for name, container_id in ids.items()}
+    for name, status in statuses.items():
+        assert status.log_path == str(log_dir / f"{name}.log")  # absolute, as multi-container reads it
+    assert (statuses["env"].exit_code, statuses["env"].reason) == (3, "Error")
+    assert stdout_lines(log_dir / "env.log") == ["hi from /tmp"]
+    assert stdout_lines(log_dir / "args.log") == ["args only"]
+    assert (statuses["default"].exit_code, statuses["default"].reason) == (0, "Completed")
+    assert stdout_lines(log_dir / "world.log") == ["hello World"]
+    assert stdout_lines(log_dir / "empty.log") == ["a", "", "b"]  # the empty line has its 4 fields
+    assert [(stream, content) for _, stream, _, content in log_records(log_dir / "stderr.log")] == [
+        ("stderr", "oops")
+    ]
+
+
+async def test_reopen_container_log(node: Node) -> None:
+    """critest's "reopening container log": the kubelet renames the file, ReopenContainerLog;
+    the path exists at once, new lines go there, the old file gets none."""
+    pod_id = await node.run_pod("reopen", log_directory=True)
+    container_id = await node.run(pod_id, node.config("looper", LOOP_LOG, log=True))
+    path = Path((await node.wait_state(container_id, RUNNING)).log_path)
+
+    async def lines_in(file: Path) -> bool:
+        return file.exists() and bool(stdout_lines(file))
+
+    await eventually(lambda: lines_in(path), 30)
+    renamed = path.with_name(path.name + ".new")
+    path.rename(renamed)
+    await node.call("ReopenContainerLog", cri.ReopenContainerLogRequest(container_id=container_id))
+    assert path.exists()  # right when the RPC returns
+    count = len(stdout_lines(renamed))
+    await eventually(lambda: lines_in(path), 30)
+    await asyncio.sleep(1.5)
+    assert len(stdout_lines(renamed)) == count
+    assert set(stdout_lines(path)) == {"hello World"}
+
+    await node.stop(container_id)
+    error = await cri_error(
+        node.call("ReopenContainerLog", cri.ReopenContainerLogRequest(container_id=container_id))
+    )
+    assert error.code == "FAILED_PRECONDITION"
+    missing = await cri_error(
+        node.call("ReopenContainerLog", cri.ReopenContainerLogRequest(container_id="0" * 64))
+    )
+    assert missing.code == "NOT_FOUND"
+
+
+# -- exec ----------------------------------------------------------------------------------------
+
+
+async def test_exec_sync(node: Node) -> None:
+    pod_id = await node.run_pod("exec")
+    container_id = await node.run(pod_id, node.config("top", TOP))
+    await node.wait_state(container_id, RUNNING)
+    hello = await node.exec_sync(container_id, ["echo", "-n", "hello"])
+    assert (hello.stdout, hello.stderr, hello.exit_code) == (b"hello", b"", 0)
+    # A failure is an exit code with what the command wrote, not an error.
+    failed = await node.exec_sync(container_id, ["sh", "-c", "echo out; echo err >&2; exit 7"])
+    assert (failed.stdout, failed.stderr, failed.exit_code) == (b"out\n", b"err\n", 7)
+    missing = await node.exec_sync(container_id, ["no-such-command"])
+    assert missing.exit_code != 0
+
+    # critest's "execSync with timeout": auraed enforces it, and kills the command.
+    began = time.monotonic()
+    error = await cri_error(node.exec_sync(container_id, ["sleep", "4321"], timeout=1))
+    assert error.code == "DEADLINE_EXCEEDED" and time.monotonic() - began < 10
+    left = await node.exec_sync(container_id, ["sh", "-c", "pidof sleep || true"])
+    assert (left.stdout.strip(), left.stderr) == (b"", b"")
+
+    # Output beyond the cap is read and dropped: the command ends, the reply fits a kubelet.
+    async with AuraeClient(
+        grpc.aio.insecure_channel(f"unix:{node.daemon.cri_socket}", options=BIG_RECEIVE)
+    ) as big:
+        request = cri.ExecSyncRequest(
+            container_id=container_id, cmd=["head", "-c", str(EXEC_OUTPUT_MAX + MIB), "/dev/zero"]
+        )
+        capped = await big.call(RUNTIME_SERVICE, "ExecSync", request, CALL_TIMEOUT)
+    assert (len(capped.stdout), capped.exit_code) == (EXEC_OUTPUT_MAX, 0)
+
+    created = await node.create(pod_id, node.config("created", TOP))
+    assert (await cri_error(node.exec_sync(created, ["true"]))).code == "FAILED_PRECONDITION"
+    assert (await cri_error(node.exec_sync(container_id, []))).code == "INVALID_ARGUMENT"
+    assert (await cri_error(node.exec_sync("0" * 64, ["true"]))).code == "NOT_FOUND"
+
+
+# -- resources -----------------------------------------------------------------------------------
+
+
+async def test_oom_killed_container(node: Node) -> None:
+    """critest's OOM spec: 15 MiB of memory and memory + swap, dd with 20 MiB blocks: exit 137,
+    reason OOMKilled (cgroup v1's memsw limit holds swap back too)."""
+    pod_id = await node.run_pod("oom")
+    limit = 15 * MIB
+    resources = cri.LinuxContainerResources(memory_limit_in_bytes=limit, memory_swap_limit_in_bytes=limit)
+    config = node.config(
+        "oom",
+        ["sh", "-c", "dd if=/dev/zero of=/dev/null bs=20M"],
+        linux=cri.LinuxContainerConfig(resources=resources),
+    )
+    container_id = await node.create(pod_id, config)
+    spec = json.loads((await node.status_reply(container_id, verbose=True)).info["info"])["runtimeSpec"]
+    assert spec["linux"]["resources"]["memory"] == {"limit": limit, "swap": limit}
+    await node.start(container_id)
+    status = await node.wait_state(container_id, EXITED)
+    assert (status.exit_code, status.reason) == (137, "OOMKilled")
+
+
+async def test_resources_at_create_and_update(node: Node) -> None:
+    pod_id = await node.run_pod("resources")
+    resources = cri.LinuxContainerResources(
+        cpu_period=100_000,
+        cpu_quota=20_000,
+        cpu_shares=1024,
+        memory_limit_in_bytes=64 * MIB,
+        oom_score_adj=-500,
+    )
+    container_id = await node.run(
+        pod_id, node.config("limited", TOP, linux=cri.LinuxContainerConfig(resources=resources))
+    )
+    await node.wait_state(container_id, RUNNING)
+    cpu = container_cgroup(node.daemon, "cpu", container_id)
+    memory = container_cgroup(node.daemon, "memory", container_id)
+    assert (cpu / "cpu.cfs_quota_us").read_text().strip() == "20000"
+    assert (cpu / "cpu.cfs_period_us").read_text().strip() == "100000"
+    assert (cpu / "cpu.shares").read_text().strip() == "1024"
+    assert int((memory / "memory.limit_in_bytes").read_text()) == 64 * MIB
+    pid = json.loads((await node.status_reply(container_id, verbose=True)).info["info"])["pid"]
+    own = int(Path("/proc/self/oom_score_adj").read_text())
+    assert int(Path(f"/proc/{pid}/oom_score_adj").read_text()) == max(-500, own)  # never below auraed's
+
+    update = cri.LinuxContainerResources(cpu_quota=50_000, cpu_shares=512, memory_limit_in_bytes=128 * MIB)
+    request = cri.UpdateContainerResourcesRequest(container_id=container_id, linux=update)
+    await node.call("UpdateContainerResources", request)
+    assert (cpu / "cpu.cfs_quota_us").read_text().strip() == "50000"
+    assert (cpu / "cpu.shares").read_text().strip() == "512"
+    assert int((memory / "memory.limit_in_bytes").read_text()) == 128 * MIB
+    spec = json.loads((await node.status_reply(container_id, verbose=True)).info["info"])["runtimeSpec"]
+    assert spec["linux"]["resources"]["memory"]["limit"] == 128 * MIB  # kept for a later run
+
+    too_small = cri.UpdateContainerResourcesRequest(
+        container_id=container_id, linux=cri.LinuxContainerResources(memory_limit_in_bytes=1024)
+    )
+    error = await cri_error(node.call("UpdateContainerResources", too_small))
+    assert error.code == "INVALID_ARGUMENT" and "memory_max" in error.message
+    await node.stop(container_id)
+    stopped = await cri_error(node.call("UpdateContainerResources", request))
+    assert stopped.code == "FAILED_PRECONDITION"
+
+
+# -- stats ---------------------------------------------------------------------------------------
+
+
+async def test_container_and_pod_stats(node: Node) -> None:
+    pod_id = await node.run_pod("stats", labels={"stream-pod-stats": "yes"})
+    other_pod = await node.run_pod("quiet")
+    labelled = await node.run(pod_id, node.config("container-for-stats-1", TOP, labels={"foo": "bar"}))
+    others = [await node.run(pod_id, node.config(f"container-for-stats-{n}", TOP)) for n in (2, 3)]
+    for container_id in (labelled, *others):
+        await node.wait_state(container_id, RUNNING)
+    written = await node.exec_sync(labelled, ["dd", "if=/dev/zero", "of=/written", "bs=1M", "count=2"])
+    assert written.exit_code == 0
+
+    reply = await node.call("ContainerStats", cri.ContainerStatsRequest(container_id=labelled))
+    stats = reply.stats
+    assert stats.attributes.id == labelled and "container-for-stats-" in stats.attributes.metadata.name
+    assert stats.attributes.labels == {"foo": "bar"}
+    assert stats.cpu.timestamp != 0 and stats.memory.timestamp != 0
+    assert stats.memory.working_set_bytes.value > 0 and stats.memory.usage_bytes.value > 0
+    assert stats.cpu.usage_core_nano_seconds is not None
+    assert stats.writable_layer.used_bytes.value >= 2 * MIB and stats.writable_layer.inodes_used.value >= 1
+
+    async def listed(stats_filter: cri.ContainerStatsFilter | None) -> list[str]:
+        ids = [
+            s.attributes.id
+            for s in (
+                await node.call("ListContainerStats", cri.ListContainerStatsRequest(filter=stats_filter))
+            ).stats
+        ]
+        streamed = await node.stream(
+            "StreamContainerStats", cri.StreamContainerStatsRequest(filter=stats_filter)
+        )
+        assert [s.attributes.id for reply in streamed for s in reply.container_stats] == ids
+        return ids
+
+    assert set(await listed(None)) == {labelled, *others}
+    assert await listed(cri.ContainerStatsFilter(id=labelled)) == [labelled]
+    assert await listed(cri.ContainerStatsFilter(label_selector={"foo": "bar"})) == [labelled]
+    assert await listed(cri.ContainerStatsFilter(label_selector={"foo": "baz"})) == []
+    assert await listed(cri.ContainerStatsFilter(pod_sandbox_id=other_pod)) == []
+
+    pod_reply = await node.call("PodSandboxStats", cri.PodSandboxStatsRequest(pod_sandbox_id=pod_id))
+    pod_stats = pod_reply.stats
+    assert pod_stats.attributes.id == pod_id and pod_stats.attributes.metadata.name == "stats"
+    assert pod_stats.attributes.labels == {"stream-pod-stats": "yes"}
+    assert pod_stats.linux.cpu.timestamp != 0 and pod_stats.linux.memory.working_set_bytes.value > 0
+    assert pod_stats.linux.process.process_count.value >= 3
+    assert {c.attributes.id for c in pod_stats.linux.containers} == {labelled, *others}
+
+    async def pods_listed(pod_filter: cri.PodSandboxStatsFilter | None) -> list[str]:
+        request = cri.ListPodSandboxStatsRequest(filter=pod_filter)
+        ids = [s.attributes.id for s in (await node.call("ListPodSandboxStats", request)).stats]
+        streamed = await node.stream(
+            "StreamPodSandboxStats", cri.StreamPodSandboxStatsRequest(filter=pod_filter)
+        )
+        assert [s.attributes.id for reply in streamed for s in reply.pod_sandbox_stats] == ids
+        return ids
+
+    assert await pods_listed(cri.PodSandboxStatsFilter(id=pod_id)) == [pod_id]  # exactly one
+    assert set(await pods_listed(None)) == {pod_id, other_pod}
+    assert await pods_listed(cri.PodSandboxStatsFilter(label_selector={"stream-pod-stats": "yes"})) == [
+        pod_id
+    ]
+
+    missing = await cri_error(node.call("ContainerStats", cri.ContainerStatsRequest(container_id="0" * 64)))
+    assert missing.code == "NOT_FOUND"
+    missing = await cri_error(
+        node.call("PodSandboxStats", cri.PodSandboxStatsRequest(pod_sandbox_id="0" * 64))
+    )
+    assert missing.code == "NOT_FOUND"
+
+
+# -- events --------------------------------------------------------------------------------------
+
+
+async def test_container_events_reach_every_subscriber(node: Node) -> None:
+    pod_id = await node.run_pod("events")
+    received: list[list[Any]] = [[], []]
+
+    async def subscribe(into: list[Any]) -> None:
+        async for event in node.client.stream(
+            RUNTIME_SERVICE, "GetContainerEvents", cri.GetEventsRequest(), None
+        ):
+            into.append(event)
+
+    subscribers = [asyncio.create_task(subscribe(into)) for into in received]
+    probes = itertools.count()
+    try:
+        # A stream has begun once it sees an event: create containers until both have seen one.
+        async def both_see_one() -> bool:
+            await node.create(pod_id, node.config(f"probe-{next(probes)}", TOP))
+            return all(received)
+
+        await eventually(both_see_one, 30, 0.2)
+        for events in received:
+            events.clear()
+        container_id = await node.run(pod_id, node.config("short", ["sh", "-c", "sleep 0.5"]))
+        await node.wait_state(container_id, EXITED)
+        await node.remove(container_id)
+
+        kinds = [
+            cri.ContainerEventType.CONTAINER_CREATED_EVENT,
+            cri.ContainerEventType.CONTAINER_STARTED_EVENT,
+            cri.ContainerEventType.CONTAINER_STOPPED_EVENT,
+            cri.ContainerEventType.CONTAINER_DELETED_EVENT,
+        ]
+
+        async def all_seen() -> bool:
+            return all(
+                [e.container_event_type for e in events if e.container_id == container_id] == kinds
+                for events in received
+            )
+
+        await eventually(all_seen, 30)
+        for events in received:
+            mine = [e for e in events if e.container_id == container_id]
+            assert all(e.created_at > 0 and e.pod_sandbox_status.id == pod_id for e in mine)
+            stopped = next(e for e in mine if e.container_event_type == kinds[2])
+            [status] = [s for s in stopped.containers_statuses if s.id == container_id]
+            assert status.state == EXITED and status.reason == "Completed"
+            assert container_id not in [s.id for s in mine[3].containers_statuses]
+    finally:
+        for task in subscribers:
+            task.cancel()
+        await asyncio.gather(*subscribers, return_exceptions=True)
+
+
+# -- pods take their containers ------------------------------------------------------------------
+
+
+async def test_pod_stop_and_remove_take_its_containers(node: Node) -> None:
+    pod_id = await node.run_pod("taken")
+    stubborn = await node.run(pod_id, node.config("stubborn", IGNORES_TERM))
+    created = await node.create(pod_id, node.config("created", TOP))
+    done = await node.run(pod_id, node.config("done", ["true"]))
+    await node.wait_state(stubborn, RUNNING)
+    await node.wait_state(done, EXITED)
+    pid = json.loads((await node.status_reply(stubborn, verbose=True)).info["info"])["pid"]
+    began = time.monotonic()
+    await node.stop_pod(pod_id)  # kills at once: the kubelet stopped each container before
+    assert time.monotonic() - began < 10
+    assert (await node.status(stubborn)).state == EXITED and not Path(f"/proc/{pid}").exists()
+    assert (await node.status(created)).state == CREATED
+    await node.remove_pod(pod_id)
+    assert await node.ids() == []
+    for container_id in (stubborn, created, done):
+        assert (await cri_error(node.status(container_id))).code == "NOT_FOUND"
+
+
+# -- restart -------------------------------------------------------------------------------------
+
+
+async def test_containers_are_found_again_after_kill_9(node: Node) -> None:
+    pod_id = await node.run_pod("restart", log_directory=True)
+    looper = await node.run(pod_id, node.config("looper", LOOP_LOG, log=True, labels={"keep": "me"}))
+    exited = await node.run(pod_id, node.config("exited", ["sh", "-c", "exit 4"], log=True))
+    created = await node.create(pod_id, node.config("created", TOP))
+    running = await node.wait_state(looper, RUNNING)
+    before = {c: await node.status(c) for c in (looper, exited, created)}
+    await node.wait_state(exited, EXITED)
+    before[exited] = await node.status(exited)
+    pid = json.loads((await node.status_reply(looper, verbose=True)).info["info"])["pid"]
+    log_path = Path(running.log_path)
+
+    node.daemon.kill9()
+    grown = len(stdout_lines(log_path))
+    await wait_until(lambda: len(stdout_lines(log_path)) > grown, 10)  # the log goes on meanwhile
+    node.daemon.start()
+    await node.client.close()
+    node.client = cri_client(node.daemon)
+    assert set(await node.ids(pod_sandbox_id=pod_id)) == {looper, exited, created}
+    for container_id, earlier in before.items():
+        status = await node.status(container_id)
+        assert (status.state, status.created_at, status.started_at) == (
+            earlier.state,
+            earlier.created_at,
+            earlier.started_at,
+        )
+        assert (status.exit_code, status.reason, status.labels) == (
+            earlier.exit_code,
+            earlier.reason,
+            earlier.labels,
+        )
+    assert json.loads((await node.status_reply(looper, verbose=True)).info["info"])["pid"] == pid
+    assert (await node.exec_sync(looper, ["echo", "-n", "still here"])).stdout == b"still here"
+    await node.stop(looper)
+    stopped = await node.status(looper)
+    assert (stopped.state, stopped.exit_code) == (EXITED, 143)
+    count = len(stdout_lines(log_path))
+    await asyncio.sleep(0.5)
+    assert len(stdout_lines(log_path)) == count
+    await node.start(created)  # created before the restart: it runs now
+    await node.wait_state(created, RUNNING)
