@@ -463,8 +463,9 @@ async def test_exec_sync(node: Node) -> None:
     # A failure is an exit code with what the command wrote, not an error.
     failed = await node.exec_sync(container_id, ["sh", "-c", "echo out; echo err >&2; exit 7"])
     assert (failed.stdout, failed.stderr, failed.exit_code) == (b"out\n", b"err\n", 7)
-    missing = await node.exec_sync(container_id, ["no-such-command"])
-    assert missing.exit_code != 0
+    # A command that cannot start is the runtime's error, as containerd reports it.
+    missing = await cri_error(node.exec_sync(container_id, ["no-such-command"]))
+    assert missing.code == "FAILED_PRECONDITION" and "no-such-command" in missing.message
 
     # critest's "execSync with timeout": auraed enforces it, and kills the command.
     began = time.monotonic()
@@ -738,9 +739,9 @@ async def test_containers_are_found_again_after_kill_9(node: Node) -> None:
         )
     assert json.loads((await node.status_reply(looper, verbose=True)).info["info"])["pid"] == pid
     assert (await node.exec_sync(looper, ["echo", "-n", "still here"])).stdout == b"still here"
-    await node.stop(looper)
+    await node.stop(looper)  # no grace: SIGKILL
     stopped = await node.status(looper)
-    assert (stopped.state, stopped.exit_code) == (EXITED, 143)
+    assert (stopped.state, stopped.exit_code, stopped.reason) == (EXITED, 137, "Error")
     count = len(stdout_lines(log_path))
     await asyncio.sleep(0.5)
     assert len(stdout_lines(log_path)) == count
