@@ -163,38 +163,47 @@ class ExecResult:
     stderr: bytes
 
 
+_FELL_BEHIND, _CLOSED = "fell behind", "closed"  # why a subscriber's stream ends
+
+
 class ContainerEvents:
     """Container events to every subscriber, each with a backlog of its own."""
 
     def __init__(self) -> None:
-        self._subscribers: set[asyncio.Queue[ContainerEvent | None]] = set()
+        self._subscribers: set[asyncio.Queue[ContainerEvent | str]] = set()
 
     def publish(self, event: ContainerEvent) -> None:
         for queue in list(self._subscribers):
             try:
                 queue.put_nowait(event)
             except asyncio.QueueFull:
-                self._subscribers.discard(queue)  # it ends once it has read what it holds
-                with contextlib.suppress(asyncio.QueueFull):
-                    queue.get_nowait()
-                    queue.put_nowait(None)
+                self._end(queue, _FELL_BEHIND)
+
+    def _end(self, queue: asyncio.Queue[ContainerEvent | str], why: str) -> None:
+        """The subscriber's stream ends once it has read what comes before ``why``."""
+        self._subscribers.discard(queue)
+        if queue.full():
+            queue.get_nowait()  # room for the end: a stream that ends has lost events anyway
+        queue.put_nowait(why)
 
     async def subscribe(self) -> AsyncIterator[ContainerEvent]:
-        """Every event from now on, until the caller stops (or falls EVENT_BACKLOG behind:
-        RESOURCE_EXHAUSTED then)."""
-        queue: asyncio.Queue[ContainerEvent | None] = asyncio.Queue(EVENT_BACKLOG)
+        """Every event from now on, until the caller stops or close(); RESOURCE_EXHAUSTED when
+        it falls EVENT_BACKLOG behind."""
+        queue: asyncio.Queue[ContainerEvent | str] = asyncio.Queue(EVENT_BACKLOG)
         self._subscribers.add(queue)
         try:
-            while (event := await queue.get()) is not None:
+            while isinstance(event := await queue.get(), ContainerEvent):
                 yield event
         finally:
             self._subscribers.discard(queue)
-        raise CriError(ErrorKind.RESOURCE_EXHAUSTED, f"the events stream fell {EVENT_BACKLOG} events behind")
+        if event == _FELL_BEHIND:
+            raise CriError(
+                ErrorKind.RESOURCE_EXHAUSTED, f"the events stream fell {EVENT_BACKLOG} events behind"
+            )
 
     def close(self) -> None:
-        for queue in self._subscribers:
-            with contextlib.suppress(asyncio.QueueFull):
-                queue.put_nowait(None)
+        for queue in list(self._subscribers):
+            self._end(queue, _CLOSED)
 
 
 def _ns(seconds: float | None) -> int:

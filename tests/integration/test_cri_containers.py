@@ -382,6 +382,31 @@ async def test_create_refuses_what_it_cannot_run(node: Node) -> None:
     assert await node.ids() == []
 
 
+async def test_host_path_volumes(node: Node, tmp_path: Path) -> None:
+    """critest's "starting container with volume" and "volume when host path is a symlink":
+    the mount point is made in the root filesystem; ContainerStatus reports the mounts as asked."""
+    pod_id = await node.run_pod("volumes")
+    directory = tmp_path / f"test{pod_id}"
+    directory.mkdir()
+    (directory / "testVolume.file").touch()
+    symlink = Path(f"{directory}-symlink")
+    symlink.symlink_to(directory)
+    mounts = [
+        cri.Mount(host_path=str(directory), container_path=str(directory), selinux_relabel=True),
+        cri.Mount(host_path=str(symlink), container_path=str(symlink)),
+        cri.Mount(host_path=str(directory), container_path="/read-only", readonly=True),
+    ]
+    container_id = await node.run(pod_id, node.config("volumes", ["sh", "-c", "top"], mounts=mounts))
+    status = await node.wait_state(container_id, RUNNING)
+    assert status.mounts == mounts
+    for path in (directory, symlink):
+        listed = await node.exec_sync(container_id, ["ls", "-A", str(path)])
+        assert (listed.stdout, listed.stderr) == (b"testVolume.file\n", b"")
+    refused = await node.exec_sync(container_id, ["touch", "/read-only/new"])
+    assert refused.exit_code != 0 and b"Read-only file system" in refused.stderr
+    assert not (directory / "new").exists()
+
+
 # -- what runs, and its log ----------------------------------------------------------------------
 
 
