@@ -27,12 +27,14 @@ from auraed.containers.oci_spec import (
     exec_process,
     image_runtime_config,
     resolve_user,
+    resource_limits,
     stop_signal,
 )
 from auraed.containers.request import (
     MAX_CFS_QUOTA_US,
     MAX_HOOK_TIMEOUT_SECONDS,
     PID_MAX_LIMIT,
+    UNLIMITED,
     ContainerRequest,
     Hook,
     Hooks,
@@ -975,6 +977,36 @@ def test_resource_errors(rootfs: Path, resources: Resources, field: str) -> None
     exc = error(build, rootfs, ContainerRequest(name="web", resources=resources), host=host)
     assert exc.kind == "invalid"
     assert exc.message.startswith(field + ": ")
+
+
+def test_cpu_shares_and_memory_swap(rootfs: Path) -> None:
+    resources = Resources(cpu_shares=512, memory_max=15 << 20, memory_swap=15 << 20)
+    linux = build(rootfs, ContainerRequest(name="web", resources=resources))["linux"]["resources"]
+    assert linux["cpu"] == {"shares": 512}
+    assert linux["memory"] == {"limit": 15 << 20, "swap": 15 << 20}
+    unlimited = Resources(memory_max=15 << 20, memory_swap=UNLIMITED)
+    assert resource_limits(unlimited, HOST) == {"memory": {"limit": 15 << 20, "swap": -1}}
+    assert "devices" not in resource_limits(resources, HOST)  # what a runtime's update takes
+
+
+@pytest.mark.parametrize(
+    ("resources", "message"),
+    [
+        (Resources(cpu_shares=1), "resources.cpu_shares: 1 is outside 2..262144"),
+        (Resources(cpu_shares=262_145), "resources.cpu_shares: 262145 is outside 2..262144"),
+        (
+            Resources(cpu_shares=2, cpu_weight=1),
+            "resources.cpu_shares: give cpu_weight or cpu_shares, not both",
+        ),
+        (Resources(memory_swap=64 << 20), "resources.memory_swap: needs resources.memory_max"),
+        (
+            Resources(memory_max=64 << 20, memory_swap=32 << 20),
+            f"resources.memory_swap: {32 << 20} is outside {64 << 20}..{(1 << 63) - 1}",
+        ),
+    ],
+)
+def test_cpu_shares_and_memory_swap_errors(rootfs: Path, resources: Resources, message: str) -> None:
+    assert error(build, rootfs, ContainerRequest(name="web", resources=resources)).message == message
 
 
 def test_resources_at_the_kernel_limits(rootfs: Path) -> None:
