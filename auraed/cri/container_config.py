@@ -13,8 +13,8 @@ Decisions worth knowing:
 * The pod's sysctls go into each container's spec too, as containerd puts them there: they are
   namespaced (the pod model checks that), so they land in the pod's own namespaces again.
 * Mounts: host path to container path, read-only when asked, as bind mounts. What the request
-  asks is kept as asked (ContainerStatus reports exactly that); propagation and the security
-  context are not translated here.
+  asks is kept as asked (ContainerStatus reports exactly that); propagation, the security
+  context and the container's namespace choices are auraed.cri.security's, not applied here.
 * The log goes to ``<pod log_directory>/<config.log_path>`` when the pod names a directory and
   the container a path; else into the container's own directory.
 """
