@@ -33,9 +33,14 @@ from tests.support.cri import (
     CALL_TIMEOUT,
     RUNTIME_SERVICE,
     cri_client,
+    list_pods,
     mirrors_config,
+    pod_config,
     publish,
     pull_image,
+    remove_pod,
+    run_pod,
+    stop_pod,
 )
 from tests.support.images import BuiltImage
 from tests.support.registry import LocalRegistry
@@ -88,34 +93,23 @@ class Node:
     async def run_pod(
         self, name: str, *, log_directory: bool = False, labels: dict[str, str] | None = None
     ) -> str:
-        """A pod as critest's helpers make one (attempt 2, labels {}), with a log directory of
-        its own under log_root when asked."""
-        directory = ""
+        """A pod as critest's helpers make one, with a log directory of its own under log_root
+        when asked."""
+        config = pod_config(name, namespace="critest", labels=labels)
         if log_directory:
             path = self.log_root / name
             path.mkdir(mode=0o777, parents=True)
-            directory = str(path)
-        config = cri.PodSandboxConfig(
-            metadata=cri.PodSandboxMetadata(
-                name=name, uid=f"{name}-uid", namespace="critest", attempt=ATTEMPT
-            ),
-            log_directory=directory,
-            labels=labels or {},
-            linux=cri.LinuxPodSandboxConfig(),
-        )
-        reply = await self.call("RunPodSandbox", cri.RunPodSandboxRequest(config=config))
-        pod_id: str = reply.pod_sandbox_id
-        return pod_id
+            config.log_directory = str(path)
+        return await run_pod(self.client, config)
 
     async def stop_pod(self, pod_id: str) -> None:
-        await self.call("StopPodSandbox", cri.StopPodSandboxRequest(pod_sandbox_id=pod_id))
+        await stop_pod(self.client, pod_id)
 
     async def remove_pod(self, pod_id: str) -> None:
-        await self.call("RemovePodSandbox", cri.RemovePodSandboxRequest(pod_sandbox_id=pod_id))
+        await remove_pod(self.client, pod_id)
 
     async def pod_ids(self) -> list[str]:
-        reply = await self.call("ListPodSandbox", cri.ListPodSandboxRequest())
-        return [pod.id for pod in reply.items]
+        return [pod.id for pod in await list_pods(self.client)]
 
     # -- containers --------------------------------------------------------------------------
 
