@@ -12,9 +12,9 @@ Decisions worth knowing:
   sets an oom_score_adj below auraed's own (auraed.containers.oci_spec).
 * The pod's sysctls go into each container's spec too, as containerd puts them there: they are
   namespaced (the pod model checks that), so they land in the pod's own namespaces again.
-* Mounts: host path to container path, read-only when asked, as bind mounts. What the request
-  asks is kept as asked (ContainerStatus reports exactly that); propagation, the security
-  context and the container's namespace choices are auraed.cri.security's, not applied here.
+* Mounts, the security context and the container's namespace choices are auraed.cri.security's
+  (host paths resolved, propagation, read-only binds that are not recursive). What the request
+  asks is also kept as asked: ContainerStatus reports exactly that.
 * The log goes to ``<pod log_directory>/<config.log_path>`` when the pod names a directory and
   the container a path; else into the container's own directory.
 """
@@ -24,13 +24,15 @@ from __future__ import annotations
 import dataclasses
 import posixpath
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from auraed.api.runtime import v1 as cri
-from auraed.containers.request import ContainerRequest, Mount, Resources, Security
+from auraed.containers.request import ContainerRequest, Resources
 from auraed.cri.errors import CriError
 from auraed.cri.model import MAX_NAME, PodSpec, labels
+from auraed.cri.security import ContainerNamespaces, linux_security
 from auraed.errors import ErrorKind
 
 MAX_ARGS = 4096
@@ -87,6 +89,7 @@ class ContainerSpec:
     mounts: tuple[CriMount, ...]
     log_path: Path | None  # absolute; None: in the container's own directory
     request: ContainerRequest
+    namespaces: ContainerNamespaces  # whose network, IPC and PID namespaces it is in
 
 
 def _text(value: str, field: str, limit: int = MAX_NAME, required: bool = False) -> str:
@@ -158,12 +161,6 @@ def cri_mounts(values: list[cri.Mount]) -> tuple[CriMount, ...]:
     return tuple(mounts)
 
 
-def _bind(mount: CriMount) -> Mount:
-    return Mount(
-        destination=mount.container_path, source=mount.host_path, type="bind", read_only=mount.readonly
-    )
-
-
 def _set(value: int) -> int | None:
     return None if value == UNSET else value
 
@@ -214,9 +211,12 @@ def _stop_signal(value: cri.Signal) -> str:
     return "" if value == cri.Signal.RUNTIME_DEFAULT else cri.Signal(value).name
 
 
-def container_spec(config: cri.ContainerConfig | None, pod: PodSpec) -> ContainerSpec:
+def container_spec(
+    config: cri.ContainerConfig | None, pod: PodSpec, *, recursive_read_only: bool = False
+) -> ContainerSpec:
     """A CreateContainer request's config in the pod ``pod``, as typed values;
-    INVALID_ARGUMENT naming the field."""
+    INVALID_ARGUMENT naming the field. It reads files (a seccomp profile, host paths) and may
+    make a missing host path: call it in a worker thread."""
     if config is None:
         raise CriError.invalid("config", "is required")
     if config.metadata is None:
@@ -228,15 +228,18 @@ def container_spec(config: cri.ContainerConfig | None, pod: PodSpec) -> Containe
     mounts = cri_mounts(config.mounts)
     linux = config.linux or cri.LinuxContainerConfig()
     limits = linux.resources
+    secured = linux_security(config, pod, recursive_read_only=recursive_read_only)
     request = ContainerRequest(
         name=host_name(name, attempt, pod),
         command=_strings(config.command, "config.command"),
         args=_strings(config.args, "config.args"),
         env=_envs(config.envs),
         working_dir=_text(config.working_dir, "config.working_dir", MAX_PATH),
-        mounts=tuple(_bind(mount) for mount in mounts),
+        mounts=secured.mounts,
         resources=resources(limits, "config.linux.resources"),
-        security=Security(oom_score_adj=limits.oom_score_adj if limits is not None else None),
+        security=replace(
+            secured.security, oom_score_adj=limits.oom_score_adj if limits is not None else None
+        ),
         sysctls=dict(pod.sysctls),
         tty=config.tty,
         stop_signal=_stop_signal(config.stop_signal),
@@ -251,4 +254,5 @@ def container_spec(config: cri.ContainerConfig | None, pod: PodSpec) -> Containe
         mounts=mounts,
         log_path=log_path(config.log_path, pod),
         request=request,
+        namespaces=secured.namespaces,
     )

@@ -10,6 +10,7 @@ named it, ``image_ref`` and ``image_id`` its id; ``log_path`` the absolute path 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Mapping
 
@@ -261,7 +262,8 @@ class ContainerRpcs:
         self, request: cri.CreateContainerRequest, context: Context
     ) -> cri.CreateContainerResponse:
         pod = self._pods.get(_id(request.pod_sandbox_id, "pod_sandbox_id"))
-        container = await self._containers.create(pod, container_spec(request.config, pod.spec))
+        spec = await asyncio.to_thread(container_spec, request.config, pod.spec)
+        container = await self._containers.create(pod, spec)
         return cri.CreateContainerResponse(container_id=container.record.id)
 
     async def start_container(

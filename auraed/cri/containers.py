@@ -31,11 +31,13 @@ from auraed.containers.exec import ExecSession
 from auraed.containers.model import ContainerRecord, State
 from auraed.containers.oci_spec import exec_process
 from auraed.containers.request import Resources, SpecError
+from auraed.containers.sandbox import SandboxContext
 from auraed.cri.container_config import ContainerSpec, CriMount, ImageAsked
 from auraed.cri.errors import CriError
 from auraed.cri.images import FsUsage, FsUsageCache
 from auraed.cri.model import PodRecord, PodState
 from auraed.cri.pods import MIN_PREFIX, Pods
+from auraed.cri.security import NamespaceScope
 from auraed.errors import AuraeError, ErrorKind
 from auraed.state.store import Store
 from auraed.system.cgroupfs import CgroupError, Cgroupfs
@@ -276,11 +278,31 @@ class CriContainers:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
+    def _pid_namespace(self, spec: ContainerSpec, sandbox: SandboxContext) -> Path | None:
+        """The PID namespace the container joins: the pod's (shared, or the host's for a pod of
+        the host's), none (a new one of its own), or another container's of the pod."""
+        scope = spec.namespaces.pid
+        if scope is NamespaceScope.CONTAINER:
+            return None
+        if scope is NamespaceScope.TARGET:
+            target = self.find(spec.namespaces.pid_target)
+            host = self._container(target) if target is not None else None
+            if target is None or host is None or target.pod_id != sandbox.sandbox_id or not host.host.pid:
+                raise CriError.not_found(
+                    f"target container {spec.namespaces.pid_target[:100]} (running, in this pod)"
+                )
+            return Path(f"/proc/{host.host.pid}/ns/pid")
+        return sandbox.namespaces.pid
+
     async def create(self, pod: PodRecord, spec: ContainerSpec) -> Container:
         """A container in ``pod`` (which must be READY), in the pod's sandbox."""
         if pod.state is not PodState.READY:
             raise CriError.precondition(f"pod sandbox {pod.id[:13]} is not ready")
         sandbox = dataclasses.replace(self._pods.controller(pod).container_sandbox(pod), sandbox_id=pod.id)
+        sandbox = dataclasses.replace(
+            sandbox,
+            namespaces=dataclasses.replace(sandbox.namespaces, pid=self._pid_namespace(spec, sandbox)),
+        )
         host = await self._containers.create(
             spec.request, spec.image.image, dict(spec.labels), sandbox=sandbox, log_path=spec.log_path
         )

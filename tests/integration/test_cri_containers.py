@@ -16,6 +16,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 from typing import Any
 
@@ -766,3 +767,51 @@ async def test_containers_are_found_again_after_kill_9(node: Node) -> None:
     assert len(stdout_lines(log_path)) == count
     await node.start(created)  # created before the restart: it runs now
     await node.wait_state(created, RUNNING)
+
+
+# -- security context, through the CRI ----------------------------------------------------------
+
+
+async def test_security_context_reaches_the_container(node: Node, tmp_path: Path) -> None:
+    """The CRI's security context and mounts (auraed.cri.security) applied at CreateContainer,
+    seen from inside as critest sees them: user, read-only rootfs, seccomp, a host path mount."""
+    pod_id = await node.run_pod("secure")
+    Profile = cri.SecurityProfileProfileType
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    (volume / "testVolume.file").write_text("")
+
+    def secured(name: str, **context: Any) -> cri.ContainerConfig:
+        linux = cri.LinuxContainerConfig(security_context=cri.LinuxContainerSecurityContext(**context))
+        return node.config(name, TOP, linux=linux)
+
+    user = await node.run(pod_id, secured("user", run_as_user=cri.Int64Value(value=1001)))
+    readonly = await node.run(pod_id, secured("readonly", readonly_rootfs=True))
+    default = await node.run(
+        pod_id, secured("default", seccomp=cri.SecurityProfile(profile_type=Profile.RuntimeDefault))
+    )
+    mounted = await node.run(
+        pod_id,
+        dataclasses_replace(
+            node.config("mounted", TOP),
+            mounts=[cri.Mount(container_path=str(volume), host_path=str(volume), readonly=True)],
+        ),
+    )
+    for container_id in (user, readonly, default, mounted):
+        await node.wait_state(container_id, RUNNING)
+    assert (await node.exec_sync(user, ["id", "-u"])).stdout == b"1001\n"
+    touched = await node.exec_sync(readonly, ["touch", "/test"])
+    assert touched.exit_code != 0 and b"Read-only file system" in touched.stderr
+    # No profile asked is unconfined for the CRI (containerd's rule); RuntimeDefault filters.
+    assert b"0" in (await node.exec_sync(user, ["grep", "Seccomp:", "/proc/self/status"])).stdout
+    assert b"2" in (await node.exec_sync(default, ["grep", "Seccomp:", "/proc/self/status"])).stdout
+    listed = await node.exec_sync(mounted, ["ls", "-A", str(volume)])
+    assert (listed.stdout, listed.stderr) == (b"testVolume.file\n", b"")
+    written = await node.exec_sync(mounted, ["touch", f"{volume}/new"])
+    assert written.exit_code != 0
+    refused = await cri_error(
+        node.create(pod_id, secured("group-only", run_as_group=cri.Int64Value(value=1002)))
+    )
+    assert refused.code == "INVALID_ARGUMENT" and "run_as_group" in refused.message
+    await node.stop_pod(pod_id)
+    await node.remove_pod(pod_id)
