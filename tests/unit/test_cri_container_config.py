@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from auraed.api.runtime import v1 as cri
-from auraed.containers.request import Mount, Resources
+from auraed.containers.request import Resources
 from auraed.cri.container_config import ContainerSpec, CriMount, container_spec, resources
 from auraed.cri.errors import CriError
 from auraed.cri.model import pod_spec
@@ -81,21 +81,18 @@ def test_no_log_directory_or_no_log_path_is_the_containers_own_log() -> None:
     assert error.value.message.startswith("config.log_path: ")
 
 
-def test_mounts_as_asked_and_as_binds() -> None:
+def test_mounts_as_asked_and_as_binds(tmp_path: Path) -> None:
+    """The CRI keeps the mount as asked; the host request gets auraed.cri.security's bind of the
+    resolved host path (a symlink followed), read-only."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "data")
     asked = cri.Mount(
-        container_path="/data",
-        host_path="/srv/data",
-        readonly=True,
-        selinux_relabel=True,
-        propagation=cri.MountPropagation.PROPAGATION_HOST_TO_CONTAINER,
+        container_path="/data", host_path=str(tmp_path / "link"), readonly=True, selinux_relabel=True
     )
     made = spec(mounts=[asked])
-    assert made.mounts == (
-        CriMount("/data", "/srv/data", readonly=True, selinux_relabel=True, propagation=1),
-    )
-    assert made.request.mounts == (
-        Mount(destination="/data", source="/srv/data", type="bind", read_only=True),
-    )
+    assert made.mounts == (CriMount("/data", str(tmp_path / "link"), readonly=True, selinux_relabel=True),)
+    (bind,) = made.request.mounts
+    assert (bind.destination, bind.source, bind.read_only) == ("/data", str(tmp_path / "data"), True)
     refusal("config.mounts[0].host_path", mounts=[cri.Mount(container_path="/data", host_path="relative")])
     image_volume = cri.Mount(container_path="/data", image=cri.ImageSpec(image="busybox"))
     assert refusal("config.mounts[0].image", mounts=[image_volume]).kind is ErrorKind.UNIMPLEMENTED
