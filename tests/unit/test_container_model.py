@@ -5,7 +5,8 @@ from __future__ import annotations
 from auraed.containers.model import ContainerRecord, State
 from auraed.containers.sandbox import CGROUP_PARENT
 
-# A record as auraed saved it before containers had sandboxes: no cgroup_parent, no sandbox_id.
+# A record as auraed saved it before containers had sandboxes: no cgroup_parent, no sandbox_id,
+# no log_file (a log path of the sandbox's choosing).
 BEFORE_SANDBOXES = {
     "id": "0" * 32,
     "name": "web",
@@ -33,8 +34,13 @@ BEFORE_SANDBOXES = {
 
 def test_a_record_from_before_sandboxes_is_a_container_on_its_own() -> None:
     record = ContainerRecord.from_doc(dict(BEFORE_SANDBOXES))
-    assert (record.cgroup_parent, record.sandbox_id) == (CGROUP_PARENT, "")
-    assert record.to_doc() == {**BEFORE_SANDBOXES, "cgroup_parent": CGROUP_PARENT, "sandbox_id": ""}
+    assert (record.cgroup_parent, record.sandbox_id, record.log_file) == (CGROUP_PARENT, "", "")
+    assert record.to_doc() == {
+        **BEFORE_SANDBOXES,
+        "cgroup_parent": CGROUP_PARENT,
+        "sandbox_id": "",
+        "log_file": "",
+    }
 
 
 def test_a_sandboxed_record_keeps_its_cgroup_parent_and_sandbox() -> None:
