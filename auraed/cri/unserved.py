@@ -23,15 +23,7 @@ NOT_YET = (
 )
 
 
-STREAMING = frozenset(
-    {
-        "stream_containers",
-        "stream_container_stats",
-        "stream_pod_sandbox_stats",
-        "get_container_events",
-        "stream_pod_sandbox_metrics",
-    }
-)
+STREAMING = frozenset({"stream_pod_sandbox_metrics"})  # of NOT_YET, those whose replies stream
 
 
 def _refusal(name: str) -> CriError:
