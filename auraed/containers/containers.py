@@ -196,6 +196,8 @@ class Containers:
                 directory=str(self._root / container_id),
                 labels=labels,
                 tty=request.tty,
+                stdin=request.stdin,
+                stdin_once=request.stdin_once,
                 stop_signal=signals.SIGTERM,
                 process={},
                 cgroup_parent=sandbox.cgroup_parent,
@@ -312,6 +314,7 @@ class Containers:
             pid_file=str(record.path / "container.pid"),
             console_socket=str(self._console_socket(record)) if record.tty else None,
             runtime_starts=start,
+            stdin=record.stdin,
         )
         try:
             supervised = await self._supervisor.launch(monitor, record.path)
@@ -320,6 +323,7 @@ class Containers:
             raise ContainerError(kind, f"cannot run container {record.name}: {exc}") from None
         record.monitor_pid, record.monitor_ticks = supervised.monitor_pid, supervised.monitor_ticks
         record.pid, record.ticks = supervised.pid, supervised.ticks
+        record.input_fd = supervised.input_fd
 
     async def _create_ahead(self, record: ContainerRecord, created: asyncio.Future[None]) -> None:
         """The runtime's ``create`` for a created container, begun with Create's reply; on any
@@ -815,6 +819,29 @@ class Containers:
             )
         except OciRuntimeError as exc:
             raise runtime_error(exc, f"exec in container {record.name}") from None
+
+    def borrow_input(self, record: ContainerRecord) -> int:
+        """A descriptor of our own for the running container's input: the stdin pipe its
+        monitor holds, or its terminal's master (the terminal's input and its size). The caller
+        closes it; the monitor keeps its own."""
+        if record.state != State.RUNNING:
+            raise ContainerError.precondition(f"container {record.name} is {record.state}")
+        if record.input_fd < 0:
+            raise ContainerError.precondition(
+                f"container {record.name} was created without stdin or a terminal"
+            )
+        try:
+            return processes.borrow_fd(record.monitor_pid, record.monitor_ticks, record.input_fd)
+        except OSError as exc:
+            raise ContainerError(
+                ErrorKind.FAILED_PRECONDITION, f"container {record.name}: its input cannot be reached: {exc}"
+            ) from None
+
+    def release_stdin(self, record: ContainerRecord) -> None:
+        """The monitor lets go of the container's stdin pipe: the process reads EOF once the
+        copies borrowed from it are closed too (stdin_once)."""
+        if record.stdin and not record.tty and record.alive:
+            processes.send_signal(record.monitor_pid, signals.SIGUSR2, record.monitor_ticks)
 
 
 def _create_log_file(path: Path) -> os.stat_result:

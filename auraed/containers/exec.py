@@ -345,25 +345,7 @@ class ExecSession:
             self._monitor.close_stdin()
 
     async def _write_fd(self, fd: int, data: bytes) -> None:
-        """Write all of data to a non-blocking fd (the terminal master or the stdin pipe)."""
-        loop = asyncio.get_running_loop()
-        view = memoryview(data)
-        while view and fd >= 0:
-            try:
-                written = os.write(fd, view)
-            except BlockingIOError:
-                ready: asyncio.Future[None] = loop.create_future()
-                loop.add_writer(fd, _resolve, ready)
-                try:
-                    await ready
-                finally:
-                    loop.remove_writer(fd)
-                continue
-            except OSError as exc:
-                if exc.errno == errno.EIO:  # the terminal is gone
-                    return
-                raise
-            view = view[written:]
+        await write_fd(fd, data)
 
     def resize(self, rows: int, cols: int) -> None:
         """Set the terminal's size (its foreground process group gets SIGWINCH); no-op without one."""
@@ -434,6 +416,29 @@ class ExecSession:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
+
+
+async def write_fd(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to a non-blocking fd (a terminal master, a pipe), waiting while it
+    is full. A terminal whose other end is gone (EIO) takes nothing more: the rest is dropped."""
+    loop = asyncio.get_running_loop()
+    view = memoryview(data)
+    while view and fd >= 0:
+        try:
+            written = os.write(fd, view)
+        except BlockingIOError:
+            ready: asyncio.Future[None] = loop.create_future()
+            loop.add_writer(fd, _resolve, ready)
+            try:
+                await ready
+            finally:
+                loop.remove_writer(fd)
+            continue
+        except OSError as exc:
+            if exc.errno == errno.EIO:
+                return
+            raise
+        view = view[written:]
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

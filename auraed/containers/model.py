@@ -37,6 +37,12 @@ class ContainerRecord:
     # Where its CRI-format log goes when its sandbox names a place (a kubelet's log directory);
     # "": container.log in its own directory, as for every record saved before.
     log_file: str = ""
+    # Its stdin is a pipe its monitor holds (attach writes to it); with stdin_once the pipe is
+    # closed after the first attach. input_fd: the monitor's descriptor for the input (that
+    # pipe, or the terminal master with a tty), -1 for none.
+    stdin: bool = False
+    stdin_once: bool = False
+    input_fd: int = -1
     state: str = State.CREATING
     created_at: float = 0.0
     started_at: float | None = None
@@ -72,7 +78,7 @@ class ContainerRecord:
 
     @property
     def supervised(self) -> Supervised:
-        return Supervised(self.monitor_pid, self.monitor_ticks, self.pid, self.ticks)
+        return Supervised(self.monitor_pid, self.monitor_ticks, self.pid, self.ticks, self.input_fd)
 
     @property
     def alive(self) -> bool:

@@ -163,6 +163,8 @@ class ContainerRequest:
     sysctls: Mapping[str, str] = field(default_factory=dict)
     hooks: Hooks = field(default_factory=Hooks)
     tty: bool = False
+    stdin: bool = False  # its stdin stays open for attaching (else /dev/null, or the terminal)
+    stdin_once: bool = False  # stdin is closed when the first attach to it ends
     stop_signal: str = ""
     host_network: bool = False
 

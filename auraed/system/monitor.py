@@ -27,6 +27,11 @@ Containers (OCI runtimes) use three more spec options:
 - ``console_socket``: the monitor listens there before running argv (which carries
   ``--console-socket``), receives the terminal master the runtime sends, and logs its output as
   stdout.
+- ``stdin``: the process's stdin is a pipe whose write end the monitor holds (and reports as
+  ``input_fd``, with a console socket the terminal master instead), so that it reads no EOF
+  while auraed is away; auraed takes a copy of that descriptor (pidfd_getfd) to attach to it.
+  SIGUSR2 makes the monitor let go of the pipe: once auraed's copy is closed too, the process
+  reads EOF (the CRI's stdin_once).
 - ``runtime_starts``: argv also starts the process (``runc run --detach``), so what the shared
   pipes carry while argv runs may already be the process's output. runc and crun never write to
   stdout, so stdout is logged as it comes: a follower sees the first line without waiting for
@@ -232,6 +237,7 @@ class _Monitor:
         self.pipes: list[int] = []
         self.console_path: str | None = None
         self.listener: Any = None
+        self.stdin_w = -1  # with ``stdin``: the write end of the process's stdin pipe, held
 
     # ---- reporting
 
@@ -382,10 +388,13 @@ class _Monitor:
 
         self.step = "pipes"
         out_r = out_w = err_r = err_w = -1
+        in_r = -1
         if log_path:
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
             self.pipes = [out_r, err_r]
+            if spec.get("stdin") and pid_file and not console:
+                in_r, self.stdin_w = os.pipe()
         if console:
             self.step = f"listen on console socket {console}"
             self.console_path = str(console)
@@ -397,13 +406,13 @@ class _Monitor:
         self.started_at = time.time()
         try:
             if pid_file:
-                failure = self.start_runtime(spec, out_w, err_w)
+                failure = self.start_runtime(spec, out_w, err_w, in_r)
             elif spawnable(spec):
                 failure = self.spawn_child(spec, ns, out_w, err_w)
             else:
                 failure = self.fork_child(spec, ns, out_w, err_w)
         finally:
-            for fd in (out_w, err_w):
+            for fd in (out_w, err_w, in_r):
                 if fd >= 0:
                     os.close(fd)
         if failure is not None:
@@ -417,6 +426,7 @@ class _Monitor:
             self.drop_stdio()
 
         streams = [LogStream(out_r, b"stdout"), LogStream(err_r, b"stderr")] if log_path else []
+        input_fd = self.stdin_w
         if pid_file:
             name = os.path.basename(str(spec["argv"][0]))
             if self.runtime_starts and self.log is not None:
@@ -430,17 +440,24 @@ class _Monitor:
                     self.log.feed(stream, data)
             if master >= 0:
                 streams.append(LogStream(master, b"stdout", crlf=True))
+                input_fd = master
         else:
             self.ticks = _proc_start_ticks(self.pid)
-        self.sync({"pid": self.pid, "start_ticks": self.ticks})
+        report: dict[str, object] = {"pid": self.pid, "start_ticks": self.ticks}
+        if input_fd >= 0:
+            report["input_fd"] = input_fd
+        self.sync(report)
         self.supervise(*streams)
         self.write_exit()
 
-    def start_runtime(self, spec: dict[str, Any], out_w: int, err_w: int) -> tuple[int, str] | None:
-        """Spawn the runtime command; (errno, message) when it could not be started."""
+    def start_runtime(
+        self, spec: dict[str, Any], out_w: int, err_w: int, in_r: int = -1
+    ) -> tuple[int, str] | None:
+        """Spawn the runtime command (its stdin ``in_r`` when given, else /dev/null); (errno,
+        message) when it could not be started."""
         self.step = f"spawn {spec['argv'][0]}"
         try:
-            self.pid = spawn(spec, out_w, err_w)
+            self.pid = spawn(spec, out_w, err_w, stdin=in_r)
         except OSError as exc:
             return errno_of(exc), f"{self.step}: {describe(exc)}"
         self.runtime_running = True
@@ -710,6 +727,7 @@ class _Monitor:
         os.set_blocking(wake_w, False)
         _signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         _signal.signal(_signal.SIGUSR1, _noop)
+        _signal.signal(_signal.SIGUSR2, _noop)
         if self.subreaper:
             _signal.signal(_signal.SIGCHLD, _noop)  # orphans that end wake us up to be reaped
         poller.register(wake_r, select.POLLIN)
@@ -739,6 +757,8 @@ class _Monitor:
                         signals = b""
                     if _signal.SIGUSR1 in signals and log is not None:
                         log.reopen()
+                    if _signal.SIGUSR2 in signals:
+                        self.release_stdin()
                 elif fd in active and not self.pump(active[fd]):
                     poller.unregister(fd)
                     self.close_stream(active.pop(fd))
@@ -750,6 +770,12 @@ class _Monitor:
         if pidfd >= 0:
             os.close(pidfd)
         self.check_child(block=True)
+
+    def release_stdin(self) -> None:
+        """Let go of the process's stdin pipe (SIGUSR2): it reads EOF once no copy is left."""
+        if self.stdin_w >= 0:
+            os.close(self.stdin_w)
+            self.stdin_w = -1
 
     def pump(self, stream: LogStream) -> bool:
         """Read what is available; False at EOF."""
@@ -863,9 +889,10 @@ def _own_session_and_signals() -> None:
             os.setsid()
         except OSError as exc:
             log_error(f"setsid: {describe(exc)}")
-    # SIGUSR1 (reopen the log) too, until supervise() handles it: one sent while the process
-    # starts would end the monitor otherwise. auraed sends it again until the log is reopened.
-    for sig in (_signal.SIGINT, _signal.SIGHUP, _signal.SIGPIPE, _signal.SIGUSR1):
+    # SIGUSR1 (reopen the log) and SIGUSR2 (let go of stdin) too, until supervise() handles
+    # them: one sent while the process starts would end the monitor otherwise. auraed sends
+    # SIGUSR1 again until the log is reopened, SIGUSR2 only to a container reported running.
+    for sig in (_signal.SIGINT, _signal.SIGHUP, _signal.SIGPIPE, _signal.SIGUSR1, _signal.SIGUSR2):
         _signal.signal(sig, _signal.SIG_IGN)
     _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)  # SIG_IGN (inherited) would auto-reap
 

@@ -264,7 +264,7 @@ def _find_program(name: str, env: dict[str, str]) -> str:
     return name  # posix_spawn then fails with ENOENT, as exec would
 
 
-def spawn(spec: dict[str, Any], out_w: int, err_w: int, new_session: bool = False) -> int:
+def spawn(spec: dict[str, Any], out_w: int, err_w: int, new_session: bool = False, stdin: int = -1) -> int:
     """Start argv with posix_spawn, i.e. vfork: no copy of this process to make and tear down
     again, ~1.5 ms less on a host than fork + exec (more under TCG).
 
@@ -272,7 +272,8 @@ def spawn(spec: dict[str, Any], out_w: int, err_w: int, new_session: bool = Fals
     group (auraed does when we never report) ends it with us; an executable gets its own session
     (``new_session``). Both start in our working directory (for a runtime, auraed's: the paths
     it gave may be relative to it). Signals are reset to their defaults and unblocked; our
-    descriptors are all close-on-exec (Python's default) but the ones given as its stdio.
+    descriptors are all close-on-exec (Python's default) but the ones given as its stdio;
+    its stdin is ``stdin`` when given, else /dev/null.
     """
     argv = [str(a) for a in spec["argv"]]
     env = _environment(spec)
@@ -280,7 +281,7 @@ def spawn(spec: dict[str, Any], out_w: int, err_w: int, new_session: bool = Fals
     if out_w >= 0:
         null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
         actions = [
-            (os.POSIX_SPAWN_DUP2, null, 0),
+            (os.POSIX_SPAWN_DUP2, stdin if stdin >= 0 else null, 0),
             (os.POSIX_SPAWN_DUP2, out_w, 1),
             (os.POSIX_SPAWN_DUP2, err_w, 2),
         ]

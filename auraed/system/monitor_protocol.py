@@ -105,6 +105,8 @@ class MonitorSpec:
     cgroups and namespaces do not apply). ``console_socket``:
     the path given to the runtime as ``--console-socket``; the terminal's output is logged as stdout.
     ``runtime_starts``: the pid_file command also starts the process (``run --detach``).
+    ``stdin`` (pid_file mode without a console): the process's stdin is a pipe the monitor holds
+    open, reported as ``input_fd`` (see auraed.system.monitor).
     """
 
     __slots__ = (
@@ -125,6 +127,7 @@ class MonitorSpec:
         "oom_counter_file",
         "pid_file",
         "runtime_starts",
+        "stdin",
         "subreaper",
         "uid",
     )
@@ -151,6 +154,7 @@ class MonitorSpec:
         pid_file: str | None = None,
         console_socket: str | None = None,
         runtime_starts: bool = False,
+        stdin: bool = False,
     ) -> None:
         self.argv = list(argv)
         self.env = list(env) if env is not None else []
@@ -171,6 +175,7 @@ class MonitorSpec:
         self.pid_file = pid_file
         self.console_socket = console_socket
         self.runtime_starts = runtime_starts
+        self.stdin = stdin
 
     def to_dict(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -282,7 +287,8 @@ def encode_report(message: dict[str, object]) -> bytes:
 
 
 def parse_report(line: bytes) -> dict[str, Any]:
-    """A monitor's sync report: {"pid": N, "start_ticks": T} or {"error": ..., "errno": N}."""
+    """A monitor's sync report: {"pid": N, "start_ticks": T} (and "input_fd": FD, see
+    MonitorSpec's ``stdin``) or {"error": ..., "errno": N}."""
     if not line.strip():
         return {"error": "the monitor exited without reporting (see monitor.log in the run directory)"}
     try:

@@ -53,6 +53,30 @@ def writes_to(pid: int, file: os.stat_result) -> bool:
     return False
 
 
+PIDFD_GETFD = 438
+"""pidfd_getfd(2)'s number: the same on every architecture (syscalls from 424 on share one table)."""
+
+
+def borrow_fd(pid: int, ticks: int | None, fd: int) -> int:
+    """A copy of descriptor ``fd`` of process ``pid`` (pidfd_getfd(2); close-on-exec), when the
+    process is still the one started at ``ticks``. ProcessLookupError when it is gone; other
+    OSErrors as the kernel says (EBADF: no such descriptor, EPERM: not allowed to)."""
+    import ctypes
+
+    pidfd = os.pidfd_open(pid)
+    try:
+        if not is_alive(pid, ticks):
+            raise ProcessLookupError(f"process {pid} has ended")
+        libc = ctypes.CDLL(None, use_errno=True)
+        copy = libc.syscall(PIDFD_GETFD, pidfd, fd, 0)
+        if copy < 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"pidfd_getfd({pid}, {fd}): {os.strerror(code)}")
+        return int(copy)
+    finally:
+        os.close(pidfd)
+
+
 def kill_monitor(pid: int, ticks: int | None) -> bool:
     """SIGKILL a monitor and its process group (the runtime command it may be running): a
     monitor leads its own session and process group."""

@@ -58,6 +58,8 @@ class Supervised:
     monitor_ticks: int | None
     pid: int
     ticks: int | None
+    input_fd: int = -1
+    """The monitor's descriptor for the process's input (stdin pipe or terminal master), -1: none."""
 
 
 class Supervisor:
@@ -112,7 +114,8 @@ class Supervisor:
         if "error" in report:
             await processes.wait_for_exit(monitor_pid, monitor_ticks)
             raise MonitorStartError(str(report["error"]))
-        return Supervised(monitor_pid, monitor_ticks, int(report["pid"]), report.get("start_ticks"))
+        pid, ticks, input_fd = int(report["pid"]), report.get("start_ticks"), int(report.get("input_fd", -1))
+        return Supervised(monitor_pid, monitor_ticks, pid, ticks, input_fd)
 
     async def spawn(
         self, spec: MonitorSpec, run_dir: Path, stdio: tuple[int, int, int]

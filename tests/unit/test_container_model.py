@@ -6,7 +6,7 @@ from auraed.containers.model import ContainerRecord, State
 from auraed.containers.sandbox import CGROUP_PARENT
 
 # A record as auraed saved it before containers had sandboxes: no cgroup_parent, no sandbox_id,
-# no log_file (a log path of the sandbox's choosing).
+# no log_file (a log path of the sandbox's choosing), and no stdin (nor the monitor's input_fd).
 BEFORE_SANDBOXES = {
     "id": "0" * 32,
     "name": "web",
@@ -35,11 +35,15 @@ BEFORE_SANDBOXES = {
 def test_a_record_from_before_sandboxes_is_a_container_on_its_own() -> None:
     record = ContainerRecord.from_doc(dict(BEFORE_SANDBOXES))
     assert (record.cgroup_parent, record.sandbox_id, record.log_file) == (CGROUP_PARENT, "", "")
+    assert (record.stdin, record.input_fd, record.supervised.input_fd) == (False, -1, -1)
     assert record.to_doc() == {
         **BEFORE_SANDBOXES,
         "cgroup_parent": CGROUP_PARENT,
         "sandbox_id": "",
         "log_file": "",
+        "stdin": False,
+        "stdin_once": False,
+        "input_fd": -1,
     }
 
 
