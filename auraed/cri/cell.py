@@ -58,6 +58,7 @@ from auraed.cri.sandbox import HandlerFeatures
 from auraed.errors import ErrorKind
 from auraed.system import namespaces
 from auraed.system.cgroupfs import DEFAULT_CPU_PERIOD_US, CgroupError, Cgroupfs, CgroupLimits
+from auraed.system.netns_dial import open_localhost_in
 from auraed.system.pod_namespaces import (
     IPC,
     NET,
@@ -408,6 +409,11 @@ class CellSandbox:
             hostname_file=join.hostname_file,
             shm=join.shm,
         )
+
+    async def dial(self, pod: PodRecord, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """``port`` on localhost in the pod's network namespace (the host's for host network)."""
+        network = self.container_join(pod).namespaces.get(OCI_NAMESPACES[NET])
+        return await open_localhost_in(Path(network) if network else None, port)
 
     # -- run -------------------------------------------------------------------------------
 

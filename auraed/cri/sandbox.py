@@ -8,6 +8,7 @@ branches on the handler.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Callable
 from typing import Protocol
@@ -53,3 +54,7 @@ class SandboxController(Protocol):
     def container_sandbox(self, pod: PodRecord) -> SandboxContext:
         """Where a container of the pod lives and what it shares with the pod's others: the pod's
         cgroup parent, namespaces, /etc files, /dev/shm (of a READY pod)."""
+
+    async def dial(self, pod: PodRecord, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A TCP connection to ``port`` on the pod's localhost (PortForward); OSError when
+        nothing answers there, CriError when the pod is not made."""

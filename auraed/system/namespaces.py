@@ -16,6 +16,10 @@ import os
 
 from auraed.system.threads import in_new_thread
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import socket
+
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
@@ -218,6 +222,25 @@ def create_network_namespace(path: str | os.PathLike[str]) -> None:
         pin_namespace(thread_namespace("net"), target)
 
     in_new_thread(worker)
+
+
+def socket_in_network_namespace(path: str | os.PathLike[str], family: int, kind: int) -> socket.socket:
+    """A new socket of the network namespace pinned at ``path``: made on a short-lived thread
+    that enters the namespace, so that neither the caller's thread nor a pool's is moved. A
+    socket belongs to the namespace it was made in for its whole life, whichever thread uses it."""
+    import socket
+
+    target = os.fspath(path)
+
+    def worker() -> socket.socket:
+        fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            setns(fd, CLONE_NEWNET)
+        finally:
+            os.close(fd)
+        return socket.socket(family, kind)
+
+    return in_new_thread(worker)
 
 
 def remove_network_namespace(path: str | os.PathLike[str]) -> None:
