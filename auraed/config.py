@@ -183,6 +183,17 @@ class DaemonConfig:
             "runtime handler of a pod that names no RuntimeClass: cell (pinned namespaces on the host)"
         ),
     )
+    cri_streaming_address: str = field(
+        default="127.0.0.1",
+        metadata=_help(
+            "loopback address the CRI's streaming server (Exec, Attach and PortForward URLs) listens "
+            "on; its URLs are plain http with one-time tokens, as the kubelet's, so only a loopback "
+            "address is accepted"
+        ),
+    )
+    cri_streaming_port: int = field(
+        default=0, metadata=_help("TCP port of the CRI's streaming server; 0 picks a free one at start")
+    )
     cni_conf_dir: Path = field(
         default=Path("/etc/cni/net.d"),
         metadata=_help(
@@ -385,6 +396,24 @@ def _tcp_listen_problem(address: str) -> str:
     return ""
 
 
+def _validate_streaming(config: DaemonConfig) -> None:
+    try:
+        address = ipaddress.ip_address(config.cri_streaming_address)
+    except ValueError:
+        raise ConfigError(
+            f"cri_streaming_address: {config.cri_streaming_address!r} is not an IP address"
+        ) from None
+    if not address.is_loopback:
+        # Plain HTTP guarded by tokens alone: on a reachable address anyone who sees a URL (a
+        # kubelet's log, say) could take the session. TLS streaming is not built.
+        raise ConfigError(
+            f"cri_streaming_address: {address} is not a loopback address; the streaming server "
+            "speaks plain http and is only served on loopback"
+        )
+    if not 0 <= config.cri_streaming_port <= MAX_PORT:
+        raise ConfigError(f"cri_streaming_port: must be 0 to {MAX_PORT}")
+
+
 def _validate(config: DaemonConfig) -> DaemonConfig:
     if config.role and config.role not in ROLES:
         raise ConfigError(f"role: must be one of {', '.join(ROLES)}, not {config.role!r}")
@@ -409,6 +438,7 @@ def _validate(config: DaemonConfig) -> DaemonConfig:
         raise ConfigError(f"log_buffer_lines: must be 1 to {MAX_LOG_BUFFER_LINES}")
     if not 1 <= config.vm_guest_port <= MAX_PORT:
         raise ConfigError(f"vm_guest_port: must be a port from 1 to {MAX_PORT}")
+    _validate_streaming(config)
     problem = _tcp_listen_problem(config.tcp_listen) if config.tcp_listen else ""
     if problem:
         raise ConfigError(f"tcp_listen: {problem}, got {config.tcp_listen!r}")

@@ -242,6 +242,8 @@ def container_spec(
         ),
         sysctls=dict(pod.sysctls),
         tty=config.tty,
+        stdin=config.stdin,
+        stdin_once=config.stdin and config.stdin_once,
         stop_signal=_stop_signal(config.stop_signal),
         host_network=pod.host_network,
     )

@@ -384,7 +384,8 @@ class CriContainers:
 
     # -- in a running container ----------------------------------------------------------------
 
-    def _running(self, container_id: str, what: str) -> Container:
+    def running(self, container_id: str, what: str) -> Container:
+        """The container, FAILED_PRECONDITION unless it runs (``what``: the refused action)."""
         container = self.get(container_id)
         if container.host.state != State.RUNNING:
             raise CriError.precondition(
@@ -392,15 +393,20 @@ class CriContainers:
             )
         return container
 
-    async def exec_sync(self, container_id: str, command: list[str], timeout: float | None) -> ExecResult:
-        """Run ``command`` in the container to its end, or kill it after ``timeout`` seconds
-        (None: no limit) and raise DEADLINE_EXCEEDED. A non-zero exit is a result, not an error."""
-        container = self._running(container_id, "exec")
+    async def exec(self, container_id: str, command: list[str], *, tty: bool, stdin: bool) -> ExecSession:
+        """Start ``command`` in the running container with the container's process defaults
+        (user, env, cwd); the caller closes the session."""
+        container = self.running(container_id, "exec")
         try:
             process = exec_process(self._containers.process_defaults(container.host), command, (), "")
         except SpecError as exc:
             raise spec_error(exc) from None
-        session = await self._containers.exec(container.host, process, False, stdin=False, size=None)
+        return await self._containers.exec(container.host, process, tty, stdin=stdin, size=None)
+
+    async def exec_sync(self, container_id: str, command: list[str], timeout: float | None) -> ExecResult:
+        """Run ``command`` in the container to its end, or kill it after ``timeout`` seconds
+        (None: no limit) and raise DEADLINE_EXCEEDED. A non-zero exit is a result, not an error."""
+        session = await self.exec(container_id, command, tty=False, stdin=False)
         try:
             async with asyncio.timeout(timeout):
                 stdout, stderr = await _collect(session, EXEC_OUTPUT_MAX)
@@ -415,7 +421,7 @@ class CriContainers:
         return ExecResult(exit_code, stdout, stderr)
 
     async def reopen_log(self, container_id: str) -> None:
-        await self._containers.reopen_log(self._running(container_id, "reopen its log").host)
+        await self._containers.reopen_log(self.running(container_id, "reopen its log").host)
 
     async def update_resources(self, container_id: str, resources: Resources) -> None:
         await self._containers.update_resources(self.get(container_id).host, resources)

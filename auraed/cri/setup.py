@@ -19,8 +19,13 @@ from auraed.cri.pods import Pods
 from auraed.cri.runtime import SERVICE_NAME as RUNTIME_SERVICE
 from auraed.cri.runtime import RuntimeServicer
 from auraed.cri.sandbox import SandboxController
+from auraed.cri.sessions import CriSessions
+from auraed.cri.streaming.config import StreamingConfig
+from auraed.cri.streaming.server import StreamingServer
+from auraed.cri.streaming_rpcs import StreamingRpcs
 from auraed.cri.unserved import Unserved
 from auraed.images.images import Images
+from auraed.observe.logfile import LogWatch
 from auraed.state.store import Store
 from auraed.system.cgroupfs import Cgroupfs
 
@@ -36,12 +41,18 @@ class Cri:
     cni: Cni
     pods: Pods
     containers: CriContainers
+    streaming: StreamingServer
 
     async def close(self) -> None:
         """Let runs in flight finish; pods keep running across a restart of auraed, so nothing
-        is stopped."""
+        is stopped but the streaming sessions (their exec'd processes are killed)."""
+        await self.streaming.close()
         await self.pods.close()
         await self.containers.close()
+
+
+def streaming_config(config: DaemonConfig) -> StreamingConfig:
+    return StreamingConfig(bind_address=config.cri_streaming_address, port=config.cri_streaming_port)
 
 
 def cni_settings(config: DaemonConfig) -> CniSettings:
@@ -60,6 +71,7 @@ async def build(
     oci_runtime: str,
     *,
     containers: Containers,
+    log_watch: LogWatch | None = None,
 ) -> Cri:
     """The CRI with its pods and containers recovered: what a crash left half made is undone
     first."""
@@ -81,14 +93,22 @@ async def build(
     )
     fs_usage = FsUsageCache(config.state_dir / "images")
     pod_rpcs = PodRpcs(pods)
+    sessions = CriSessions(pod_containers, containers, pods, log_watch)
+    streaming = StreamingServer(sessions, streaming_config(config))
+    await streaming.start()
     return Cri(
         servicers={
             IMAGE_SERVICE: ImageServicer(images, fs_usage),
             RUNTIME_SERVICE: RuntimeServicer(
-                info, pod_rpcs, ContainerRpcs(pod_containers, pods, status_message), Unserved()
+                info,
+                pod_rpcs,
+                ContainerRpcs(pod_containers, pods, status_message),
+                StreamingRpcs(streaming, sessions, pods),
+                Unserved(),
             ),
         },
         cni=cni,
         pods=pods,
         containers=pod_containers,
+        streaming=streaming,
     )

@@ -12,9 +12,6 @@ from auraed.cri.errors import CriError
 from auraed.errors import ErrorKind
 
 NOT_YET = (
-    "exec",
-    "attach",
-    "port_forward",
     "checkpoint_container",
     "list_metric_descriptors",
     "list_pod_sandbox_metrics",

@@ -322,6 +322,13 @@ def read_tail(
     return lines, end, reader.assembler
 
 
+def end_position(path: Path, streams: frozenset[str]) -> tuple[int, int]:
+    """Where a follower that wants only lines to come starts (``stream_line_batches``' ``start``):
+    the first record of a line still unfinished there, and the end of the last complete one."""
+    offset, first_end, _end = _find_tail(path, streams, 0, None)
+    return offset, first_end
+
+
 def _find_tail(path: Path, streams: frozenset[str], tail: int, since: float | None) -> tuple[int, int, int]:
     try:
         with path.open("rb") as file:
@@ -382,6 +389,7 @@ async def stream_line_batches(
     *,
     since: float | None = None,
     watch: LogWatch | None = None,
+    start: tuple[int, int] | None = None,
 ) -> AsyncGenerator[list[LogLine], None]:
     """The last ``tail`` lines (all when None), then, with ``follow``, new lines until ``finished()``,
     in batches of at most BATCH_BYTES (see :func:`batches`): the lines each read completed.
@@ -389,10 +397,13 @@ async def stream_line_batches(
     Lines are read in chunks and sent as they come, so a long log never sits in memory whole;
     where a tail starts is found from the end. ``watch`` wakes the follower when the log's
     directory changes (the log written, the exit recorded); without it, or without a watch, it
-    polls.
+    polls. ``start`` (from :func:`end_position`, taken before) replaces ``tail``: a follower then
+    misses nothing written after that moment, however late it begins to read.
     """
     offset, first_end, limit = 0, 0, None
-    if tail is not None:
+    if start is not None:
+        offset, first_end = start
+    elif tail is not None:
         offset, first_end, end = await asyncio.to_thread(_find_tail, path, streams, tail, since)
         limit = None if follow else end  # not following, the tail is what was there
     reader = _LineReader(streams, offset, first_end, since)

@@ -275,7 +275,13 @@ class Daemon:
         assert self.images is not None and self.containers is not None
         oci_runtime = runtime_binary(config, self._cgroups.layout)
         self.cri = await cri_setup.build(
-            config, self.store, self.images, self._cgroups, oci_runtime, containers=self.containers
+            config,
+            self.store,
+            self.images,
+            self._cgroups,
+            oci_runtime,
+            containers=self.containers,
+            log_watch=self._log_watch,
         )
         server = grpc.aio.server(options=server_options(config))
         self._cri_server = server
@@ -284,7 +290,9 @@ class Daemon:
         add_plain_unix_listener(server, config.cri_socket)
         self._cri_socket_bound = True
         await server.start()
-        log.info("serving the CRI on unix:%s", config.cri_socket)
+        log.info(
+            "serving the CRI on unix:%s, its streaming on %s", config.cri_socket, self.cri.streaming.base_url
+        )
 
     async def _vm_service(self, capabilities: Capabilities) -> grpc.GenericRpcHandler:
         from auraed.system.kvm import KvmProbe

@@ -179,11 +179,23 @@ def test_values_of_the_wrong_type_or_not_finite_are_refused_naming_the_key(
         ("vm_guest_port = 99999\n", "vm_guest_port: must be a port"),
         ("keepalive_time = 1e300\n", "keepalive_time: must be at most"),
         ("guest_ready_timeout = 0\n", "guest_ready_timeout: must be more than 0"),
+        ('cri_streaming_address = "0.0.0.0"\n', "cri_streaming_address: 0.0.0.0 is not a loopback"),
+        ('cri_streaming_address = "192.0.2.2"\n', "cri_streaming_address: 192.0.2.2 is not a loopback"),
+        ('cri_streaming_address = "localhost"\n', "cri_streaming_address: 'localhost' is not an IP"),
+        ("cri_streaming_port = 65536\n", "cri_streaming_port: must be 0 to 65535"),
     ],
 )
 def test_values_out_of_range_are_refused_naming_the_key(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(["--config", str(write_config(tmp_path, text))], {})
+
+
+def test_the_streaming_server_listens_on_loopback_by_default_and_where_asked() -> None:
+    config = load_config(["--config", "/dev/null"], {})
+    assert (config.cri_streaming_address, config.cri_streaming_port) == ("127.0.0.1", 0)
+    flags = ["--config", "/dev/null", "--cri-streaming-address", "::1", "--cri-streaming-port", "10010"]
+    config = load_config(flags, {})
+    assert (config.cri_streaming_address, config.cri_streaming_port) == ("::1", 10010)
 
 
 def test_text_that_is_not_utf8_is_refused_naming_where(tmp_path: Path) -> None:

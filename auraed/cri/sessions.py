@@ -1,0 +1,288 @@
+"""The streaming server's backend over the CRI's containers and pods (see
+auraed.cri.streaming.backend): exec sessions, attaching to a container, connections into a pod.
+
+Exec starts a process in the container (auraed.containers.exec) and splits its output into the
+streams the client asked for. Attach joins the container's own streams: its output is followed
+in its CRI log from the end (the monitor writes every line there, so an attach never takes a line
+from the log), its input is the monitor's descriptor for the container's stdin pipe or terminal,
+borrowed with pidfd_getfd for the session. A line reaches an attached client once it is whole:
+the monitor logs lines, so a prompt with no newline shows with the next newline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+
+from auraed.containers.containers import Containers
+from auraed.containers.exec import ExecSession, write_fd
+from auraed.containers.model import ContainerRecord
+from auraed.cri.containers import Container, CriContainers
+from auraed.cri.errors import CriError
+from auraed.cri.model import PodState
+from auraed.cri.pods import Pods
+from auraed.cri.streaming.backend import AttachRequest, ByteSink, ExecRequest, ProcessSession, TerminalSize
+from auraed.observe.logfile import LogWatch, end_position, stream_line_batches
+from auraed.system.pty import set_window_size
+
+EOT = b"\x04"
+"""What ends a terminal's input (^D): a terminal has no EOF of its own to pass on."""
+OUTPUT_STREAMS = frozenset({"stdout", "stderr"})
+OUTPUT_BACKLOG = 16
+"""Chunks of output held for a client that reads slowly; then the source waits."""
+
+
+class _Output:
+    """One output stream of a session as a ByteSource, fed by the session's reader."""
+
+    def __init__(self) -> None:
+        self._chunks: asyncio.Queue[bytes] = asyncio.Queue(OUTPUT_BACKLOG)
+        self._ended = False
+
+    async def put(self, data: bytes) -> None:
+        await self._chunks.put(data)
+
+    def end(self) -> None:
+        """No more output: read() returns b"" once what is queued was read."""
+        with contextlib.suppress(asyncio.QueueFull):
+            self._chunks.put_nowait(b"")
+        self._ended = True
+
+    async def read(self, n: int = -1) -> bytes:
+        if self._ended and self._chunks.empty():
+            return b""
+        return await self._chunks.get()
+
+
+def _outputs(stdout: bool, stderr: bool) -> dict[str, _Output]:
+    wanted = {"stdout": stdout, "stderr": stderr}
+    return {name: _Output() for name, asked in wanted.items() if asked}
+
+
+class _ExecInput:
+    def __init__(self, session: ExecSession) -> None:
+        self._session = session
+
+    async def write(self, data: bytes) -> None:
+        await self._session.write_stdin(data)
+
+    async def close(self) -> None:
+        await self._session.close_stdin()
+
+
+class ExecProcess:
+    """A ProcessSession over an exec'd process (with a tty its output is all stdout)."""
+
+    def __init__(self, session: ExecSession, request: ExecRequest) -> None:
+        self._session = session
+        self._outputs = _outputs(request.stdout, request.stderr and not request.tty)
+        self._stdin = _ExecInput(session) if request.stdin else None
+        self._reader = asyncio.get_running_loop().create_task(self._read(), name="exec output")
+
+    async def _read(self) -> None:
+        try:
+            async for stream, data in self._session.output():
+                output = self._outputs.get(stream)
+                if output is not None:  # what the client did not ask for is read and dropped
+                    await output.put(data)
+        finally:
+            for output in self._outputs.values():
+                output.end()
+
+    @property
+    def stdin(self) -> ByteSink | None:
+        return self._stdin
+
+    @property
+    def stdout(self) -> _Output | None:
+        return self._outputs.get("stdout")
+
+    @property
+    def stderr(self) -> _Output | None:
+        return self._outputs.get("stderr")
+
+    async def resize(self, size: TerminalSize) -> None:
+        self._session.resize(size.height, size.width)
+
+    async def wait(self) -> int:
+        return await self._session.wait()
+
+    async def close(self) -> None:
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+        await self._session.close()
+
+
+class _AttachInput:
+    """The client's stdin into the container's: its end detaches, or with stdin_once closes
+    the container's stdin (the monitor lets go of the pipe; a terminal is sent ^D)."""
+
+    def __init__(self, process: AttachProcess) -> None:
+        self._process = process
+
+    async def write(self, data: bytes) -> None:
+        await write_fd(self._process.input_fd, data)
+
+    async def close(self) -> None:
+        await self._process.input_ended()
+
+
+class AttachProcess:
+    """A ProcessSession attached to a running container's streams."""
+
+    def __init__(
+        self,
+        containers: Containers,
+        host: ContainerRecord,
+        request: AttachRequest,
+        input_fd: int,
+        *,
+        watch: LogWatch | None,
+        log_end: tuple[int, int],
+    ) -> None:
+        self._containers = containers
+        self._host = host
+        self.input_fd = input_fd
+        self._outputs = _outputs(request.stdout, request.stderr and not host.tty)
+        self._stdin = _AttachInput(self) if request.stdin else None
+        self._detached = asyncio.Event()
+        self._closed = False
+        self._follower = asyncio.get_running_loop().create_task(
+            self._follow(watch, log_end), name="attach output"
+        )
+
+    async def _follow(self, watch: LogWatch | None, log_end: tuple[int, int]) -> None:
+        host = self._host
+        newline = b"\r\n" if host.tty else b"\n"
+        lines = stream_line_batches(
+            host.log_path,
+            frozenset(self._outputs),
+            0,
+            True,
+            lambda: not host.alive,
+            watch=watch,
+            start=log_end,
+        )
+        try:
+            async for batch in lines:
+                for line in batch:
+                    await self._outputs[line.stream].put(line.content.encode() + newline)
+        finally:
+            await lines.aclose()
+            for output in self._outputs.values():
+                output.end()
+
+    @property
+    def stdin(self) -> ByteSink | None:
+        return self._stdin
+
+    @property
+    def stdout(self) -> _Output | None:
+        return self._outputs.get("stdout")
+
+    @property
+    def stderr(self) -> _Output | None:
+        return self._outputs.get("stderr")
+
+    async def resize(self, size: TerminalSize) -> None:
+        if self._host.tty and self.input_fd >= 0 and size.width > 0 and size.height > 0:
+            with contextlib.suppress(OSError):
+                set_window_size(self.input_fd, size.height, size.width)
+
+    async def input_ended(self) -> None:
+        host = self._host
+        if not host.stdin_once:
+            self._detach()
+            return
+        if host.tty:
+            with contextlib.suppress(OSError):
+                await write_fd(self.input_fd, EOT)
+        else:
+            self._close_input()
+            self._containers.release_stdin(host)
+
+    def _detach(self) -> None:
+        """The session ends here; the container runs on."""
+        self._detached.set()
+        self._follower.cancel()
+
+    async def wait(self) -> int:
+        """Until the container exits (its last lines sent) or the client detaches: 0 then."""
+        exited = asyncio.ensure_future(self._containers.wait(self._host))
+        detached = asyncio.ensure_future(self._detached.wait())
+        try:
+            await asyncio.wait({exited, detached}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in (exited, detached):
+                waiter.cancel()
+            await asyncio.gather(exited, detached, return_exceptions=True)
+        if not self._detached.is_set():
+            await asyncio.gather(self._follower, return_exceptions=True)  # the lines before the end
+        code = self._host.exit_code
+        return code if code is not None and not self._detached.is_set() else 0
+
+    def _close_input(self) -> None:
+        if self.input_fd >= 0:
+            os.close(self.input_fd)
+            self.input_fd = -1
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._follower.cancel()
+        await asyncio.gather(self._follower, return_exceptions=True)
+        self._close_input()
+
+
+class CriSessions:
+    """The StreamingBackend of the CRI: validated requests become sessions here."""
+
+    def __init__(
+        self, containers: CriContainers, host_containers: Containers, pods: Pods, watch: LogWatch | None
+    ) -> None:
+        self._containers = containers
+        self._host_containers = host_containers
+        self._pods = pods
+        self._watch = watch
+
+    async def exec(self, request: ExecRequest) -> ProcessSession:
+        session = await self._containers.exec(
+            request.container_id, list(request.cmd), tty=request.tty, stdin=request.stdin
+        )
+        return ExecProcess(session, request)
+
+    def exec_target(self, container_id: str) -> str:
+        """The full id of the running container an exec names (by id or a prefix of it)."""
+        return self._containers.running(container_id, "exec").record.id
+
+    def attachable(self, request: AttachRequest) -> Container:
+        """The container to attach to; FAILED_PRECONDITION when it cannot give what is asked."""
+        container = self._containers.running(request.container_id, "attach")
+        host = container.host
+        if request.stdin and not (host.stdin or host.tty):
+            raise CriError.precondition(
+                f"container {host.id[:13]} was created without stdin: there is no stdin to attach to"
+            )
+        if request.tty and not host.tty:
+            raise CriError.precondition(f"container {host.id[:13]} was created without a terminal")
+        return container
+
+    async def attach(self, request: AttachRequest) -> ProcessSession:
+        host = self.attachable(request).host
+        # Where the output starts, before any input can reach the container: what it answers
+        # to the client's first line is after this.
+        log_end = await asyncio.to_thread(end_position, host.log_path, OUTPUT_STREAMS)
+        input_fd = -1
+        if request.stdin or host.tty:  # a terminal's size is set through it too
+            input_fd = self._host_containers.borrow_input(host)
+        return AttachProcess(
+            self._host_containers, host, request, input_fd, watch=self._watch, log_end=log_end
+        )
+
+    async def dial(self, pod_sandbox_id: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        pod = self._pods.get(pod_sandbox_id)
+        if pod.state != PodState.READY:
+            raise CriError.precondition(f"pod sandbox {pod.id[:13]} is not ready")
+        return await self._pods.controller(pod).dial(pod, port)
