@@ -180,8 +180,15 @@ class DaemonConfig:
     cri_default_handler: str = field(
         default="cell",
         metadata=_help(
-            "runtime handler of a pod that names no RuntimeClass: cell (pinned namespaces on the host)"
+            "runtime handler of a pod that names no RuntimeClass: cell (pinned namespaces on the "
+            "host), vm (a guest VM per pod), or auto (vm unless the pod asks for a host namespace)"
         ),
+    )
+    cri_vm_vcpus: int = field(
+        default=1, metadata=_help("vCPUs of a vm pod's guest when its pod gives no CPU limits")
+    )
+    cri_vm_memory_mib: int = field(
+        default=768, metadata=_help("MiB of a vm pod's guest when its pod gives no memory limits")
     )
     cri_streaming_address: str = field(
         default="127.0.0.1",
@@ -396,6 +403,24 @@ def _tcp_listen_problem(address: str) -> str:
     return ""
 
 
+CRI_HANDLER_CHOICES = ("cell", "vm", "auto")
+MAX_VM_VCPUS = 255
+MAX_VM_MEMORY_MIB = 1024 * 1024
+
+
+def _validate_cri(config: DaemonConfig) -> None:
+    if config.cri_default_handler not in CRI_HANDLER_CHOICES:
+        raise ConfigError(
+            f"cri_default_handler: must be one of {', '.join(CRI_HANDLER_CHOICES)}, "
+            f"not {config.cri_default_handler!r}"
+        )
+    if not 1 <= config.cri_vm_vcpus <= MAX_VM_VCPUS:
+        raise ConfigError(f"cri_vm_vcpus: must be 1 to {MAX_VM_VCPUS}")
+    if not 64 <= config.cri_vm_memory_mib <= MAX_VM_MEMORY_MIB:
+        raise ConfigError(f"cri_vm_memory_mib: must be 64 to {MAX_VM_MEMORY_MIB}")
+    _validate_streaming(config)
+
+
 def _validate_streaming(config: DaemonConfig) -> None:
     try:
         address = ipaddress.ip_address(config.cri_streaming_address)
@@ -438,7 +463,7 @@ def _validate(config: DaemonConfig) -> DaemonConfig:
         raise ConfigError(f"log_buffer_lines: must be 1 to {MAX_LOG_BUFFER_LINES}")
     if not 1 <= config.vm_guest_port <= MAX_PORT:
         raise ConfigError(f"vm_guest_port: must be a port from 1 to {MAX_PORT}")
-    _validate_streaming(config)
+    _validate_cri(config)
     problem = _tcp_listen_problem(config.tcp_listen) if config.tcp_listen else ""
     if problem:
         raise ConfigError(f"tcp_listen: {problem}, got {config.tcp_listen!r}")

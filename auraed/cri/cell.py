@@ -410,10 +410,15 @@ class CellSandbox:
             shm=join.shm,
         )
 
+    def network_namespace(self, pod: PodRecord) -> Path | None:
+        """The pin of the pod's network namespace (also while it is being made); None for a pod
+        on the host's network or one with nothing made yet."""
+        layout = self.layout(pod)
+        return layout.pin(NET) if layout is not None and NET in layout.own_namespaces else None
+
     async def dial(self, pod: PodRecord, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """``port`` on localhost in the pod's network namespace (the host's for host network)."""
-        network = self.container_join(pod).namespaces.get(OCI_NAMESPACES[NET])
-        return await open_localhost_in(Path(network) if network else None, port)
+        return await open_localhost_in(self.network_namespace(pod), port)
 
     # -- run -------------------------------------------------------------------------------
 
@@ -431,6 +436,9 @@ class CellSandbox:
         )
         network = pod_network(pod, layout.pin(NET)) if layout.network else None
         return layout, pod_limits(spec.resources, spec.overhead), network
+
+    def check(self, spec: PodSpec) -> None:
+        """Every pod can be a cell: what a request asks is checked as its parts are planned."""
 
     async def run(self, pod: PodRecord, save: Callable[[PodRecord], None]) -> None:
         layout, limits, network = self._plan(pod)

@@ -112,6 +112,7 @@ class Pods:
             raise CriError.invalid(
                 "runtime_handler", f"{handler!r} is not a handler of this runtime ({known})"
             )
+        self._controllers[handler].check(spec)
         return dataclasses.replace(spec, runtime_handler=handler)
 
     async def run(self, spec: PodSpec) -> PodRecord:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from auraed.containers.sandbox import SandboxContext
-from auraed.cri.model import PodRecord
+from auraed.cri.model import PodRecord, PodSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +35,10 @@ class SandboxController(Protocol):
 
     name: str
     features: HandlerFeatures
+
+    def check(self, spec: PodSpec) -> None:
+        """Refuse (INVALID_ARGUMENT, naming the option) a pod this handler cannot make, before
+        anything of it is made or saved."""
 
     async def run(self, pod: PodRecord, save: Callable[[PodRecord], None]) -> None:
         """Make the pod's sandbox and its network; on failure, undo all of it, then raise.

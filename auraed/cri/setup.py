@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from auraed.cni.cni import Cni
 from auraed.cni.model import CniSettings, parse_bin_dirs
@@ -14,6 +15,7 @@ from auraed.cri.containers import CriContainers
 from auraed.cri.images import SERVICE_NAME as IMAGE_SERVICE
 from auraed.cri.images import FsUsageCache, ImageServicer
 from auraed.cri.info import InfoRpcs
+from auraed.cri.model import PodSpec
 from auraed.cri.pod_rpcs import PodRpcs, status_message
 from auraed.cri.pods import Pods
 from auraed.cri.runtime import SERVICE_NAME as RUNTIME_SERVICE
@@ -24,10 +26,12 @@ from auraed.cri.streaming.config import StreamingConfig
 from auraed.cri.streaming.server import StreamingServer
 from auraed.cri.streaming_rpcs import StreamingRpcs
 from auraed.cri.unserved import Unserved
+from auraed.cri.vm import VmSandbox, VmSizing, host_namespaces_asked
 from auraed.images.images import Images
 from auraed.observe.logfile import LogWatch
 from auraed.state.store import Store
 from auraed.system.cgroupfs import Cgroupfs
+from auraed.vms.guests import Guests
 
 PODS_DIR = "pods"
 """Below the runtime dir: one directory per cell pod (its pins, files and /dev/shm)."""
@@ -51,6 +55,14 @@ class Cri:
         await self.containers.close()
 
 
+def default_handler(setting: str) -> Callable[[PodSpec], str]:
+    """The handler of a pod that names none: the setting's, or with ``auto`` a guest unless the
+    pod asks for a host namespace (system pods: kube-proxy, a CNI daemon), which runs as a cell."""
+    if setting == "auto":
+        return lambda spec: "cell" if host_namespaces_asked(spec) else "vm"
+    return lambda spec: setting
+
+
 def streaming_config(config: DaemonConfig) -> StreamingConfig:
     return StreamingConfig(bind_address=config.cri_streaming_address, port=config.cri_streaming_port)
 
@@ -71,15 +83,18 @@ async def build(
     oci_runtime: str,
     *,
     containers: Containers,
+    guests: Guests | None = None,
     log_watch: LogWatch | None = None,
 ) -> Cri:
     """The CRI with its pods and containers recovered: what a crash left half made is undone
-    first."""
+    first. Without ``guests`` there is no ``vm`` handler."""
     cni = Cni(store, cni_settings(config))
-    controllers: dict[str, SandboxController] = {
-        "cell": CellSandbox(cni, cgroups, config.runtime_dir / PODS_DIR),
-    }
-    pods = Pods(store, controllers, lambda spec: config.cri_default_handler)
+    cell = CellSandbox(cni, cgroups, config.runtime_dir / PODS_DIR)
+    controllers: dict[str, SandboxController] = {"cell": cell}
+    if guests is not None:
+        sizing = VmSizing(vcpus=config.cri_vm_vcpus, memory_mib=config.cri_vm_memory_mib)
+        controllers["vm"] = VmSandbox(cell, cni, guests, sizing)
+    pods = Pods(store, controllers, default_handler(config.cri_default_handler))
     pod_containers = CriContainers(store, pods, containers, cgroups)
     pods.containers = pod_containers
     # Containers first: a pod whose removal a crash interrupted removes its containers.

@@ -281,6 +281,7 @@ class Daemon:
             self._cgroups,
             oci_runtime,
             containers=self.containers,
+            guests=self.guests,
             log_watch=self._log_watch,
         )
         server = grpc.aio.server(options=server_options(config))

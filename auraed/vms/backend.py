@@ -46,6 +46,7 @@ class LaunchNet:
     host_ip: str
     guest_ip: str
     netmask: str
+    netns: str = ""  # the tap is in the network namespace pinned here ("": the host's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,8 +170,8 @@ def reattach(backend: str, run: RunInfo, client: Callable[[Path], Any]) -> VmHan
     )
 
 
-def spawn(argv: list[str], run_dir: Path) -> subprocess.Popen[bytes]:
-    """Start a VMM in its own session with output to run_dir/vmm.log."""
+def spawn(argv: list[str], run_dir: Path, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+    """Start a VMM in its own session with output to run_dir/vmm.log (and ``pass_fds`` open)."""
     with (run_dir / VMM_LOG).open("ab") as log:
         return subprocess.Popen(
             argv,
@@ -179,6 +180,7 @@ def spawn(argv: list[str], run_dir: Path) -> subprocess.Popen[bytes]:
             stderr=log,
             start_new_session=True,
             close_fds=True,
+            pass_fds=pass_fds,
             cwd=run_dir,
         )
 

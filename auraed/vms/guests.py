@@ -34,6 +34,7 @@ from auraed.vms.guest_config import GuestIdentity, build_config_disk
 from auraed.vms.model import (
     GUEST_ROLE,
     DiskSpec,
+    NetInfo,
     State,
     VmRecord,
     VmSpec,
@@ -208,9 +209,10 @@ class Guests:
     def is_guest(spec: VmSpec) -> bool:
         return spec.role == GUEST_ROLE
 
-    async def allocate(self, spec: VmSpec) -> VmRecord:
-        """Allocate the VM of ``spec`` (parse_vm's), a guest completed with its image and config disk."""
-        return await self.vms.allocate(self.with_config_disk(self.complete(spec)))
+    async def allocate(self, spec: VmSpec, net: NetInfo | None = None) -> VmRecord:
+        """Allocate the VM of ``spec`` (parse_vm's), a guest completed with its image and config
+        disk; ``net``: a network the caller made for it (Vms.allocate's)."""
+        return await self.vms.allocate(self.with_config_disk(self.complete(spec)), net)
 
     def complete(self, spec: VmSpec) -> VmSpec:
         """Defaults for a guest: the guest image's files where the spec names none, a network.

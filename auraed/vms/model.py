@@ -115,7 +115,12 @@ class VmSpec:
 
 @dataclasses.dataclass(frozen=True)
 class NetInfo:
-    """A VM's share of the address pool: block ``index`` (a /30), its tap, both addresses."""
+    """A VM's share of the address pool: block ``index`` (a /30), its tap, both addresses.
+
+    With ``netns``, a network its allocator brought instead (a pod's): the tap lives in the
+    network namespace pinned at that path, made and removed with the namespace by its owner;
+    ``host_ip`` is the gateway the guest routes through, ``index`` -1 (no block of the pool).
+    """
 
     index: int
     tap: str
@@ -123,6 +128,11 @@ class NetInfo:
     guest_ip: str
     prefixlen: int
     mac: str
+    netns: str = ""
+
+    @property
+    def from_pool(self) -> bool:
+        return not self.netns
 
     @property
     def netmask(self) -> str:

@@ -33,6 +33,7 @@ import errno
 import functools
 import ipaddress
 import logging
+import os
 import re
 import socket
 from collections.abc import Callable, Collection, Iterable
@@ -318,6 +319,41 @@ def create_tap(net: NetInfo, owner: str) -> None:
                 ipr.link("del", ifname=net.tap)
             raise
     log.info("created tap %s with %s/%d (guest %s)", net.tap, net.host_ip, net.prefixlen, net.guest_ip)
+
+
+TUNSETIFF = 0x400454CA
+IFF_TAP, IFF_NO_PI, IFF_VNET_HDR = 0x0002, 0x1000, 0x4000
+
+
+def open_tap_in(netns: str, tap: str) -> int:
+    """A descriptor of the persistent tap ``tap`` of the network namespace pinned at ``netns``,
+    for a VMM to take (``-netdev tap,fd=N``): a tap is attached by name in the namespace of the
+    thread asking, so it is opened from a short-lived thread that entered it. Close-on-exec."""
+    import fcntl
+    import struct
+
+    from auraed.system.namespaces import CLONE_NEWNET, setns
+    from auraed.system.threads import in_new_thread
+
+    def worker() -> int:
+        ns_fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            setns(ns_fd, CLONE_NEWNET)
+        finally:
+            os.close(ns_fd)
+        fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            request = struct.pack("16sH", tap.encode(), IFF_TAP | IFF_NO_PI | IFF_VNET_HDR)
+            fcntl.ioctl(fd, TUNSETIFF, request)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    try:
+        return in_new_thread(worker)
+    except OSError as exc:
+        raise VmError.precondition(f"cannot open tap {tap} in {netns}: {exc.strerror or exc}") from None
 
 
 def harden_tap(tap: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from auraed.errors import ErrorKind
 from auraed.system import processes
 from auraed.system.tasks import run_to_end
 from auraed.vms import backend as common
+from auraed.vms import network
 from auraed.vms.backend import ExitInfo, LaunchSpec, VmHandle
 from auraed.vms.errors import VmError
 from auraed.vms.model import RunInfo
@@ -61,6 +63,7 @@ def build_command(
     qmp_socket: Path,
     console_path: Path,
     kernel_cmdline: str,
+    tap_fd: int = -1,
 ) -> list[str]:
     """The QEMU command line for a VM (pure: tested without QEMU)."""
     if machine not in MACHINES:
@@ -96,8 +99,10 @@ def build_command(
             "-device", f"{blk},drive=disk{index},serial={disk.serial}",
         ]  # fmt: skip
     if spec.net is not None:
+        # A tap in a namespace (a pod's) is handed over open: QEMU would look its name up in its own.
+        tap = f"fd={tap_fd}" if tap_fd >= 0 else f"ifname={spec.net.tap},script=no,downscript=no"
         argv += [
-            "-netdev", f"tap,id=net0,ifname={spec.net.tap},script=no,downscript=no",
+            "-netdev", f"tap,id=net0,{tap}",
             "-device", f"{nic},netdev=net0,mac={spec.net.mac}",
         ]  # fmt: skip
     return argv
@@ -149,18 +154,27 @@ class QemuBackend:
         common.remove_quietly(qmp_socket)
         cmdline = " ".join([*self.kernel_args(), spec.cmdline]).strip()
         accelerator = self.accelerator
-        argv = build_command(
-            spec,
-            binary=self.binary,
-            machine=self.machine,
-            accelerator=accelerator,
-            qmp_socket=qmp_socket,
-            console_path=console,
-            kernel_cmdline=cmdline,
-        )
-        log.debug("starting VM %s: %s", spec.name, " ".join(argv))
-        # To completion: a QEMU spawned by a thread its caller stopped waiting for would run on.
-        process = await run_to_end(asyncio.to_thread(common.spawn, argv, run_dir))
+        tap_fd = -1
+        if spec.net is not None and spec.net.netns:
+            tap_fd = await asyncio.to_thread(network.open_tap_in, spec.net.netns, spec.net.tap)
+        try:
+            argv = build_command(
+                spec,
+                binary=self.binary,
+                machine=self.machine,
+                accelerator=accelerator,
+                qmp_socket=qmp_socket,
+                console_path=console,
+                kernel_cmdline=cmdline,
+                tap_fd=tap_fd,
+            )
+            log.debug("starting VM %s: %s", spec.name, " ".join(argv))
+            # To completion: a QEMU spawned by a thread its caller stopped waiting for would run on.
+            fds = (tap_fd,) if tap_fd >= 0 else ()
+            process = await run_to_end(asyncio.to_thread(common.spawn, argv, run_dir, fds))
+        finally:
+            if tap_fd >= 0:
+                os.close(tap_fd)  # QEMU has its own
         handle = VmHandle(
             backend=self.name,
             pid=process.pid,

@@ -36,6 +36,7 @@ from auraed.vms.model import (
     ACTIVE_STATES,
     ROOT_SERIAL,
     STARTABLE_STATES,
+    NetInfo,
     State,
     VmRecord,
     VmSpec,
@@ -168,14 +169,22 @@ class Vms:
 
     # -- allocate / free ---------------------------------------------------------------------
 
-    async def allocate(self, spec: VmSpec) -> VmRecord:
+    async def allocate(self, spec: VmSpec, net: NetInfo | None = None) -> VmRecord:
+        """A VM record, its run directory and its tap from the pool; or, given ``net`` (with a
+        netns), the caller's network: its tap is the caller's to make and remove."""
         async with self._lock:
             if spec.name in self._records:
                 raise VmError.already_exists(f"VM {spec.name}")
             backend = choose_backend(spec.backend, self.backends)
-            record = VmRecord(spec=spec, backend=backend, run_dir=str(self.run_dir(spec.name)))
-            if spec.network:
-                nets = [r.net for r in self._records.values() if r.net is not None]
+            if net is not None and (net.from_pool or not spec.network):
+                raise VmError.internal(f"VM {spec.name}: a network brought along names its namespace")
+            if net is not None and backend != "qemu":
+                raise VmError.precondition(
+                    f"VM {spec.name}: a tap in a network namespace (a pod's) needs the qemu backend"
+                )
+            record = VmRecord(spec=spec, backend=backend, run_dir=str(self.run_dir(spec.name)), net=net)
+            if spec.network and net is None:
+                nets = [r.net for r in self._records.values() if r.net is not None and r.net.from_pool]
                 record.net = await asyncio.to_thread(network.pick, self.pool, nets, {n.tap for n in nets})
             # The record (with its block) exists before the tap: a crash in between is cleaned at start.
             self._save(record)
@@ -200,7 +209,7 @@ class Vms:
     def _make(self, record: VmRecord) -> None:
         run_dir = Path(record.run_dir)
         run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if record.net is not None:
+        if record.net is not None and record.net.from_pool:
             network.create_tap(record.net, tap_owner(record))
 
     def _unmake(self, record: VmRecord) -> None:
@@ -209,7 +218,7 @@ class Vms:
         killed = common.kill_processes_referencing(run_dir)
         if killed:
             log.warning("VM %s: killed leftover processes %s", record.name, killed)
-        if record.net is not None:
+        if record.net is not None and record.net.from_pool:
             try:
                 network.delete_tap(record.net.tap, tap_owner(record))
             except Exception as exc:
@@ -244,7 +253,7 @@ class Vms:
         net = None
         if record.net is not None:
             n = record.net
-            net = LaunchNet(n.tap, n.mac, n.host_ip, n.guest_ip, n.netmask)
+            net = LaunchNet(n.tap, n.mac, n.host_ip, n.guest_ip, n.netmask, n.netns)
             args += [f"auraed.ip={n.guest_ip}/{n.prefixlen}", f"auraed.gateway={n.host_ip}"]
         if spec.role:
             args.append(f"auraed.role={spec.role}")
@@ -354,10 +363,12 @@ class Vms:
         run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if record.console_path.exists():
             record.console_path.replace(run_dir / "console.previous.log")
-        if record.net is not None and not network.tap_exists(record.net.tap):
+        if record.net is None or not record.net.from_pool:
+            return  # a tap in a namespace is its owner's to keep
+        if not network.tap_exists(record.net.tap):
             # Gone with a reboot of the host: make it again (checked against the host again).
             network.create_tap(record.net, tap_owner(record))
-        elif record.net is not None and network.tap_owner(record.net.tap) == tap_owner(record):
+        elif network.tap_owner(record.net.tap) == tap_owner(record):
             # Made by an auraed that did not harden taps yet: hardened before the guest runs.
             network.harden_tap(record.net.tap)
 

@@ -1,0 +1,233 @@
+"""The ``vm`` runtime handler: a pod is a guest VM, booted for it, on the pod's CNI network.
+
+What the pod owns on the host is made as for a ``cell`` pod (auraed.cri.cell does it: the pinned
+network namespace where the CNI plugins put the pod's interface, the pod cgroup, the files,
+ADD/DEL); this handler adds the guest. In the pod's namespace a tap is joined to the CNI
+interface by traffic-control mirroring (auraed.vms.pod_tap); the guest's NIC takes the
+interface's MAC and its eth0 the pod's address and gateway, so the pod's IP is the guest's: the
+host reaches the guest's auraed (mTLS, its per-guest certificate) at the pod IP, the kubelet's
+hostPorts and other pods reach it through the CNI network as any pod.
+
+The guest is sized from the pod's resources where it gives them (its containers' limits and
+overhead, which the kubelet sums), plus what the guest itself needs, else from the configured
+default. Pods that ask for a host namespace cannot be a guest: refused before anything is made.
+
+Containers of a ``vm`` pod are not served yet (CreateContainer answers UNIMPLEMENTED).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import ipaddress
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+from auraed.cni.cni import Cni
+from auraed.cni.model import DEFAULT_IFNAME
+from auraed.cni.result import CniResult
+from auraed.containers.sandbox import SandboxContext
+from auraed.cri.cell import CellSandbox
+from auraed.cri.errors import CriError
+from auraed.cri.model import PodRecord, PodResources, PodSpec, PodState
+from auraed.cri.sandbox import HandlerFeatures
+from auraed.errors import AuraeError, ErrorKind
+from auraed.system.netns_dial import open_connection_in
+from auraed.system.tasks import run_to_end
+from auraed.vms.guests import Guests
+from auraed.vms.model import GUEST_ROLE, NetInfo, State, VmSpec
+from auraed.vms.pod_tap import join_tap, unjoin_tap
+
+log = logging.getLogger(__name__)
+
+VM_KEY = "vm"
+"""The pod's sandbox entry of this handler: its VM's name and its tap."""
+TAP = "tap0"
+"""The guest's tap, beside the CNI interface in the pod's namespace."""
+GUEST_BASE_MIB = 256
+"""Memory the guest's own kernel and auraed take before any container (added to the pod's)."""
+MIB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class VmSizing:
+    """A pod guest's size when the pod gives none (the ``cri_vm_*`` settings)."""
+
+    vcpus: int = 1
+    memory_mib: int = 768
+
+
+def guest_size(resources: PodResources, overhead: PodResources, default: VmSizing) -> tuple[int, int]:
+    """(vCPUs, MiB) for a pod: its CPU quota over period and memory limit (containers' and
+    overhead), rounded up, the guest's own memory added; the default where the pod says nothing."""
+    cores = sum(
+        part.cpu_quota / part.cpu_period
+        for part in (resources, overhead)
+        if part.cpu_quota > 0 and part.cpu_period > 0
+    )
+    vcpus = max(1, math.ceil(cores)) if cores else default.vcpus
+    memory = resources.memory_limit + overhead.memory_limit
+    memory_mib = GUEST_BASE_MIB + math.ceil(memory / MIB) if memory else default.memory_mib
+    return vcpus, memory_mib
+
+
+def host_namespaces_asked(spec: PodSpec) -> list[str]:
+    """The options of ``spec`` that put the pod in a host namespace (none for a guest)."""
+    asked = {
+        "config.linux.security_context.namespace_options.network": spec.host_network,
+        "config.linux.security_context.namespace_options.pid": spec.host_pid,
+        "config.linux.security_context.namespace_options.ipc": spec.host_ipc,
+    }
+    return [option for option, on in asked.items() if on]
+
+
+def vm_name(pod: PodRecord) -> str:
+    return f"pod-{pod.id[:16]}"
+
+
+def _pod_address(result: CniResult, ifname: str) -> tuple[ipaddress.IPv4Interface, ipaddress.IPv4Address]:
+    """The pod's IPv4 address (with its prefix) on ``ifname`` and its gateway: the guest's."""
+    inside = {index for index, nic in enumerate(result.interfaces) if nic.name == ifname and nic.sandbox}
+    for ip in result.ips:
+        address = ip.address
+        if not isinstance(address, ipaddress.IPv4Interface):
+            continue
+        if ip.interface is not None and inside and ip.interface not in inside:
+            continue
+        gateway = ip.gateway or next(
+            (r.gw for r in result.routes if r.gw is not None and r.dst.prefixlen == 0 and r.dst.version == 4),
+            None,
+        )
+        if not isinstance(gateway, ipaddress.IPv4Address):
+            raise CriError(ErrorKind.FAILED_PRECONDITION, f"the pod network gave {address} no IPv4 gateway")
+        return address, gateway
+    raise CriError(ErrorKind.FAILED_PRECONDITION, "the pod network gave no IPv4 address: a guest needs one")
+
+
+class VmSandbox:
+    """The SandboxController of ``vm`` pods."""
+
+    name = "vm"
+    features = HandlerFeatures()
+
+    def __init__(self, cell: CellSandbox, cni: Cni, guests: Guests, sizing: VmSizing) -> None:
+        self._cell = cell
+        self._cni = cni
+        self._guests = guests
+        self._sizing = sizing
+
+    def check(self, spec: PodSpec) -> None:
+        asked = host_namespaces_asked(spec)
+        if asked:
+            raise CriError.invalid(
+                asked[0],
+                "a pod of the vm handler has its own network, PID and IPC namespaces (its guest's); "
+                "run a pod that shares the host's with the cell handler",
+            )
+
+    def _entry(self, pod: PodRecord) -> dict[str, Any] | None:
+        entry = pod.sandbox.get(VM_KEY)
+        return entry if isinstance(entry, dict) else None
+
+    def _netns(self, pod: PodRecord) -> str:
+        network = self._cell.network_namespace(pod)
+        if network is None:
+            raise CriError.precondition(f"pod sandbox {pod.id[:13]} has no network namespace of its own")
+        return str(network)
+
+    # -- run -------------------------------------------------------------------------------
+
+    async def run(self, pod: PodRecord, save: Callable[[PodRecord], None]) -> None:
+        """The host side as a cell pod's, then the tap, then the guest. A failure is undone by
+        the caller (stop, then remove), which handles whatever part was made."""
+        self.check(pod.spec)
+        await self._cell.run(pod, save)
+        netns = self._netns(pod)
+        attachment = self._cni.attachment(pod.id)
+        if attachment is None or attachment.result is None:
+            raise CriError(ErrorKind.FAILED_PRECONDITION, "the pod has no network result for its guest")
+        address, gateway = _pod_address(attachment.result, DEFAULT_IFNAME)
+        name = vm_name(pod)
+        pod.sandbox[VM_KEY] = {"name": name, "tap": TAP, "netns": netns}
+        save(pod)  # before the tap and the VM: a crash from here on is undone at start
+        nic = await run_to_end(asyncio.to_thread(join_tap, netns, DEFAULT_IFNAME, TAP))
+        net = NetInfo(
+            index=-1,
+            tap=TAP,
+            host_ip=str(gateway),
+            guest_ip=str(address.ip),
+            prefixlen=address.network.prefixlen,
+            mac=nic.mac,
+            netns=netns,
+        )
+        vcpus, memory_mib = guest_size(pod.spec.resources, pod.spec.overhead, self._sizing)
+        spec = VmSpec(
+            name=name,
+            vcpus=vcpus,
+            memory_mib=memory_mib,
+            kernel="",
+            initramfs="",
+            root_disk="",
+            extra_disks=(),
+            kernel_args=(),
+            network=True,
+            backend="qemu",
+            role=GUEST_ROLE,
+        )
+        await self._guests.allocate(spec, net)
+        booted = await self._guests.boot(name)
+        log.info("pod %s: guest %s ready in %.1f s", pod.id[:13], name, booted.ready or 0.0)
+
+    # -- stop, remove ----------------------------------------------------------------------
+
+    def _vm(self, pod: PodRecord) -> str | None:
+        """The pod's VM, when it still exists."""
+        entry = self._entry(pod)
+        if entry is None:
+            return None
+        try:
+            self._guests.vms.get(entry["name"])
+        except AuraeError:
+            return None
+        return str(entry["name"])
+
+    async def stop(self, pod: PodRecord) -> None:
+        """The guest stops (its containers with it), then the pod's network is released."""
+        name = self._vm(pod)
+        if name is not None and self._guests.vms.get(name).state in (State.RUNNING, State.STARTING):
+            await self._guests.vms.stop(name, 0.0)
+        await self._cell.stop(pod)
+
+    async def remove(self, pod: PodRecord) -> None:
+        name = self._vm(pod)
+        if name is not None:
+            await self._guests.free(name, 0.0)
+        entry = self._entry(pod)
+        if entry is not None:
+            await run_to_end(asyncio.to_thread(unjoin_tap, entry["netns"], DEFAULT_IFNAME, entry["tap"]))
+        await self._cell.remove(pod)
+
+    async def recover(self, pod: PodRecord) -> None:
+        """As a cell pod's; a READY pod whose guest is not running is NOT_READY from now on."""
+        await self._cell.recover(pod)
+        if pod.state is not PodState.READY:
+            return
+        name = self._vm(pod)
+        if name is None or self._guests.vms.get(name).state != State.RUNNING:
+            log.warning("pod %s lost its guest: it is not ready any more", pod.id[:13])
+            pod.state = PodState.NOT_READY
+
+    def container_sandbox(self, pod: PodRecord) -> SandboxContext:
+        raise CriError(
+            ErrorKind.UNIMPLEMENTED,
+            f"pod sandbox {pod.id[:13]} runs as a guest VM (handler vm); containers in vm pods are not "
+            "served yet: run the pod with the cell handler",
+        )
+
+    async def dial(self, pod: PodRecord, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """``port`` at the pod's IP, from the host: the guest's address (its localhost is its own)."""
+        if not pod.ip:
+            raise CriError.precondition(f"pod sandbox {pod.id[:13]} has no IP")
+        return await open_connection_in(None, pod.ip, port)
