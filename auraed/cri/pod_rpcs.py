@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from auraed.api.runtime import v1 as cri
 from auraed.cri.errors import CriError
 from auraed.cri.model import MAX_NAME, PodRecord, PodState, labels, pod_spec
 from auraed.cri.pods import Pods
 from auraed.wire.handlers import Context
+
+ContainerStatuses = Callable[[str], list[cri.ContainerStatus]]
+"""The statuses of a pod's containers, by the pod's id (the container RPCs report them)."""
 
 STATES = {
     PodState.READY: cri.PodSandboxState.SANDBOX_READY,
@@ -110,8 +113,9 @@ class PodRpcs:
     """RunPodSandbox, StopPodSandbox, RemovePodSandbox, PodSandboxStatus, ListPodSandbox and
     StreamPodSandboxes."""
 
-    def __init__(self, pods: Pods) -> None:
+    def __init__(self, pods: Pods, container_statuses: ContainerStatuses) -> None:
         self._pods = pods
+        self._container_statuses = container_statuses
 
     async def run_pod_sandbox(
         self, request: cri.RunPodSandboxRequest, context: Context
@@ -135,10 +139,14 @@ class PodRpcs:
         self, request: cri.PodSandboxStatusRequest, context: Context
     ) -> cri.PodSandboxStatusResponse:
         pod = self._pods.get(_pod_id(request.pod_sandbox_id))
+        # A kubelet with the Evented PLEG takes the containers from here whenever the timestamp
+        # is set (as CRI-O sets both with its pod events): never one without the other.
+        timestamp = time.time_ns()
         return cri.PodSandboxStatusResponse(
             status=status_message(pod),
             info=_verbose_info(pod) if request.verbose else {},
-            timestamp=time.time_ns(),
+            containers_statuses=self._container_statuses(pod.id),
+            timestamp=timestamp,
         )
 
     def _listed(self, request_filter: cri.PodSandboxFilter | None) -> list[cri.PodSandbox]:

@@ -80,13 +80,12 @@ async def build(
         config.cri_default_handler,
     )
     fs_usage = FsUsageCache(config.state_dir / "images")
-    pod_rpcs = PodRpcs(pods)
+    container_rpcs = ContainerRpcs(pod_containers, pods, status_message)
+    pod_rpcs = PodRpcs(pods, container_rpcs.container_statuses)
     return Cri(
         servicers={
             IMAGE_SERVICE: ImageServicer(images, fs_usage),
-            RUNTIME_SERVICE: RuntimeServicer(
-                info, pod_rpcs, ContainerRpcs(pod_containers, pods, status_message), Unserved()
-            ),
+            RUNTIME_SERVICE: RuntimeServicer(info, pod_rpcs, container_rpcs, Unserved()),
         },
         cni=cni,
         pods=pods,

@@ -37,6 +37,7 @@ from tests.support.cri import (
     list_pods,
     mirrors_config,
     pod_config,
+    pod_status,
     publish,
     pull_image,
     remove_pod,
@@ -699,6 +700,31 @@ async def test_container_events_reach_every_subscriber(node: Node) -> None:
         for task in subscribers:
             task.cancel()
         await asyncio.gather(*subscribers, return_exceptions=True)
+
+
+async def test_pod_status_carries_its_containers_statuses(node: Node) -> None:
+    """A kubelet with the Evented PLEG takes a pod's containers from PodSandboxStatus whenever its
+    timestamp is set: every container of the pod, verbose or not, as ContainerStatus says."""
+    pod_id = await node.run_pod("statuses")
+    empty = await node.run_pod("statuses-empty")
+    running = await node.run(pod_id, node.config("running", TOP))
+    created = await node.create(pod_id, node.config("created", TOP))
+    await node.create(await node.run_pod("statuses-other"), node.config("other", TOP))  # not listed
+    await node.wait_state(running, RUNNING)
+
+    for verbose in (False, True):
+        before = time.time_ns()
+        reply = await pod_status(node.client, pod_id, verbose=verbose)
+        assert before <= reply.timestamp <= time.time_ns()
+        by_id = {status.id: status for status in reply.containers_statuses}
+        assert set(by_id) == {running, created}
+        for container_id, status in by_id.items():
+            assert status == (await node.status_reply(container_id)).status
+        assert (by_id[running].state, by_id[created].state) == (RUNNING, CREATED)
+    assert (await pod_status(node.client, empty)).containers_statuses == []
+
+    await node.remove(created)
+    assert [s.id for s in (await pod_status(node.client, pod_id)).containers_statuses] == [running]
 
 
 # -- pods take their containers ------------------------------------------------------------------
