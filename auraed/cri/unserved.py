@@ -19,7 +19,6 @@ NOT_YET = (
     "list_metric_descriptors",
     "list_pod_sandbox_metrics",
     "stream_pod_sandbox_metrics",
-    "update_pod_sandbox_resources",
 )
 
 
