@@ -14,6 +14,8 @@ from auraed.cri.containers import CriContainers
 from auraed.cri.images import SERVICE_NAME as IMAGE_SERVICE
 from auraed.cri.images import FsUsageCache, ImageServicer
 from auraed.cri.info import InfoRpcs
+from auraed.cri.metric_rpcs import MetricRpcs
+from auraed.cri.metrics import PodMetricsSource
 from auraed.cri.pod_rpcs import PodRpcs, status_message
 from auraed.cri.pods import Pods
 from auraed.cri.runtime import SERVICE_NAME as RUNTIME_SERVICE
@@ -82,10 +84,11 @@ async def build(
     fs_usage = FsUsageCache(config.state_dir / "images")
     container_rpcs = ContainerRpcs(pod_containers, pods, status_message)
     pod_rpcs = PodRpcs(pods, container_rpcs.container_statuses)
+    metric_rpcs = MetricRpcs(PodMetricsSource(pods, pod_containers, cgroups))
     return Cri(
         servicers={
             IMAGE_SERVICE: ImageServicer(images, fs_usage),
-            RUNTIME_SERVICE: RuntimeServicer(info, pod_rpcs, container_rpcs, Unserved()),
+            RUNTIME_SERVICE: RuntimeServicer(info, pod_rpcs, container_rpcs, metric_rpcs, Unserved()),
         },
         cni=cni,
         pods=pods,

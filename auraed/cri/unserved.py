@@ -16,13 +16,10 @@ NOT_YET = (
     "exec",
     "attach",
     "port_forward",
-    "list_metric_descriptors",
-    "list_pod_sandbox_metrics",
-    "stream_pod_sandbox_metrics",
 )
 
 
-STREAMING = frozenset({"stream_pod_sandbox_metrics"})  # of NOT_YET, those whose replies stream
+STREAMING: frozenset[str] = frozenset()  # of NOT_YET, those whose replies stream
 
 NOT_SUPPORTED: Mapping[str, str] = {
     # runc checkpoints and restores through CRIU, which auraed's hosts do not have.
