@@ -523,6 +523,20 @@ class CellSandbox:
             else:
                 self._cgroup_call(cgroups.create, path, limits)
 
+    # -- resize ----------------------------------------------------------------------------
+
+    async def update_resources(self, pod: PodRecord, overhead: PodResources, resources: PodResources) -> None:
+        """The pod cgroup's limits from the new resources plus overhead, as at its run."""
+        layout = self.layout(pod)
+        if layout is None:
+            raise CriError.precondition(f"pod sandbox {pod.id[:13]} is not made")
+        limits = pod_limits(resources, overhead)
+        await run_to_end(asyncio.to_thread(self._update_cgroup, layout.cgroup, limits))
+
+    def _update_cgroup(self, path: str, limits: CgroupLimits) -> None:
+        with self._cgroup_tree:  # not while the last attempt of the pod removes it
+            self._cgroup_call(self._cgroups.update, path, limits)
+
     async def _undo(self, pod: PodRecord) -> None:
         """Remove what a failed run made; never raises (the run's own error is the one to tell).
         What stays is removed with the pod's record, at the next start at the latest."""

@@ -454,14 +454,24 @@ class CriContainers:
         except CgroupError:
             return None  # removed as it was read (the container ended)
 
-    async def usage(self, container: Container) -> ContainerUsage:
+    def cgroup(self, container: Container) -> str:
+        """The container's cgroup, relative to the cgroup base (it exists while it runs)."""
+        return self._containers.cgroup(container.host)
+
+    async def writable(self, container: Container) -> tuple[Path, FsUsage]:
+        """The container's writable layer and what it uses (measured at most every
+        WRITABLE_USAGE_TTL seconds)."""
         host = container.host
-        cgroup = None
-        if host.state == State.RUNNING:
-            cgroup = await asyncio.to_thread(self._cgroup_usage, self._containers.cgroup(host))
         root = self._containers.written(host)
         cache = self._writable.setdefault(host.id, FsUsageCache(root, WRITABLE_USAGE_TTL))
-        return ContainerUsage(container, cgroup, await cache.usage(), root)
+        return root, await cache.usage()
+
+    async def usage(self, container: Container) -> ContainerUsage:
+        cgroup = None
+        if container.host.state == State.RUNNING:
+            cgroup = await asyncio.to_thread(self._cgroup_usage, self.cgroup(container))
+        root, writable = await self.writable(container)
+        return ContainerUsage(container, cgroup, writable, root)
 
     async def usages(self, wanted: ContainerFilter | None = None) -> list[ContainerUsage]:
         return [await self.usage(c) for c in self.all(wanted)]

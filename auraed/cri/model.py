@@ -16,7 +16,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from auraed.api.runtime import v1 as cri
+from auraed.containers.request import MAX_CFS_QUOTA_US, SpecError, check_int
 from auraed.cri.errors import CriError
+from auraed.errors import ErrorKind
 
 MAX_LABELS = 256
 MAX_LABEL_KEY = 253
@@ -30,6 +32,9 @@ _SYSCTL_NAME = re.compile(r"[a-z0-9_]+([./][a-z0-9_-]+)*")
 _HOSTNAME = re.compile(
     r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
 )
+CPU_PERIOD_US = (1_000, 1_000_000)
+CPU_QUOTA_US = (1_000, MAX_CFS_QUOTA_US)
+"""What the kernel takes as a CFS period and quota (µs): a container's bounds, and a pod's."""
 PROTOCOLS = {cri.Protocol.TCP: "tcp", cri.Protocol.UDP: "udp", cri.Protocol.SCTP: "sctp"}
 
 
@@ -78,6 +83,14 @@ class PodResources:
     cpu_quota: int = 0
     cpu_shares: int = 0
     memory_limit: int = 0
+
+    def updated(self, update: PodResources) -> PodResources:
+        """These resources with what ``update`` sets: a 0 in it leaves the value as it is, as
+        UpdateContainerResources takes a 0 (Kubernetes never removes a pod's limit by a resize)."""
+        changed = {
+            f.name: getattr(update, f.name) for f in dataclasses.fields(update) if getattr(update, f.name)
+        }
+        return dataclasses.replace(self, **changed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,11 +265,20 @@ def sysctls(values: Mapping[str, str]) -> dict[str, str]:
 
 
 def resources(value: cri.LinuxContainerResources | None, field: str) -> PodResources:
+    """A pod's overhead or resources: the CPU and memory limits a pod cgroup takes (the kubelet
+    sends no others for a pod), each 0 when not set; a set CPU period or quota in the kernel's
+    range, as a container's."""
     if value is None:
         return PodResources()
     for name in ("cpu_period", "cpu_quota", "cpu_shares", "memory_limit_in_bytes"):
         if getattr(value, name) < 0:
             raise CriError.invalid(f"{field}.{name}", "is negative")
+    try:
+        for name, low, high in (("cpu_period", *CPU_PERIOD_US), ("cpu_quota", *CPU_QUOTA_US)):
+            if getattr(value, name):
+                check_int(getattr(value, name), f"{field}.{name}", low, high)
+    except SpecError as exc:
+        raise CriError(ErrorKind.INVALID_ARGUMENT, exc.message) from None
     return PodResources(value.cpu_period, value.cpu_quota, value.cpu_shares, value.memory_limit_in_bytes)
 
 

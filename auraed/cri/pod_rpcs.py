@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
 
 from auraed.api.runtime import v1 as cri
 from auraed.cri.errors import CriError
-from auraed.cri.model import MAX_NAME, PodRecord, PodState, labels, pod_spec
+from auraed.cri.model import MAX_NAME, PodRecord, PodResources, PodState, labels, pod_spec, resources
 from auraed.cri.pods import Pods
 from auraed.wire.handlers import Context
+
+ContainerStatuses = Callable[[str], list[cri.ContainerStatus]]
+"""The statuses of a pod's containers, by the pod's id (the container RPCs report them)."""
 
 STATES = {
     PodState.READY: cri.PodSandboxState.SANDBOX_READY,
@@ -76,9 +80,22 @@ def status_message(pod: PodRecord) -> cri.PodSandboxStatus:
     )
 
 
+def _container_resources(value: PodResources) -> dict[str, Any]:
+    """A ContainerResources message as containerd's verbose info has it (Go's JSON of it)."""
+    return {
+        "linux": {
+            "cpu_period": value.cpu_period,
+            "cpu_quota": value.cpu_quota,
+            "cpu_shares": value.cpu_shares,
+            "memory_limit_in_bytes": value.memory_limit,
+        }
+    }
+
+
 def _verbose_info(pod: PodRecord) -> dict[str, str]:
     """PodSandboxStatus's verbose ``info``: the pod as this runtime holds it, as JSON under
-    "info" (containerd's key), for crictl inspectp and for operators."""
+    "info" (containerd's key), for crictl inspectp and for operators; with the pod's overhead and
+    resources as applied (UpdatePodSandboxResources changes them) where containerd has them."""
     return {
         "info": json.dumps(
             {
@@ -89,6 +106,8 @@ def _verbose_info(pod: PodRecord) -> dict[str, str]:
                 "ips": [ip for ip in (pod.ip, *pod.additional_ips) if ip],
                 "config": pod.spec.to_doc(),
                 "sandbox": pod.sandbox,
+                "overhead": _container_resources(pod.spec.overhead),
+                "resources": _container_resources(pod.spec.resources),
             }
         )
     }
@@ -110,8 +129,9 @@ class PodRpcs:
     """RunPodSandbox, StopPodSandbox, RemovePodSandbox, PodSandboxStatus, ListPodSandbox and
     StreamPodSandboxes."""
 
-    def __init__(self, pods: Pods) -> None:
+    def __init__(self, pods: Pods, container_statuses: ContainerStatuses) -> None:
         self._pods = pods
+        self._container_statuses = container_statuses
 
     async def run_pod_sandbox(
         self, request: cri.RunPodSandboxRequest, context: Context
@@ -135,11 +155,23 @@ class PodRpcs:
         self, request: cri.PodSandboxStatusRequest, context: Context
     ) -> cri.PodSandboxStatusResponse:
         pod = self._pods.get(_pod_id(request.pod_sandbox_id))
+        # A kubelet with the Evented PLEG takes the containers from here whenever the timestamp
+        # is set (as CRI-O sets both with its pod events): never one without the other.
+        timestamp = time.time_ns()
         return cri.PodSandboxStatusResponse(
             status=status_message(pod),
             info=_verbose_info(pod) if request.verbose else {},
-            timestamp=time.time_ns(),
+            containers_statuses=self._container_statuses(pod.id),
+            timestamp=timestamp,
         )
+
+    async def update_pod_sandbox_resources(
+        self, request: cri.UpdatePodSandboxResourcesRequest, context: Context
+    ) -> cri.UpdatePodSandboxResourcesResponse:
+        overhead = resources(request.overhead, "overhead")
+        limits = resources(request.resources, "resources")
+        await self._pods.update_resources(_pod_id(request.pod_sandbox_id), overhead, limits)
+        return cri.UpdatePodSandboxResourcesResponse()
 
     def _listed(self, request_filter: cri.PodSandboxFilter | None) -> list[cri.PodSandbox]:
         selector: Mapping[str, str] = {}

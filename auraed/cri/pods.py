@@ -21,10 +21,11 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from auraed.cri.errors import CriError
-from auraed.cri.model import PodMetadata, PodRecord, PodSpec, PodState
+from auraed.cri.model import PodMetadata, PodRecord, PodResources, PodSpec, PodState
 from auraed.cri.sandbox import SandboxController
 from auraed.errors import AuraeError, ErrorKind
 from auraed.state.store import Store
+from auraed.system.tasks import run_to_end
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +198,27 @@ class Pods:
             await self.controller(pod).stop(pod)
             pod.state = PodState.NOT_READY
             self.save(pod)
+
+    async def update_resources(self, pod_id: str, overhead: PodResources, resources: PodResources) -> None:
+        """A resize: what the update sets of the pod's overhead and resources (0: unchanged)
+        applied to its sandbox, then kept in its record. The pod must be READY."""
+        pod = self.get(pod_id)
+        async with self._lock(pod.id):
+            if pod.state is not PodState.READY or pod.id not in self._records:
+                raise CriError.precondition(f"pod sandbox {pod.id[:13]} is not ready")
+            spec = pod.spec
+            spec = dataclasses.replace(
+                spec, overhead=spec.overhead.updated(overhead), resources=spec.resources.updated(resources)
+            )
+            # To its end if the kubelet gives up: the record says what the sandbox has.
+            await run_to_end(self._resize(pod, spec))
+        log.info("pod %s (%s) resized to %s plus overhead %s",
+                 spec.metadata.name, pod.id[:13], spec.resources, spec.overhead)  # fmt: skip
+
+    async def _resize(self, pod: PodRecord, spec: PodSpec) -> None:
+        await self.controller(pod).update_resources(pod, spec.overhead, spec.resources)
+        pod.spec = spec
+        self.save(pod)
 
     async def remove(self, pod_id: str) -> None:
         """Remove the pod, its containers and everything made for it. A pod that is gone is removed."""

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from auraed.containers.sandbox import SandboxContext
-from auraed.cri.model import PodRecord, PodSpec
+from auraed.cri.model import PodRecord, PodResources, PodSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +51,10 @@ class SandboxController(Protocol):
 
     async def remove(self, pod: PodRecord) -> None:
         """Remove everything the pod's sandbox holds (after ``stop``)."""
+
+    async def update_resources(self, pod: PodRecord, overhead: PodResources, resources: PodResources) -> None:
+        """Apply a READY pod's new overhead and resources (whole, not a change) to its sandbox;
+        the caller keeps them in the pod's record once this returns."""
 
     async def recover(self, pod: PodRecord) -> None:
         """At start: make the in-memory state of a pod found in the store (it may be gone)."""

@@ -15,6 +15,8 @@ from auraed.cri.containers import CriContainers
 from auraed.cri.images import SERVICE_NAME as IMAGE_SERVICE
 from auraed.cri.images import FsUsageCache, ImageServicer
 from auraed.cri.info import InfoRpcs
+from auraed.cri.metric_rpcs import MetricRpcs
+from auraed.cri.metrics import PodMetricsSource
 from auraed.cri.model import PodSpec
 from auraed.cri.pod_rpcs import PodRpcs, status_message
 from auraed.cri.pods import Pods
@@ -107,7 +109,9 @@ async def build(
         config.cri_default_handler,
     )
     fs_usage = FsUsageCache(config.state_dir / "images")
-    pod_rpcs = PodRpcs(pods)
+    container_rpcs = ContainerRpcs(pod_containers, pods, status_message)
+    pod_rpcs = PodRpcs(pods, container_rpcs.container_statuses)
+    metric_rpcs = MetricRpcs(PodMetricsSource(pods, pod_containers, cgroups))
     sessions = CriSessions(pod_containers, containers, pods, log_watch)
     streaming = StreamingServer(sessions, streaming_config(config))
     await streaming.start()
@@ -117,7 +121,8 @@ async def build(
             RUNTIME_SERVICE: RuntimeServicer(
                 info,
                 pod_rpcs,
-                ContainerRpcs(pod_containers, pods, status_message),
+                container_rpcs,
+                metric_rpcs,
                 StreamingRpcs(streaming, sessions, pods),
                 Unserved(),
             ),

@@ -219,6 +219,12 @@ class VmSandbox:
             log.warning("pod %s lost its guest: it is not ready any more", pod.id[:13])
             pod.state = PodState.NOT_READY
 
+    async def update_resources(self, pod: PodRecord, overhead: PodResources, resources: PodResources) -> None:
+        raise CriError(
+            ErrorKind.UNIMPLEMENTED,
+            f"pod sandbox {pod.id[:13]} runs as a guest VM: resizing its guest is not served yet",
+        )
+
     def container_sandbox(self, pod: PodRecord) -> SandboxContext:
         raise CriError(
             ErrorKind.UNIMPLEMENTED,

@@ -86,6 +86,29 @@ class CgroupLimits:
     pids_max: int | None = None
 
 
+class IoCounters(NamedTuple):
+    """Block I/O on one device: bytes and operations, read and written."""
+
+    read_bytes: int
+    write_bytes: int
+    reads: int
+    writes: int
+
+
+_V1_MEMORY_STAT = {
+    "total_rss": "anon",
+    "total_cache": "file",
+    "total_mapped_file": "file_mapped",
+    "total_active_file": "active_file",
+    "total_inactive_file": "inactive_file",
+    "total_active_anon": "active_anon",
+    "total_inactive_anon": "inactive_anon",
+    "total_pgfault": "pgfault",
+    "total_pgmajfault": "pgmajfault",
+}
+"""v1 memory.stat's hierarchical counters by the names v2's memory.stat gives the same counts."""
+
+
 class CgroupDirOps(Protocol):
     """How cgroup directories are made and removed; tests inject a fake that adds interface files."""
 
@@ -173,6 +196,19 @@ def parse_flat_keyed(text: str) -> dict[str, int]:
 def read_oom_kill_count(counter_file: Path) -> int:
     """Read "oom_kill" from memory.events (v2) or memory.oom_control (v1); for lean watcher processes."""
     return parse_flat_keyed(_read(counter_file)).get("oom_kill", 0)
+
+
+def _v2_io_stat(text: str) -> dict[str, IoCounters]:
+    """io.stat's "<major:minor> rbytes=.. wbytes=.. rios=.. wios=.. ..." lines by device."""
+    found: dict[str, IoCounters] = {}
+    for line in text.splitlines():
+        device, *fields = line.split() or [""]
+        if not device:
+            continue
+        keyed = dict(field.split("=", 1) for field in fields if "=" in field)
+        counts = (int(keyed.get(key, 0)) for key in ("rbytes", "wbytes", "rios", "wios"))
+        found[device] = IoCounters(*counts)
+    return found
 
 
 def _read(file: Path) -> str:
@@ -515,25 +551,91 @@ class Cgroupfs:
     def io_bytes(self, path: str) -> tuple[int, int]:
         """Bytes read and written by the cgroup's processes on block devices; (0, 0) when unknown."""
         try:
-            if self.is_v2:
-                text = _read(self._controller_file("io", path, "io.stat"))
-                fields = [f.split("=", 1) for line in text.splitlines() for f in line.split()[1:] if "=" in f]
-                totals = {"rbytes": 0, "wbytes": 0}
-                for key, value in fields:
-                    if key in totals:
-                        totals[key] += int(value)
-                return totals["rbytes"], totals["wbytes"]
-            text = _read(self._controller_file("blkio", path, "blkio.throttle.io_service_bytes"))
+            devices = self.io_stat(path).values()
         except CgroupError:
             return 0, 0
-        read = write = 0
-        for line in text.splitlines():
+        return sum(d.read_bytes for d in devices), sum(d.write_bytes for d in devices)
+
+    def io_stat(self, path: str) -> dict[str, IoCounters]:
+        """Block I/O of the cgroup and its descendants by device ("major:minor"): v2 io.stat, v1
+        the recursive blkio throttle counters (which count every I/O, limited or not)."""
+        if self.is_v2:
+            return _v2_io_stat(_read(self._controller_file("io", path, "io.stat")))
+        try:
+            return self._v1_io_stat(path, "_recursive")
+        except CgroupError as exc:
+            if exc.kind != "unsupported":
+                raise
+            return self._v1_io_stat(path, "")  # an older kernel's, of the cgroup's own processes
+
+    def _v1_io_stat(self, path: str, suffix: str) -> dict[str, IoCounters]:
+        bytes_done = self._v1_blkio(path, f"blkio.throttle.io_service_bytes{suffix}")
+        operations = self._v1_blkio(path, f"blkio.throttle.io_serviced{suffix}")
+        return {
+            device: IoCounters(*bytes_done.get(device, (0, 0)), *operations.get(device, (0, 0)))
+            for device in bytes_done.keys() | operations.keys()
+        }
+
+    def _v1_blkio(self, path: str, name: str) -> dict[str, tuple[int, int]]:
+        """A v1 blkio file's "<major:minor> Read|Write <n>" lines as (read, write) by device."""
+        found: dict[str, tuple[int, int]] = {}
+        for line in _read(self._controller_file("blkio", path, name)).splitlines():
             parts = line.split()
-            if len(parts) == 3 and parts[1] == "Read":
-                read += int(parts[2])
-            elif len(parts) == 3 and parts[1] == "Write":
-                write += int(parts[2])
-        return read, write
+            if len(parts) != 3 or parts[1] not in ("Read", "Write"):
+                continue  # the Sync, Async, Discard and Total lines, and the file's own Total
+            read, write = found.get(parts[0], (0, 0))
+            value = int(parts[2])
+            found[parts[0]] = (read + value, write) if parts[1] == "Read" else (read, write + value)
+        return found
+
+    def memory_stat(self, path: str) -> dict[str, int]:
+        """memory.stat of the cgroup and its descendants, by v2's names; v1's hierarchical
+        ``total_*`` counters are given those names (``total_rss`` is ``anon``, ``total_cache``
+        is ``file``, ``total_mapped_file`` is ``file_mapped``, ...)."""
+        stat = parse_flat_keyed(_read(self._controller_file("memory", path, "memory.stat")))
+        if self.is_v2:
+            return stat
+        return {v2: stat[v1] for v1, v2 in _V1_MEMORY_STAT.items() if v1 in stat}
+
+    def memory_peak(self, path: str) -> int | None:
+        """The most memory the cgroup has used (v2 memory.peak, kernel 5.19 on; v1
+        memory.max_usage_in_bytes); None where the kernel does not say."""
+        name = "memory.peak" if self.is_v2 else "memory.max_usage_in_bytes"
+        return self._optional_int("memory", path, name)
+
+    def memory_swap(self, path: str) -> int | None:
+        """Swap the cgroup uses, in bytes; None without swap accounting."""
+        if self.is_v2:
+            return self._optional_int("memory", path, "memory.swap.current")
+        with_swap = self._optional_int("memory", path, "memory.memsw.usage_in_bytes")
+        return None if with_swap is None else max(with_swap - self.memory_current(path), 0)
+
+    def cpu_max(self, path: str) -> tuple[int | None, int]:
+        """The CFS quota (None: none) and period of the cgroup, in µs."""
+        if self.is_v2:
+            quota, _, period = _read(self._controller_file("cpu", path, "cpu.max")).partition(" ")
+            return (None if quota == "max" else int(quota)), int(period or DEFAULT_CPU_PERIOD_US)
+        quota_us = int(_read(self._controller_file("cpu", path, "cpu.cfs_quota_us")))
+        period_us = int(_read(self._controller_file("cpu", path, "cpu.cfs_period_us")))
+        return (None if quota_us < 0 else quota_us), period_us
+
+    def cpu_shares(self, path: str) -> int:
+        """The cgroup's CPU shares: v1 cpu.shares, or v2 cpu.weight in shares."""
+        if self.is_v2:
+            return cpu_weight_to_shares(int(_read(self._controller_file("cpu", path, "cpu.weight"))))
+        return int(_read(self._controller_file("cpu", path, "cpu.shares")))
+
+    def process_count(self, path: str) -> int:
+        """Processes in the cgroup and its descendants."""
+        return len(self._subtree_pids(path))
+
+    def _optional_int(self, controller: str, path: str, name: str) -> int | None:
+        try:
+            return int(_read(self._controller_file(controller, path, name)))
+        except CgroupError as exc:
+            if exc.kind == "unsupported":  # the file, or its controller, is not there
+                return None
+            raise
 
     def cpu_stat(self, path: str) -> dict[str, int]:
         """v2 cpu.stat as is; v1 normalised to the v2 names and units (usec)."""

@@ -1,7 +1,9 @@
 """CRI containers in cell pods through the kubelet's socket, as critest and a kubelet use them:
 CreateContainer, StartContainer, StopContainer, RemoveContainer, ListContainers,
 StreamContainers, ContainerStatus, UpdateContainerResources, ReopenContainerLog, ExecSync,
-container and pod stats, GetContainerEvents; and a daemon killed with -9 finding them again.
+container and pod stats, the pods' and containers' metrics (ListMetricDescriptors,
+ListPodSandboxMetrics, StreamPodSandboxMetrics), GetContainerEvents and PodSandboxStatus's
+containers; and a daemon killed with -9 finding them again.
 
 Each daemon has a private CNI network (tests.support.cni) and critest's busybox image from a
 local registry that mirrors registry.k8s.io. The test image is Debian's busybox-static, which
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -37,6 +40,7 @@ from tests.support.cri import (
     list_pods,
     mirrors_config,
     pod_config,
+    pod_status,
     publish,
     pull_image,
     remove_pod,
@@ -646,6 +650,156 @@ async def test_container_and_pod_stats(node: Node) -> None:
     assert missing.code == "NOT_FOUND"
 
 
+# -- metrics -------------------------------------------------------------------------------------
+
+BUSY = ["sh", "-c", "while :; do :; done"]  # a CPU's worth of work
+
+
+async def pod_metrics(node: Node) -> dict[str, Any]:
+    """ListPodSandboxMetrics by pod id, checked as the kubelet's collector takes each metric:
+    a descriptor of its name, as many label values as label keys; and the stream the same."""
+    reply = await node.call("ListMetricDescriptors", cri.ListMetricDescriptorsRequest())
+    descriptors = {d.name: d for d in reply.descriptors}
+    before = time.time_ns()
+    listed = (await node.call("ListPodSandboxMetrics", cri.ListPodSandboxMetricsRequest())).pod_metrics
+    after = time.time_ns()
+    for pod in listed:
+        for metric in [*pod.metrics, *(m for c in pod.container_metrics for m in c.metrics)]:
+            descriptor = descriptors[metric.name]
+            assert len(metric.label_values) == len(descriptor.label_keys), metric
+            assert (metric.metric_type == cri.MetricType.COUNTER) == metric.name.endswith("_total"), metric
+            if metric.name != "container_fs_usage_bytes":  # measured at most every 10 s
+                assert before <= metric.timestamp <= after, metric
+    [streamed] = await node.stream("StreamPodSandboxMetrics", cri.StreamPodSandboxMetricsRequest())
+    assert [p.pod_sandbox_id for p in streamed.pod_sandbox_metrics] == [p.pod_sandbox_id for p in listed]
+    return {pod.pod_sandbox_id: pod for pod in listed}
+
+
+def values(metrics: list[Any], name: str) -> dict[tuple[str, ...], int]:
+    """A metric's values by its label values (container, id, image, name, namespace, pod, ...)."""
+    return {tuple(m.label_values): m.value.value for m in metrics if m.name == name}
+
+
+def value(metrics: list[Any], name: str) -> int:
+    [only] = values(metrics, name).values()
+    return only
+
+
+def never_throttle_writes(node: Node, container_id: str) -> str:
+    """cgroup v1 counts a cgroup's block I/O only where a throttle rule applies: one that never
+    throttles the container's writes to the device of its writable layer; that device's id."""
+    device = os.stat(node.daemon.root).st_dev
+    device_id = f"{os.major(device)}:{os.minor(device)}"
+    rule = container_cgroup(node.daemon, "blkio", container_id) / "blkio.throttle.write_bps_device"
+    rule.write_text(f"{device_id} {1 << 40}\n")
+    return device_id
+
+
+async def test_metric_descriptors_are_cadvisors(node: Node) -> None:
+    reply = await node.call("ListMetricDescriptors", cri.ListMetricDescriptorsRequest())
+    by_name = {d.name: d for d in reply.descriptors}
+    assert len(by_name) == len(reply.descriptors), "one descriptor a name"
+    base = ["container", "id", "image", "name", "namespace", "pod"]
+    for name in (
+        "container_cpu_usage_seconds_total",
+        "container_memory_working_set_bytes",
+        "container_processes",
+    ):
+        assert by_name[name].label_keys == base and by_name[name].help
+    assert by_name["container_fs_reads_bytes_total"].label_keys == [*base, "device"]
+
+
+async def test_pod_and_container_metrics(node: Node) -> None:
+    """ListPodSandboxMetrics: every READY pod, one without containers too, with its cgroup's
+    metrics and each running container's, labelled as cAdvisor labels them, with plausible values."""
+    pod_id = await node.run_pod("metrics")
+    empty = await node.run_pod("metrics-empty")
+    limited_config = cri.LinuxContainerConfig(
+        resources=cri.LinuxContainerResources(memory_limit_in_bytes=64 * MIB)
+    )
+    limited = await node.run(pod_id, node.config("limited", TOP, linux=limited_config))
+    quiet = await node.run(pod_id, node.config("quiet", TOP))
+    created = await node.create(pod_id, node.config("created", TOP))  # not running: no metrics
+    for container_id in (limited, quiet):
+        await node.wait_state(container_id, RUNNING)
+    device_id = never_throttle_writes(node, quiet)
+    direct = ["dd", "if=/dev/zero", "of=/direct", "bs=1M", "count=4", "oflag=direct"]
+    written = await node.exec_sync(quiet, direct)
+    assert written.exit_code == 0, written.stderr
+
+    pods = await pod_metrics(node)
+    assert {pod_id, empty} <= set(pods)
+    assert pods[empty].container_metrics == []
+    assert value(pods[empty].metrics, "container_memory_usage_bytes") > 0  # its pod cgroup's
+    [(labels, processes)] = values(pods[empty].metrics, "container_processes").items()
+    assert labels[0] == "" and labels[2:] == ("", "", "critest", "metrics-empty") and processes >= 1
+    pod = pods[pod_id]
+    by_container = {c.container_id: c.metrics for c in pod.container_metrics}
+    assert set(by_container) == {limited, quiet} and created not in by_container
+
+    limited_metrics = by_container[limited]
+    [labels] = values(limited_metrics, "container_memory_working_set_bytes")
+    container, cgroup_id, image, name, namespace, pod_name = labels
+    assert (container, image, name, namespace, pod_name) == (
+        "limited",
+        BUSYBOX_IMAGE,
+        limited,
+        "critest",
+        "metrics",
+    )
+    assert cgroup_id.startswith("/") and cgroup_id.endswith(limited)
+    working_set = value(limited_metrics, "container_memory_working_set_bytes")
+    assert 0 < working_set <= value(limited_metrics, "container_memory_usage_bytes")
+    assert value(limited_metrics, "container_spec_memory_limit_bytes") == 64 * MIB
+    assert value(by_container[quiet], "container_spec_memory_limit_bytes") == 0  # none
+    assert (
+        value(limited_metrics, "container_processes") >= 1
+        and value(limited_metrics, "container_threads") >= 1
+    )
+    assert value(limited_metrics, "container_oom_events_total") == 0
+    assert abs(value(limited_metrics, "container_start_time_seconds") - time.time()) < 120
+    [(fs_labels, fs_used)] = values(by_container[quiet], "container_fs_usage_bytes").items()
+    assert fs_labels[-1].startswith("/") and fs_used >= 4 * MIB  # the file dd wrote
+    [(io_labels, io_written)] = values(by_container[quiet], "container_fs_writes_bytes_total").items()
+    uevent = Path(f"/sys/dev/block/{device_id}/uevent").read_text().split()
+    assert io_labels[-1] == "/dev/" + dict(line.split("=", 1) for line in uevent)["DEVNAME"]
+    assert io_written >= 4 * MIB
+    assert value(pod.metrics, "container_processes") >= 2  # both containers are in the pod cgroup
+
+
+async def test_metrics_move_as_containers_work(node: Node) -> None:
+    """A busy container's CPU counter grows by whole seconds, a quiet one's stays behind, the
+    pod's sums them; a container that stops, and a pod that stops, are no longer listed."""
+    pod_id = await node.run_pod("working")
+    other = await node.run_pod("working-other")
+    busy = await node.run(pod_id, node.config("busy", BUSY))
+    quiet = await node.run(pod_id, node.config("quiet", TOP))
+    for container_id in (busy, quiet):
+        await node.wait_state(container_id, RUNNING)
+
+    async def cpu_seconds() -> tuple[int, dict[str, int]]:
+        pod = (await pod_metrics(node))[pod_id]
+        by_container = {c.container_id: c.metrics for c in pod.container_metrics}
+        used = {c: value(metrics, "container_cpu_usage_seconds_total") for c, metrics in by_container.items()}
+        return value(pod.metrics, "container_cpu_usage_seconds_total"), used
+
+    _, first = await cpu_seconds()
+
+    async def counted_more() -> bool:
+        return (await cpu_seconds())[1][busy] >= first[busy] + 2
+
+    await eventually(counted_more, 60, 0.5)
+    pod_used, used = await cpu_seconds()
+    assert used[quiet] < used[busy]
+    assert pod_used >= used[busy] - 1  # the pod's cgroup is read just before its containers'
+
+    await node.stop(busy)
+    await node.stop_pod(other)
+    pods = await pod_metrics(node)
+    assert other not in pods, "a pod that is not ready has nothing to measure"
+    assert [c.container_id for c in pods[pod_id].container_metrics] == [quiet]
+
+
 # -- events --------------------------------------------------------------------------------------
 
 
@@ -699,6 +853,31 @@ async def test_container_events_reach_every_subscriber(node: Node) -> None:
         for task in subscribers:
             task.cancel()
         await asyncio.gather(*subscribers, return_exceptions=True)
+
+
+async def test_pod_status_carries_its_containers_statuses(node: Node) -> None:
+    """A kubelet with the Evented PLEG takes a pod's containers from PodSandboxStatus whenever its
+    timestamp is set: every container of the pod, verbose or not, as ContainerStatus says."""
+    pod_id = await node.run_pod("statuses")
+    empty = await node.run_pod("statuses-empty")
+    running = await node.run(pod_id, node.config("running", TOP))
+    created = await node.create(pod_id, node.config("created", TOP))
+    await node.create(await node.run_pod("statuses-other"), node.config("other", TOP))  # not listed
+    await node.wait_state(running, RUNNING)
+
+    for verbose in (False, True):
+        before = time.time_ns()
+        reply = await pod_status(node.client, pod_id, verbose=verbose)
+        assert before <= reply.timestamp <= time.time_ns()
+        by_id = {status.id: status for status in reply.containers_statuses}
+        assert set(by_id) == {running, created}
+        for container_id, status in by_id.items():
+            assert status == (await node.status_reply(container_id)).status
+        assert (by_id[running].state, by_id[created].state) == (RUNNING, CREATED)
+    assert (await pod_status(node.client, empty)).containers_statuses == []
+
+    await node.remove(created)
+    assert [s.id for s in (await pod_status(node.client, pod_id)).containers_statuses] == [running]
 
 
 # -- pods take their containers ------------------------------------------------------------------

@@ -277,6 +277,9 @@ async def test_bad_requests_name_the_field(pods: Node) -> None:
             "x", linux=cri.LinuxPodSandboxConfig(cgroup_parent="/test.slice")
         ),
         "config.hostname": pod_config("x", hostname="not a hostname"),
+        "config.linux.overhead.cpu_quota": pod_config(
+            "x", linux=cri.LinuxPodSandboxConfig(overhead=cri.LinuxContainerResources(cpu_quota=999))
+        ),
     }
     cases["config.metadata.uid"].metadata.uid = ""  # type: ignore[union-attr]
     for field, config in cases.items():
@@ -357,6 +360,88 @@ async def test_a_pod_on_its_own_network_namespaces_files_and_cgroup(pods: Node) 
 
     await remove_pod(client, pod_id)
     assert not os.path.exists(f"/proc/{init}")
+    assert pods.leftovers() == []
+
+
+def pod_limits(pods: Node, cgroup: str) -> tuple[int, int, int, int]:
+    """The pod cgroup's memory limit, CFS quota and period, and CPU shares (v1 files)."""
+    cpu = pods.cgroup(cgroup, "cpu")
+    return (
+        int((pods.cgroup(cgroup) / "memory.limit_in_bytes").read_text()),
+        int((cpu / "cpu.cfs_quota_us").read_text()),
+        int((cpu / "cpu.cfs_period_us").read_text()),
+        int((cpu / "cpu.shares").read_text()),
+    )
+
+
+async def resize(
+    client: AuraeClient,
+    pod_id: str,
+    overhead: cri.LinuxContainerResources | None,
+    resources: cri.LinuxContainerResources | None,
+) -> None:
+    request = cri.UpdatePodSandboxResourcesRequest(
+        pod_sandbox_id=pod_id, overhead=overhead, resources=resources
+    )
+    await client.call(RUNTIME_SERVICE, "UpdatePodSandboxResources", request)
+
+
+async def test_a_resize_changes_the_pod_cgroup(pods: Node) -> None:
+    """UpdatePodSandboxResources, as a kubelet resizes a pod in place: the pod cgroup takes the new
+    resources plus overhead; a field left 0 keeps its value; verbose status reports them in
+    containerd's shape. Bad values change nothing and name the field."""
+    client = pods.client
+    resources = cri.LinuxContainerResources(
+        cpu_period=100_000, cpu_quota=50_000, cpu_shares=1024, memory_limit_in_bytes=64 * MIB
+    )
+    overhead = cri.LinuxContainerResources(cpu_quota=10_000, memory_limit_in_bytes=16 * MIB)
+    pod_id = await run_pod(
+        client, pod_config("resized", linux=cri.LinuxPodSandboxConfig(resources=resources, overhead=overhead))
+    )
+    cgroup = f"_pods/{pod_id}"
+    memory, quota, period, shares = pod_limits(pods, cgroup)
+    assert (memory, quota, period) == (80 * MIB, 60_000, 100_000) and abs(shares - 1024) < 32
+
+    grown = cri.LinuxContainerResources(
+        cpu_period=100_000, cpu_quota=150_000, cpu_shares=512, memory_limit_in_bytes=128 * MIB
+    )
+    await resize(client, pod_id, cri.LinuxContainerResources(memory_limit_in_bytes=32 * MIB), grown)
+    memory, quota, period, shares = pod_limits(pods, cgroup)
+    assert (memory, quota, period) == (160 * MIB, 160_000, 100_000) and abs(shares - 512) < 32
+    info = verbose(await pod_status(client, pod_id, verbose=True))
+    assert info["resources"] == {
+        "linux": {
+            "cpu_period": 100_000,
+            "cpu_quota": 150_000,
+            "cpu_shares": 512,
+            "memory_limit_in_bytes": 128 * MIB,
+        }
+    }
+    assert info["overhead"] == {  # the quota kept: the update left it 0
+        "linux": {"cpu_period": 0, "cpu_quota": 10_000, "cpu_shares": 0, "memory_limit_in_bytes": 32 * MIB}
+    }
+
+    # Memory only: the CPU limits stay.
+    await resize(client, pod_id, None, cri.LinuxContainerResources(memory_limit_in_bytes=96 * MIB))
+    assert pod_limits(pods, cgroup)[:3] == (128 * MIB, 160_000, 100_000)
+
+    before = pod_limits(pods, cgroup)
+    bad = {
+        "resources.memory_limit_in_bytes": (None, cri.LinuxContainerResources(memory_limit_in_bytes=-1)),
+        "overhead.cpu_quota": (cri.LinuxContainerResources(cpu_quota=500), None),
+        "resources.cpu_period": (None, cri.LinuxContainerResources(cpu_period=2_000_000)),
+    }
+    for field, (bad_overhead, bad_resources) in bad.items():
+        message = await expect_error(resize(client, pod_id, bad_overhead, bad_resources), "INVALID_ARGUMENT")
+        assert message.startswith(f"{field}: "), message
+    assert pod_limits(pods, cgroup) == before
+    assert (await expect_error(resize(client, "0" * 64, None, grown), "NOT_FOUND")).startswith("pod sandbox")
+    assert "pod_sandbox_id" in await expect_error(resize(client, "", None, grown), "INVALID_ARGUMENT")
+    await stop_pod(client, pod_id)
+    await expect_error(resize(client, pod_id, None, grown), "FAILED_PRECONDITION")
+    assert pod_limits(pods, cgroup) == before
+
+    await remove_pod(client, pod_id)
     assert pods.leftovers() == []
 
 

@@ -1,4 +1,5 @@
-"""runtime.v1 RuntimeService's own RPCs on the kubelet's socket: Version, Status, RuntimeConfig."""
+"""runtime.v1 RuntimeService's own RPCs on the kubelet's socket: Version, Status, RuntimeConfig;
+and CheckpointContainer, which auraed refuses."""
 
 from __future__ import annotations
 
@@ -92,3 +93,13 @@ async def test_update_runtime_config_takes_a_pod_cidr_and_refuses_garbage(
             await client.call(RUNTIME_SERVICE, "UpdateRuntimeConfig", request("not-a-cidr"))
     assert error.value.code == "INVALID_ARGUMENT" and "pod_cidr" in error.value.message
     assert "the kubelet set the pod CIDR to 10.88.0.0/16,fd00::/64" in daemon.log()
+
+
+async def test_checkpoint_container_is_refused_saying_why(daemon_factory: DaemonFactory) -> None:
+    daemon = daemon_factory()
+    request = cri.CheckpointContainerRequest(container_id="any", location="/tmp/checkpoint.tar")
+    async with cri_client(daemon) as client:
+        with pytest.raises(ClientError) as error:
+            await client.call(RUNTIME_SERVICE, "CheckpointContainer", request)
+    assert error.value.code == "UNIMPLEMENTED"
+    assert error.value.message == "checkpointing containers is not supported by auraed"

@@ -14,6 +14,7 @@ from auraed.system.cgroupfs import (
     Cgroupfs,
     CgroupLayout,
     CgroupLimits,
+    IoCounters,
     cpu_weight_to_shares,
     cpus_present,
     detect_layout,
@@ -475,3 +476,58 @@ def test_v1_stats_kill_and_paths(v1: tuple[Cgroupfs, FakeCgroupOps, Path]) -> No
     assert fs.memory_current("web") == 8192
     fs.kill_all("web")  # freeze, nothing to kill, thaw
     assert read(root / "freezer" / "aurae" / "web" / "freezer.state") == "THAWED"
+
+
+# ---------------------------------------------------------------------------- what metrics read
+
+
+def test_v2_memory_cpu_io_and_processes(v2: tuple[Cgroupfs, FakeCgroupOps, Path]) -> None:
+    fs, _ops, root = v2
+    fs.create("pod", CgroupLimits(cpu_max_us=20_000, cpu_period_us=50_000, cpu_weight=100))
+    fs.create("pod/c1", CgroupLimits())
+    pod = root / "aurae" / "pod"
+    (pod / "memory.stat").write_text("anon 100\nfile 200\nfile_mapped 30\ninactive_file 50\npgfault 7\n")
+    (pod / "memory.peak").write_text("9000\n")
+    (pod / "io.stat").write_text("8:0 rbytes=10 wbytes=20 rios=1 wios=2 dbytes=0 dios=0\n\n253:1 rbytes=5\n")
+    (pod / "c1" / "cgroup.procs").write_text("11\n12\n")
+    (pod / "cgroup.procs").write_text("10\n")
+    assert fs.memory_stat("pod")["anon"] == 100 and fs.memory_stat("pod")["file_mapped"] == 30
+    assert fs.memory_peak("pod") == 9000
+    assert fs.memory_swap("pod") is None  # no memory.swap.current: no swap accounting
+    assert fs.cpu_max("pod") == (20_000, 50_000)
+    assert fs.cpu_max("pod/c1") == (None, 100_000)
+    assert fs.cpu_shares("pod") == cpu_weight_to_shares(100)
+    assert fs.io_stat("pod") == {"8:0": IoCounters(10, 20, 1, 2), "253:1": IoCounters(5, 0, 0, 0)}
+    assert fs.io_bytes("pod") == (15, 20)
+    assert fs.process_count("pod") == 3
+    assert fs.memory_peak("pod/c1") is None  # a kernel before 5.19 has no memory.peak
+
+
+def test_v1_memory_cpu_io_and_processes(tmp_path: Path) -> None:
+    root = make_v1_root(tmp_path / "cg")
+    (root / "blkio").mkdir()
+    (root / "blkio" / "cgroup.procs").write_text("1\n")
+    fs = Cgroupfs(root, mountinfo=NO_MOUNTINFO, dir_ops=FakeCgroupOps(v2=False))
+    fs.create("pod", CgroupLimits(cpu_max_us=20_000))
+    memory = root / "memory" / "aurae" / "pod"
+    (memory / "memory.stat").write_text(
+        "rss 1\ncache 2\ntotal_rss 100\ntotal_cache 200\ntotal_mapped_file 30\ntotal_pgmajfault 4\n"
+    )
+    (memory / "memory.max_usage_in_bytes").write_text("9000\n")
+    (memory / "memory.memsw.usage_in_bytes").write_text("10192\n")  # usage is 8192
+    assert fs.memory_stat("pod") == {"anon": 100, "file": 200, "file_mapped": 30, "pgmajfault": 4}
+    assert fs.memory_peak("pod") == 9000
+    assert fs.memory_swap("pod") == 2000
+    assert fs.cpu_max("pod") == (20_000, 100_000)
+    assert fs.cpu_shares("pod") == 1024
+
+    blkio = root / "blkio" / "aurae" / "pod"
+    lines = "8:0 Read 10\n8:0 Write 20\n8:0 Sync 30\n8:0 Total 30\n8:16 Read 5\nTotal 35\n"
+    (blkio / "blkio.throttle.io_service_bytes").write_text(lines)
+    (blkio / "blkio.throttle.io_serviced").write_text("8:0 Read 1\n8:0 Write 2\nTotal 3\n")
+    # Without the recursive counters (an older kernel), the cgroup's own.
+    assert fs.io_stat("pod") == {"8:0": IoCounters(10, 20, 1, 2), "8:16": IoCounters(5, 0, 0, 0)}
+    (blkio / "blkio.throttle.io_service_bytes_recursive").write_text("8:0 Read 70\nTotal 70\n")
+    (blkio / "blkio.throttle.io_serviced_recursive").write_text("8:0 Read 7\nTotal 7\n")
+    assert fs.io_stat("pod") == {"8:0": IoCounters(70, 0, 7, 0)}
+    assert fs.io_bytes("pod") == (70, 0)

@@ -122,6 +122,14 @@ def test_limits_are_the_resources_plus_the_overhead() -> None:
     assert (cpu_weight(2), cpu_weight(262_144), cpu_weight(10**9)) == (1, 10_000, 10_000)
 
 
+def test_a_resize_sets_what_it_names() -> None:
+    current = PodResources(cpu_period=50_000, cpu_quota=25_000, cpu_shares=512, memory_limit=100)
+    assert current.updated(PodResources(cpu_quota=40_000, memory_limit=200)) == PodResources(
+        cpu_period=50_000, cpu_quota=40_000, cpu_shares=512, memory_limit=200
+    )
+    assert current.updated(PodResources()) == current
+
+
 def layout_of(pod: PodRecord, sandbox: CellSandbox) -> CellLayout:
     layout, _, _ = sandbox._plan(pod)
     pod.sandbox[SANDBOX_KEY] = layout.to_doc()
