@@ -831,16 +831,25 @@ class Containers:
                 f"container {record.name} was created without stdin or a terminal"
             )
         try:
-            return processes.borrow_fd(record.monitor_pid, record.monitor_ticks, record.input_fd)
+            copy = processes.borrow_fd(record.monitor_pid, record.monitor_ticks, record.input_fd)
         except OSError as exc:
             raise ContainerError(
                 ErrorKind.FAILED_PRECONDITION, f"container {record.name}: its input cannot be reached: {exc}"
             ) from None
+        # The monitor made the stdin pipe blocking; nothing but auraed writes its end, so making
+        # the shared description non-blocking changes nothing for the monitor, and a container
+        # that does not read can never hold the event loop in a write. (A terminal master is
+        # non-blocking already: the monitor reads it that way.)
+        os.set_blocking(copy, False)
+        return copy
 
     def release_stdin(self, record: ContainerRecord) -> None:
         """The monitor lets go of the container's stdin pipe: the process reads EOF once the
-        copies borrowed from it are closed too (stdin_once)."""
-        if record.stdin and not record.tty and record.alive:
+        copies borrowed from it are closed too (stdin_once). Its descriptor number is forgotten
+        at once: the monitor may give it to another file."""
+        if record.stdin and not record.tty and record.alive and record.input_fd >= 0:
+            record.input_fd = -1
+            self._save(record)
             processes.send_signal(record.monitor_pid, signals.SIGUSR2, record.monitor_ticks)
 
 

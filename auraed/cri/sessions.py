@@ -26,8 +26,6 @@ from auraed.cri.streaming.backend import AttachRequest, ByteSink, ExecRequest, P
 from auraed.observe.logfile import LogWatch, end_position, stream_line_batches
 from auraed.system.pty import set_window_size
 
-EOT = b"\x04"
-"""What ends a terminal's input (^D): a terminal has no EOF of its own to pass on."""
 OUTPUT_STREAMS = frozenset({"stdout", "stderr"})
 OUTPUT_BACKLOG = 16
 """Chunks of output held for a client that reads slowly; then the source waits."""
@@ -58,6 +56,14 @@ class _Output:
 def _outputs(stdout: bool, stderr: bool) -> dict[str, _Output]:
     wanted = {"stdout": stdout, "stderr": stderr}
     return {name: _Output() for name, asked in wanted.items() if asked}
+
+
+def _ended() -> _Output:
+    """A stream asked for that carries nothing (stderr of a terminal): it ends at once, so the
+    client's channel is closed rather than left open."""
+    output = _Output()
+    output.end()
+    return output
 
 
 class _ExecInput:
@@ -145,7 +151,10 @@ class AttachProcess:
         self._host = host
         self.input_fd = input_fd
         self._outputs = _outputs(request.stdout, request.stderr and not host.tty)
-        self._stdin = _AttachInput(self) if request.stdin else None
+        self._no_stderr = _ended() if request.stderr and host.tty else None
+        # Without an input to write to (the container's stdin closed by an earlier stdin_once
+        # attach), what the client types is dropped, as containerd does.
+        self._stdin = _AttachInput(self) if request.stdin and input_fd >= 0 else None
         self._detached = asyncio.Event()
         self._closed = False
         self._follower = asyncio.get_running_loop().create_task(
@@ -183,7 +192,7 @@ class AttachProcess:
 
     @property
     def stderr(self) -> _Output | None:
-        return self._outputs.get("stderr")
+        return self._outputs.get("stderr", self._no_stderr)
 
     async def resize(self, size: TerminalSize) -> None:
         if self._host.tty and self.input_fd >= 0 and size.width > 0 and size.height > 0:
@@ -191,16 +200,14 @@ class AttachProcess:
                 set_window_size(self.input_fd, size.height, size.width)
 
     async def input_ended(self) -> None:
+        """The client's stdin ended: it detaches, and with stdin_once (not on a terminal, as
+        containerd) the container's stdin is closed; the session then lasts until it exits."""
         host = self._host
-        if not host.stdin_once:
+        if not host.stdin_once or host.tty:
             self._detach()
             return
-        if host.tty:
-            with contextlib.suppress(OSError):
-                await write_fd(self.input_fd, EOT)
-        else:
-            self._close_input()
-            self._containers.release_stdin(host)
+        self._close_input()
+        self._containers.release_stdin(host)
 
     def _detach(self) -> None:
         """The session ends here; the container runs on."""
@@ -261,10 +268,6 @@ class CriSessions:
         """The container to attach to; FAILED_PRECONDITION when it cannot give what is asked."""
         container = self._containers.running(request.container_id, "attach")
         host = container.host
-        if request.stdin and not (host.stdin or host.tty):
-            raise CriError.precondition(
-                f"container {host.id[:13]} was created without stdin: there is no stdin to attach to"
-            )
         if request.tty and not host.tty:
             raise CriError.precondition(f"container {host.id[:13]} was created without a terminal")
         return container
@@ -275,7 +278,9 @@ class CriSessions:
         # to the client's first line is after this.
         log_end = await asyncio.to_thread(end_position, host.log_path, OUTPUT_STREAMS)
         input_fd = -1
-        if request.stdin or host.tty:  # a terminal's size is set through it too
+        # A terminal's size is set through it too; none is there for a container whose stdin
+        # an earlier attach closed (stdin_once), or one recorded before attaching existed.
+        if (request.stdin or host.tty) and host.input_fd >= 0:
             input_fd = self._host_containers.borrow_input(host)
         return AttachProcess(
             self._host_containers, host, request, input_fd, watch=self._watch, log_end=log_end

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import io
 import logging
+import os
 from collections.abc import AsyncGenerator, Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -408,7 +409,8 @@ async def stream_line_batches(
         limit = None if follow else end  # not following, the tail is what was there
     reader = _LineReader(streams, offset, first_end, since)
     watching = watch.watching(path.parent) if watch is not None and follow else contextlib.nullcontext()
-    with watching as changed:
+    log_file = _FollowedFile(path)
+    with watching as changed, contextlib.closing(log_file):
         longest = POLL_LONGEST if changed is None else POLL_LONGEST_WATCHED
         pause = POLL_SHORTEST
         at_end = False
@@ -422,13 +424,18 @@ async def stream_line_batches(
             if limit is not None:
                 size = min(size, limit - offset)
             if at_end:
-                chunk = _read_from(path, offset, size)
+                chunk = log_file.read(offset, size)
             else:
-                chunk = await asyncio.to_thread(_read_from, path, offset, size)
+                chunk = await asyncio.to_thread(log_file.read, offset, size)
             at_end = len(chunk) < size or offset + len(chunk) == limit
             offset += len(chunk)
             for batch in batches(reader.feed(chunk)):
                 yield batch
+            if follow and at_end and not chunk and log_file.replaced():
+                # Rotated (renamed away, ReopenContainerLog) and the old file read to its end:
+                # the new one is followed from its start.
+                offset, reader, at_end = 0, _LineReader(streams, 0), False
+                continue
             if done and at_end:
                 return  # everything written before the end (or before now) is read
             if chunk:
@@ -449,10 +456,39 @@ async def _wait(changed: asyncio.Event | None, timeout: float) -> bool:
     return changed.is_set()
 
 
-def _read_from(path: Path, offset: int, size: int = READ_CHUNK) -> bytes:
-    try:
-        with path.open("rb") as file:
-            file.seek(offset)
-            return file.read(size)
-    except FileNotFoundError:
-        return b""
+class _FollowedFile:
+    """The log a follower reads, held open: a rotation (the file renamed away, a new one made at
+    the path) leaves what the old one still had readable, and is seen as the path naming another
+    file (``replaced``)."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._file: BinaryIO | None = None
+
+    def read(self, offset: int, size: int) -> bytes:
+        if self._file is None:
+            try:
+                self._file = self._path.open("rb")
+            except FileNotFoundError:
+                return b""  # not written yet
+        self._file.seek(offset)
+        return self._file.read(size)
+
+    def replaced(self) -> bool:
+        """Whether the path names another file than the one read (then that one is read next)."""
+        if self._file is None:
+            return False
+        try:
+            now = self._path.stat()
+        except FileNotFoundError:
+            return False  # renamed away, the new one not made yet: the old may still grow
+        held = os.fstat(self._file.fileno())
+        if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            return False
+        self.close()
+        return True
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -261,3 +261,26 @@ async def test_a_log_read_whole_comes_in_few_batches(tmp_path: Path) -> None:
     batches = [batch async for batch in logfile.stream_line_batches(log, STREAMS, None, False, lambda: True)]
     assert [line.content for batch in batches for line in batch] == [f"line {n}" for n in range(20_000)]
     assert len(batches) <= 2  # 20 000 short lines: ~1 MiB of log, read a MiB at a time
+
+
+async def test_a_follower_goes_on_in_the_new_file_after_a_rotation(tmp_path: Path) -> None:
+    """The kubelet renames the log away and asks for a new one (ReopenContainerLog): a follower
+    reads what the old file still had, then the new file from its start."""
+    watch = LogWatch()
+    log = tmp_path / "container.log"
+    append(log, "before")
+    ended = False
+    lines = stream_lines(log, STREAMS, None, True, lambda: ended, watch=watch)
+    try:
+        assert (await asyncio.wait_for(anext(lines), 5)).content == "before"
+        append(log, "late in the old file")
+        log.rename(tmp_path / "container.log.1")
+        append(tmp_path / "container.log.1", "the writer had not reopened yet")
+        append(log, "in the new file")
+        seen = [(await asyncio.wait_for(anext(lines), 5)).content for _ in range(3)]
+        assert seen == ["late in the old file", "the writer had not reopened yet", "in the new file"]
+        ended = True
+        assert [line async for line in lines] == []
+    finally:
+        await lines.aclose()
+        await watch.close()

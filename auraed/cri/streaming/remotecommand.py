@@ -227,6 +227,12 @@ async def run_remote_command(
     except (SpdyError, ChannelClosed, WebSocketClosed, ConnectionError) as exc:
         log.info("streaming client went away: %s", exc)
         code = None
+    except Exception as exc:  # the session failed (its end unknown): the client is told so
+        if not isinstance(exc, AuraeError | OSError):
+            log.exception("a streaming session failed")
+        message = exc.message if isinstance(exc, AuraeError) else str(exc)
+        await _finish(streams, encode_status(internal_error_status(f"{spec.failure}: {message}"), version))
+        return
     finally:
         await session.close()
     if code is None:
