@@ -122,9 +122,10 @@ class Workload:
         self.container_id = container_id
         self.removed = removed
         self.failure = ""  # why it never ran (a pull error, a refused container)
-        self.stage = "waiting to be prepared"
+        self.stage = f"pulling {spec.image}"  # what its preparation does first
         self.preparing: asyncio.Task[None] | None = None
-        self.signalled = ""  # "stopped" or "killed" once a Signal came
+        self.signalled = ""  # "STOP" or "KILL" once a Signal came
+        self.ended = ""  # how its container ended, kept when a Signal removes the container
         self.changed = asyncio.Event()  # set at each change a stream must not wait to report
         self.removing = asyncio.Lock()
         self._disk: tuple[float, int] | None = None  # (when measured, bytes)
@@ -212,10 +213,8 @@ class Workloads:
     async def _prepare(self, workload: Workload) -> None:
         spec = workload.spec
         try:
-            workload.stage = f"pulling {spec.image}"
-            workload.touch()
             image = await self._pull(spec.image)
-            workload.stage = "creating its container"
+            workload.stage = "creating its container"  # "... failed: why", should it fail
             workload.touch()
             request = ContainerRequest(
                 name=container_name(spec.instance_id), env=spec.env, resources=spec.resources()
@@ -226,10 +225,10 @@ class Workloads:
             self._save(workload)
             log.info("orka workload %s runs as container %s", spec.instance_id, record.id)
         except AuraeError as exc:
-            workload.failure = exc.message
+            workload.failure = f"{workload.stage} failed: {exc.message}"
             log.info("orka workload %s did not start: %s", spec.instance_id, exc.message)
         except asyncio.CancelledError:
-            workload.failure = f"{workload.signalled or 'stopped'} before it ran"
+            workload.failure = f"Signal {workload.signalled or 'STOP'} before it ran"
             raise
         finally:
             workload.touch()
@@ -266,16 +265,20 @@ class Workloads:
             preparing = workload.preparing is not None and not workload.preparing.done()
             if preparing:
                 return Status(Phase.WAITING, workload.stage), sample
-            return Status(Phase.TERMINATED, workload.failure or workload.signalled or "removed"), sample
+            return Status(Phase.TERMINATED, workload.ended or workload.failure or "removed"), sample
         if record.state == State.RUNNING and not workload.removed:
             usage, sample = await self._usage(workload, record, sample)
             return Status(Phase.RUNNING, None, usage), sample
         if record.alive:  # created, not yet started
             return Status(Phase.WAITING, workload.stage), sample
+        return Status(
+            Phase.TERMINATED, self._ended(workload, record), await self._disk_only(workload, record)
+        ), sample
+
+    @staticmethod
+    def _ended(workload: Workload, record: ContainerRecord) -> str:
         message = exit_message(record)
-        if workload.signalled:
-            message = f"{workload.signalled}: {message}"
-        return Status(Phase.TERMINATED, message, await self._disk_only(workload, record)), sample
+        return f"Signal {workload.signalled}: {message}" if workload.signalled else message
 
     async def _usage(
         self, workload: Workload, record: ContainerRecord, sample: tuple[float, int] | None
@@ -285,15 +288,15 @@ class Workloads:
         except ContainerError:  # it ended as it was read
             return await self._disk_only(workload, record), sample
         now, cpu_usec = time.monotonic(), stats["cpu_usage_usec"]
-        if sample is None:  # the first: over its life so far
-            wall = max(time.time() - (record.started_at or time.time()), 1e-3)
+        if sample is None:  # the first: over its life so far, its runtime's start included
+            wall = max(time.time() - record.created_at, 1e-3)
             millicores = cpu_usec / wall / 1000
         else:
             wall = max(now - sample[0], 1e-3)
             millicores = (cpu_usec - sample[1]) / wall / 1000
         usage = Usage(
             cpu_millicores=_int32(round(max(millicores, 0.0))),
-            memory_mib=_int32(stats["memory_current"] // MIB),
+            memory_mib=_int32(-(-stats["memory_current"] // MIB)),  # rounded up: what is used shows
             disk_mib=await self._disk_mib(workload, record),
         )
         return usage, (now, cpu_usec)
@@ -321,9 +324,8 @@ class Workloads:
         await run_to_end(self._signal(workload, kill))
 
     async def _signal(self, workload: Workload, kill: bool) -> None:
-        workload.signalled = workload.signalled if workload.signalled == "killed" else (
-            "killed" if kill else "stopped"
-        )  # fmt: skip
+        if workload.signalled != "KILL":  # a STOP after a KILL does not make it gentler
+            workload.signalled = "KILL" if kill else "STOP"
         preparing = workload.preparing
         if preparing is not None and not preparing.done():
             preparing.cancel()  # a pull is abandoned; a container being made is undone
@@ -336,11 +338,13 @@ class Workloads:
                 return
             record = self._container(workload)
             if record is not None:
+                if not record.alive:  # a STOP whose SIGKILL did not take (UNAVAILABLE) is not here
+                    workload.ended = self._ended(workload, record)
                 await self._containers.delete(record, force=True, keep_logs=False)
             workload.removed = True
             self._save(workload)
             self._forget_old_removed()
-        log.info("orka workload %s %s and removed", workload.instance_id, workload.signalled)
+        log.info("orka workload %s removed (Signal %s)", workload.instance_id, workload.signalled)
         workload.touch()
 
     def _forget_old_removed(self) -> None:
