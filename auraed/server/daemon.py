@@ -253,6 +253,8 @@ class Daemon:
         await server.start()
         if config.orka_scheduler and self.containers is not None and self.images is not None:
             await self._serve_orka(credentials)
+        elif config.orka_scheduler:
+            log.warning("orka_scheduler is ignored: a %s auraed runs no containers", self.role.value)
         await self._serve_metrics()
         log.info("serving on unix:%s", config.socket)
         await self._set_health([*services, ""], serving=True)
