@@ -214,6 +214,81 @@ class DaemonConfig:
     cni_plugin_timeout: float = field(
         default=60.0, metadata=_help("seconds one CNI plugin call (ADD, DEL, CHECK) may take")
     )
+    metrics_listen: str = field(
+        default="",
+        metadata=_help(
+            "serve Prometheus metrics over plain HTTP on this host:port (GET /metrics), e.g. "
+            "127.0.0.1:9464; off when empty"
+        ),
+    )
+    orka_scheduler: str = field(
+        default="",
+        metadata=_help(
+            "join the orka scheduler at this host:port as its node agent and serve orka's "
+            "WorkloadService on orka_listen; off when empty"
+        ),
+    )
+    orka_listen: str = field(
+        default="[::]:50052",
+        metadata=_help(
+            "host:port orka's WorkloadService listens on (mTLS, only for orka_scheduler_identity); "
+            "its port is the one auraed gives the scheduler when it joins"
+        ),
+    )
+    orka_scheduler_identity: str = field(
+        default="orka-scheduler",
+        metadata=_help(
+            "the certificate identity (CN or DNS SAN, signed by ca_crt) that may call the "
+            "WorkloadService: the scheduler's"
+        ),
+    )
+    orka_plaintext: bool = field(
+        default=False,
+        metadata=_help(
+            "serve the WorkloadService without TLS, so without authorization: whoever reaches "
+            "orka_listen runs containers on this node (orka's scheduler speaks no TLS to its "
+            "agents); warned about at every start"
+        ),
+    )
+    orka_scheduler_ca: str = field(
+        default="",
+        metadata=_help(
+            "CA certificate (PEM) the scheduler's certificate must be signed by: TLS to the "
+            "scheduler when set, plain otherwise"
+        ),
+    )
+    orka_scheduler_server_name: str = field(
+        default="",
+        metadata=_help(
+            "the name the scheduler's certificate is checked against; the host of orka_scheduler "
+            "when empty (orka's own certificate names localhost)"
+        ),
+    )
+    orka_join_retry_interval: float = field(
+        default=5.0, metadata=_help("seconds between attempts to join the orka scheduler")
+    )
+    orka_join_retries: int = field(
+        default=3,
+        metadata=_help(
+            "attempts to join the scheduler at start after the first one fails, before orka_join_failure"
+        ),
+    )
+    orka_join_failure: str = field(
+        default="exit",
+        metadata=_help(
+            "when the scheduler could not be joined at start: exit (non-zero, saying why) or serve "
+            "(serve locally and keep trying to join in the background)"
+        ),
+    )
+    orka_status_interval: float = field(
+        default=15.0,
+        metadata=_help(
+            "seconds between the NodeStatus samples streamed to the scheduler (the first at once)"
+        ),
+    )
+    orka_workload_status_interval: float = field(
+        default=1.0, metadata=_help("seconds between the WorkloadStatus messages of a Create's stream")
+    )
     authorization: AuthorizationPolicy = dataclasses.field(default_factory=AuthorizationPolicy)
     registries: Mapping[str, RegistryHost] = dataclasses.field(default_factory=dict)
     config_file: Path | None = None
@@ -464,10 +539,34 @@ def _validate(config: DaemonConfig) -> DaemonConfig:
     if not 1 <= config.vm_guest_port <= MAX_PORT:
         raise ConfigError(f"vm_guest_port: must be a port from 1 to {MAX_PORT}")
     _validate_cri(config)
-    problem = _tcp_listen_problem(config.tcp_listen) if config.tcp_listen else ""
-    if problem:
-        raise ConfigError(f"tcp_listen: {problem}, got {config.tcp_listen!r}")
+    for name in ("tcp_listen", "metrics_listen", "orka_scheduler", "orka_listen"):
+        address = getattr(config, name)
+        problem = _tcp_listen_problem(address) if address else ""
+        if problem:
+            raise ConfigError(f"{name}: {problem}, got {address!r}")
+    _validate_orka(config)
     return config
+
+
+MAX_ORKA_INTERVAL = 86400.0  # a day: an interval longer than that is a mistake
+MAX_ORKA_JOIN_RETRIES = 1000
+ORKA_JOIN_FAILURES = ("exit", "serve")
+
+
+def _validate_orka(config: DaemonConfig) -> None:
+    for name in ("orka_join_retry_interval", "orka_status_interval", "orka_workload_status_interval"):
+        if not 0 < getattr(config, name) <= MAX_ORKA_INTERVAL:
+            raise ConfigError(f"{name}: must be more than 0 and at most {MAX_ORKA_INTERVAL:.0f} seconds")
+    if not 0 <= config.orka_join_retries <= MAX_ORKA_JOIN_RETRIES:
+        raise ConfigError(f"orka_join_retries: must be 0 to {MAX_ORKA_JOIN_RETRIES}")
+    if config.orka_join_failure not in ORKA_JOIN_FAILURES:
+        raise ConfigError(
+            f"orka_join_failure: must be {' or '.join(ORKA_JOIN_FAILURES)}, not {config.orka_join_failure!r}"
+        )
+    if config.orka_scheduler and not config.orka_listen:
+        raise ConfigError("orka_listen: the WorkloadService needs an address when orka_scheduler is set")
+    if config.orka_scheduler and not config.orka_plaintext and not config.orka_scheduler_identity:
+        raise ConfigError("orka_scheduler_identity: must name the scheduler's certificate identity")
 
 
 def build_argument_parser() -> argparse.ArgumentParser:

@@ -89,6 +89,9 @@ class Cells:
             raise CellError.not_found(f"cell {name}")
         return record
 
+    def all(self) -> list[CellRecord]:
+        return [self._cells[name] for name in sorted(self._cells)]
+
     def children(self, name: str | None) -> list[CellRecord]:
         return [r for n, r in sorted(self._cells.items()) if parent_of(n) == name]
 

@@ -32,6 +32,7 @@ from auraed.images.model import (
     parse_manifest,
 )
 from auraed.images.unpack import UnpackError, unpack_layer
+from auraed.metrics.sink import NO_METRICS, MetricsSink
 from auraed.state.store import Store
 
 if TYPE_CHECKING:
@@ -181,8 +182,11 @@ class Images:
         snapshots: LayerSnapshots,
         registry_factory: Callable[[], RegistryClient],
         allow_device_nodes: bool = False,
+        *,
+        metrics: MetricsSink = NO_METRICS,
     ) -> None:
         self._store = store
+        self._metrics = metrics
         self.content = content
         self.snapshots = snapshots
         # Made on first use: a guest is fed by its host and never pays for the HTTP stack.
@@ -354,6 +358,7 @@ class Images:
 
         def sink(chunk: bytes) -> None:
             writer.write(chunk)
+            self._metrics.image_bytes_downloaded(len(chunk))
             if progress:
                 progress.advance(blob.digest, len(chunk))
 
@@ -432,9 +437,21 @@ class Images:
         except ReferenceError as exc:
             raise ImageError(ErrorKind.INVALID_ARGUMENT, f"reference: {exc}") from None
         yield PullProgress("resolving")
-        async with self._gate.storing(), contextlib.aclosing(self._pull(ref, credentials)) as events:
-            async for event in events:
-                yield event
+        result = "cancelled"  # unless it ends otherwise: its consumer left (GeneratorExit)
+        try:
+            async with self._gate.storing(), contextlib.aclosing(self._pull(ref, credentials)) as events:
+                async for event in events:
+                    if isinstance(event, ImageRecord):
+                        result = "ok"  # the last event: a consumer may stop once it has it
+                    yield event
+        except ImageError as exc:
+            result = exc.kind.value
+            raise
+        except Exception:
+            result = ErrorKind.INTERNAL.value
+            raise
+        finally:
+            self._metrics.image_pull_finished(result)
 
     async def _pull(
         self, ref: ImageReference, credentials: Any

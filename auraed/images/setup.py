@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from auraed.config import DaemonConfig
 from auraed.images.content import LocalStore
 from auraed.images.images import Images
+from auraed.metrics.sink import NO_METRICS, MetricsSink
 from auraed.state.store import Store
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ def registry_factory(config: DaemonConfig) -> Callable[[], RegistryClient]:
     return make
 
 
-def build(config: DaemonConfig, store: Store) -> Images:
+def build(config: DaemonConfig, store: Store, metrics: MetricsSink = NO_METRICS) -> Images:
     """Images over the local store under ``state_dir/images`` (its blobs and its layer snapshots)."""
     local = LocalStore(config.state_dir / "images", sync_fs=config.image_sync_fs)
     return Images(
@@ -46,4 +47,5 @@ def build(config: DaemonConfig, store: Store) -> Images:
         local,
         registry_factory(config),
         allow_device_nodes=config.allow_device_nodes,
+        metrics=metrics,
     )

@@ -14,7 +14,7 @@ import grpc
 
 from auraed.config import AuthorizationPolicy
 from auraed.server.gate import CallGate
-from auraed.wire.handlers import Context, first_handler
+from auraed.wire.handlers import Context, first_handler, handler_parts
 from auraed.wire.status import capped
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class AuthorizedHandlers(grpc.GenericRpcHandler):  # type: ignore[misc]
             )
 
     def _guard(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        inner, factory = _handler_parts(handler)
+        inner, factory = handler_parts(handler)
         check = self._check
         if inspect.isasyncgenfunction(inner):
 
@@ -158,16 +158,3 @@ class GatedHandlers(AuthorizedHandlers):
 
     async def _check(self, context: Context, method: str) -> None:
         await self._gate.admit(context)
-
-
-def _handler_parts(handler: grpc.RpcMethodHandler) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    for attribute, factory in (
-        ("unary_unary", grpc.unary_unary_rpc_method_handler),
-        ("unary_stream", grpc.unary_stream_rpc_method_handler),
-        ("stream_unary", grpc.stream_unary_rpc_method_handler),
-        ("stream_stream", grpc.stream_stream_rpc_method_handler),
-    ):
-        inner = getattr(handler, attribute)
-        if inner is not None:
-            return inner, factory
-    raise TypeError(f"handler without behavior: {handler!r}")

@@ -18,12 +18,13 @@ from auraed.api.google_proto_descriptor_pool import default_google_proto_descrip
 from auraed.cells.cells import Cells
 from auraed.cells.servicer import SERVICE_NAME as CELLS
 from auraed.cells.servicer import CellServicer
-from auraed.config import DaemonConfig
+from auraed.config import AuthorizationPolicy, DaemonConfig
 from auraed.discovery.capabilities import Capabilities, probe
 from auraed.discovery.servicer import SERVICE_NAME as DISCOVERY
 from auraed.discovery.servicer import DiscoveryServicer
-from auraed.errors import AuraeError
+from auraed.errors import AuraeError, ConfigError
 from auraed.init.roles import Role, detect_role
+from auraed.metrics.sink import NO_METRICS, MetricsSink
 from auraed.observe.events import DaemonLogHandler, ObserveHub
 from auraed.observe.logfile import LogWatch
 from auraed.observe.servicer import SERVICE_NAME as OBSERVE
@@ -52,6 +53,11 @@ if TYPE_CHECKING:
     from auraed.containers.containers import Containers
     from auraed.cri.setup import Cri
     from auraed.images.images import Images
+    from auraed.metrics.endpoint import MetricsEndpoint
+    from auraed.metrics.prometheus import DaemonMetrics
+    from auraed.orka.agent import NodeAgent
+    from auraed.orka.workloads import Workloads
+    from auraed.system.node import CpuLoad
     from auraed.vms.guests import Guests
 
 log = logging.getLogger("auraed")
@@ -105,6 +111,13 @@ class Daemon:
         self._cri_server: grpc.aio.Server | None = None
         self.cri: Cri | None = None
         self._cri_socket_bound = False
+        self.metrics: DaemonMetrics | None = None
+        self._metrics_endpoint: MetricsEndpoint | None = None
+        self.workloads: Workloads | None = None
+        self.agent: NodeAgent | None = None
+        self._orka_server: grpc.aio.Server | None = None
+        self._cpu: CpuLoad | None = None
+        self._exit_code = 0
         self._gate = CallGate()
         self._stopping = asyncio.Event()
         self._serving = False
@@ -131,6 +144,10 @@ class Daemon:
         # first line too, which tells a watcher that signals are safe from then on.
         self._install_signal_handlers()
         log.info("auraed starting as %s (%s)", self.role.value, self._role_reason)
+        if self.config.orka_scheduler:
+            from auraed.system.node import CpuLoad
+
+            self._cpu = CpuLoad()  # from the start on: the first NodeStatus covers the start
         try:
             await self._start()
         except Exception as exc:
@@ -141,10 +158,16 @@ class Daemon:
             return 1
         await self._stopping.wait()
         await self._shutdown()
-        return 0
+        return self._exit_code
 
     def request_stop(self) -> None:
         self._stopping.set()
+
+    def fail(self, message: str) -> None:
+        """Stop, and exit non-zero, saying why (the node agent that could not join)."""
+        log.error("%s: shutting down", message)
+        self._exit_code = 1
+        self.request_stop()
 
     def _install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -177,6 +200,10 @@ class Daemon:
         # Before touching any state: two daemons on one state dir would fight over every record.
         self._state_lock = lock_state_dir(config.state_dir)
         prepare_unix_socket(config.socket)
+        if config.metrics_listen:
+            from auraed.metrics.prometheus import DaemonMetrics
+
+            self.metrics = DaemonMetrics()
         self.store = Store(config.state_dir / "auraed.db")
         cgroups = self._cgroups = Cgroupfs(root=config.cgroup_root, base=config.cgroup_base)
         log.info("cgroup layout: %s", cgroups.layout.value)
@@ -195,7 +222,7 @@ class Daemon:
             from auraed.containers import setup as containers_setup
             from auraed.images import setup as images_setup
 
-            self.images = images_setup.build(config, self.store)
+            self.images = images_setup.build(config, self.store, self._metrics_sink())
             self.containers = containers_setup.build(
                 config,
                 self.store,
@@ -205,13 +232,16 @@ class Daemon:
                 log_watch=self._log_watch,
             )
             await self.containers.recover()
+        self._count_states()
         capabilities = await asyncio.to_thread(probe, cgroups)
         services = self.services()
         handlers = await self._handlers(self.cells, services, capabilities)
         # Authorization wraps every service, health and reflection too; no server interceptors.
         server = grpc.aio.server(options=server_options(config))
         self._server = server
-        server.add_generic_rpc_handlers([AuthorizedHandlers(config.authorization, handlers, self._gate)])
+        server.add_generic_rpc_handlers(
+            self._metered(AuthorizedHandlers(config.authorization, handlers, self._gate))
+        )
         add_unix_listener(server, config.socket, credentials)
         self._socket_bound = True
         if config.tcp_listen:
@@ -221,6 +251,11 @@ class Daemon:
         if self.role is Role.HOST and config.cri and self.images is not None:
             await self._serve_cri()
         await server.start()
+        if config.orka_scheduler and self.containers is not None and self.images is not None:
+            await self._serve_orka(credentials)
+        elif config.orka_scheduler:
+            log.warning("orka_scheduler is ignored: a %s auraed runs no containers", self.role.value)
+        await self._serve_metrics()
         log.info("serving on unix:%s", config.socket)
         await self._set_health([*services, ""], serving=True)
         # After serving, not before: in a guest under emulation its start-up costs ~0.3 s of the
@@ -284,10 +319,18 @@ class Daemon:
             guests=self.guests,
             log_watch=self._log_watch,
         )
+        if self.metrics is not None:
+            from auraed.cri.model import PodState
+
+            pods = self.cri.pods
+            self.metrics.add_states(
+                "auraed_pods", "CRI pod sandboxes by state", [state.value for state in PodState],
+                lambda: [r.state.value for r in pods.all()],
+            )  # fmt: skip
         server = grpc.aio.server(options=server_options(config))
         self._cri_server = server
         handlers = [generic_handler(name, servicer) for name, servicer in self.cri.servicers.items()]
-        server.add_generic_rpc_handlers([GatedHandlers(handlers, self._gate)])
+        server.add_generic_rpc_handlers(self._metered(GatedHandlers(handlers, self._gate)))
         add_plain_unix_listener(server, config.cri_socket)
         self._cri_socket_bound = True
         await server.start()
@@ -307,8 +350,106 @@ class Daemon:
         vms = setup.build(config, self.store, kvm=kvm)
         await vms.recover()
         trust = GuestTrust(config.ca_crt, config.ca_key, config.state_dir / "pki")
-        self.guests = Guests(vms, trust, config.guest_image, config.guest_ready_timeout)
+        self.guests = Guests(vms, trust, config.guest_image, config.guest_ready_timeout, self._metrics_sink())
+        if self.metrics is not None:
+            from auraed.vms.model import State as VmState
+
+            vm_states = [v for k, v in vars(VmState).items() if k.isupper()]
+            self.metrics.add_states(
+                "auraed_vms", "VMs by state", vm_states, lambda: [r.state for r in vms.all()]
+            )
         return generic_handler(VMS, VmServicer(vms, self.guests))
+
+    def _metrics_sink(self) -> MetricsSink:
+        return self.metrics if self.metrics is not None else NO_METRICS
+
+    def _metered(self, handler: grpc.GenericRpcHandler) -> list[grpc.GenericRpcHandler]:
+        """``handler``, its calls counted when metrics are on (outermost: refusals count too)."""
+        if self.metrics is None:
+            return [handler]
+        from auraed.metrics.prometheus import MeteredHandlers
+
+        return [MeteredHandlers(self.metrics, [handler])]
+
+    def _count_states(self) -> None:
+        """Cells and containers by state, read from their owners at each scrape."""
+        if self.metrics is None:
+            return
+        cells = self.cells
+        assert cells is not None
+        self.metrics.add_states(
+            "auraed_cells", "Cells by state", ["allocating", "ready"], lambda: [r.state for r in cells.all()]
+        )
+        containers = self.containers
+        if containers is not None:
+            from auraed.containers.model import State as ContainerState
+
+            states = [v for k, v in vars(ContainerState).items() if k.isupper()]
+            self.metrics.add_states(
+                "auraed_containers",
+                "Containers by state",
+                states,
+                lambda: [r.state for r in containers.all()],
+            )
+
+    async def _serve_metrics(self) -> None:
+        if self.metrics is None:
+            return
+        from auraed.metrics.endpoint import MetricsEndpoint
+
+        host, _, port = self.config.metrics_listen.rpartition(":")
+        self._metrics_endpoint = MetricsEndpoint(self.metrics.registry, host, int(port))
+        try:
+            bound = await self._metrics_endpoint.start()
+        except OSError as exc:
+            raise ConfigError(
+                f"metrics_listen: cannot listen on {self.config.metrics_listen}: {exc.strerror}"
+            ) from None
+        log.info("serving metrics on http://%s:%d/metrics", host, bound)
+
+    async def _serve_orka(self, credentials: grpc.ServerCredentials) -> None:
+        """orka's WorkloadService on its own listener (mTLS for the scheduler's identity alone,
+        unless configured plain), then the node agent joins the scheduler in the background."""
+        from auraed.orka import setup as orka_setup
+        from auraed.orka.servicer import SERVICE_NAME as WORKLOADS
+        from auraed.orka.servicer import WorkloadServicer
+        from auraed.orka.workloads import Workloads
+
+        config = self.config
+        assert self.store is not None and self.images is not None and self.containers is not None
+        self.workloads = Workloads(self.store, self.images, self.containers)
+        self.workloads.recover()
+        servicer = WorkloadServicer(self.workloads, config.orka_workload_status_interval)
+        handlers = [generic_handler(WORKLOADS, servicer)]
+        server = grpc.aio.server(options=server_options(config))
+        self._orka_server = server
+        if config.orka_plaintext:
+            log.warning(
+                "the orka WorkloadService on %s is served without TLS, so without authorization: "
+                "whoever reaches it runs containers on this node (orka_plaintext = true)",
+                config.orka_listen,
+            )
+            guarded: grpc.GenericRpcHandler = GatedHandlers(handlers, self._gate)
+            try:
+                port = server.add_insecure_port(config.orka_listen)
+            except RuntimeError as exc:
+                raise ConfigError(f"orka_listen: cannot listen on {config.orka_listen}: {exc}") from exc
+        else:
+            policy = AuthorizationPolicy(
+                default=(), identities={config.orka_scheduler_identity: (f"{WORKLOADS}/*",)}
+            )
+            guarded = AuthorizedHandlers(policy, handlers, self._gate)
+            port = add_tcp_listener(server, config.orka_listen, credentials)
+        server.add_generic_rpc_handlers(self._metered(guarded))
+        await server.start()
+        log.info(
+            "serving orka's WorkloadService on %s (%s)",
+            config.orka_listen,
+            "plain" if config.orka_plaintext else f"mTLS, for {config.orka_scheduler_identity}",
+        )
+        assert self._cpu is not None
+        self.agent = orka_setup.build_agent(config, self.store, port, self.fail, self._cpu)
+        self.agent.start()
 
     async def _set_health(self, services: list[str], serving: bool) -> None:
         status = (
@@ -318,11 +459,25 @@ class Daemon:
         for name in services:
             await self.health.set(name, status)
 
+    async def _stop_node_agent(self) -> None:
+        if self.agent is not None:
+            try:
+                await self.agent.leave()  # first: the scheduler sends this node nothing more
+            except Exception:
+                log.exception("error while leaving the orka scheduler")
+        if self.workloads is not None:
+            await self.workloads.close()
+        if self._orka_server is not None:
+            await self._orka_server.stop(SERVER_STOP_GRACE)
+
     async def _shutdown(self) -> None:
         # First of all: no call may start anything while, and after, the subsystems stop.
         self._gate.close("auraed is shutting down")
         with contextlib.suppress(Exception):
             await self._set_health([*self.services(), ""], serving=False)
+        await self._stop_node_agent()
+        if self._metrics_endpoint is not None:
+            await self._metrics_endpoint.close()
         if self.cells is not None:
             try:
                 await self.cells.shutdown(

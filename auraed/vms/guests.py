@@ -21,6 +21,7 @@ import grpc
 
 from auraed.bootargs import GUEST_CONFIG_SERIAL
 from auraed.errors import AuraeError, ErrorKind
+from auraed.metrics.sink import NO_METRICS, MetricsSink
 from auraed.pki import (
     CertificateAuthority,
     PkiError,
@@ -198,8 +199,16 @@ class Guests:
     go through the same operations, as plain VMs.
     """
 
-    def __init__(self, vms: Vms, trust: GuestTrust, image_dir: Path, ready_timeout: float) -> None:
+    def __init__(
+        self,
+        vms: Vms,
+        trust: GuestTrust,
+        image_dir: Path,
+        ready_timeout: float,
+        metrics: MetricsSink = NO_METRICS,
+    ) -> None:
         self.vms = vms
+        self._metrics = metrics
         self.trust = trust
         self._image_dir = image_dir
         self._ready_timeout = ready_timeout
@@ -288,6 +297,8 @@ class Guests:
         if self.is_guest(record.spec):
             serving = await self._wait_serving(name)
             ready = serving if serving is not None else ready
+        if ready is not None:
+            self._metrics.vm_booted(ready)
         return Booted(record, ready)
 
     async def _wait_serving(self, name: str) -> float | None:

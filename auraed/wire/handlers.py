@@ -6,7 +6,7 @@ call's context and look a method up among generic handlers the way grpc does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
 import grpc
@@ -24,3 +24,20 @@ def first_handler(
         if found is not None:
             return found
     return None
+
+
+def handler_parts(handler: grpc.RpcMethodHandler) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """A handler's behavior and the grpc factory that makes a handler of its kind around another.
+
+    For the server's wrapping handlers (authorization, metrics), which guard each handler once.
+    """
+    for attribute, factory in (
+        ("unary_unary", grpc.unary_unary_rpc_method_handler),
+        ("unary_stream", grpc.unary_stream_rpc_method_handler),
+        ("stream_unary", grpc.stream_unary_rpc_method_handler),
+        ("stream_stream", grpc.stream_stream_rpc_method_handler),
+    ):
+        inner = getattr(handler, attribute)
+        if inner is not None:
+            return inner, factory
+    raise TypeError(f"handler without behavior: {handler!r}")

@@ -1,0 +1,174 @@
+"""auraed as an orka node agent, against a scheduler of our own (tests/support/orka_scheduler.py,
+a real gRPC server process speaking orka's scheduler.agent protos): join, retries, the exit or
+serve choice, the status stream, re-joining, leaving."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from auraed.api.aurae.discovery import v0 as discovery
+from auraed.system.node import read_memory
+from tests.conftest import DaemonFactory, DaemonProcess
+from tests.support.orka import SchedulerProcess
+from tests.support.registry import free_port
+
+INTERVAL = 0.3  # the retry and status intervals these daemons get: short, so the tests are
+SLACK = 0.35  # what a 2-vCPU machine under load may add to an interval
+
+
+@pytest.fixture
+def scheduler(tmp_path: Path) -> Iterator[SchedulerProcess]:
+    """Our scheduler's place (a port and an events file); each test starts it when it wants."""
+    process = SchedulerProcess(free_port(), tmp_path / "scheduler-events.jsonl")
+    yield process
+    process.stop()
+
+
+def agent_args(scheduler: SchedulerProcess, *more: str, port: int = 0) -> list[str]:
+    return [
+        "--orka-scheduler", scheduler.address,
+        "--orka-listen", f"127.0.0.1:{port or free_port()}",
+        "--orka-join-retry-interval", str(INTERVAL),
+        "--orka-status-interval", str(INTERVAL),
+        *more,
+    ]  # fmt: skip
+
+
+def log_times(daemon: DaemonProcess, pattern: str) -> list[float]:
+    """When the daemon logged each line matching ``pattern`` (its log's asctime, to the ms)."""
+    times = []
+    for line in daemon.log().splitlines():
+        if re.search(pattern, line):
+            stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+            times.append(stamp.timestamp())
+    return times
+
+
+def assert_spaced(times: list[float]) -> None:
+    """Each of ``times`` INTERVAL after the one before, give or take the machine's load."""
+    gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
+    assert all(INTERVAL - 0.05 <= gap <= INTERVAL + SLACK for gap in gaps), gaps
+
+
+def wait_exit(daemon: DaemonProcess, timeout: float) -> int:
+    assert daemon.process is not None
+    return daemon.process.wait(timeout=timeout)
+
+
+def test_joins_streams_its_status_and_leaves_on_sigterm(
+    daemon_factory: DaemonFactory, scheduler: SchedulerProcess
+) -> None:
+    scheduler.start()
+    port = free_port()
+    daemon = daemon_factory(*agent_args(scheduler, port=port))
+    join = scheduler.wait_for(lambda e: e["event"] == "join")
+    assert join["code"] == "OK" and join["port"] == port
+    node_id = join["id"]
+    assert str(uuid.UUID(node_id)) == node_id
+
+    deadline = time.monotonic() + 10
+    while len(scheduler.events("status")) < 4:
+        assert time.monotonic() < deadline, scheduler.events()
+        time.sleep(0.05)
+    statuses = scheduler.events("status")[:4]
+    assert statuses[0]["t"] - join["t"] < SLACK, "the first sample goes at once"
+    assert_spaced([status["t"] for status in statuses])
+    memory = read_memory()
+    for status in statuses:
+        assert status["id"] == node_id
+        assert status["total"] == memory.total  # MemTotal, in bytes
+        assert 0 < status["free"] <= status["total"]
+        assert 0.0 <= status["load"] <= 100.0
+
+    assert daemon.stop() == 0
+    leave = scheduler.wait_for(lambda e: e["event"] == "leave")
+    assert leave["id"] == node_id
+    assert "left the orka scheduler" in daemon.log()
+
+    # The id is the node's, kept in its state store: the same after a restart.
+    seen = len(scheduler.events())
+    daemon.start()
+    again = scheduler.wait_for(lambda e: e["event"] == "join", after=seen)
+    assert again["id"] == node_id and again["code"] == "OK"
+
+
+def test_rejoins_when_the_stream_breaks_already_exists_being_a_join(
+    daemon_factory: DaemonFactory, scheduler: SchedulerProcess
+) -> None:
+    scheduler.start()
+    daemon_factory(*agent_args(scheduler))
+    node_id = scheduler.wait_for(lambda e: e["event"] == "status")["id"]
+
+    # The scheduler restarts and forgets the node: the stream breaks, the node joins again.
+    scheduler.kill()
+    seen = len(scheduler.events())
+    scheduler.start()
+    rejoin = scheduler.wait_for(lambda e: e["event"] == "join", after=seen)
+    assert rejoin["id"] == node_id and rejoin["code"] == "OK"
+    scheduler.wait_for(lambda e: e["event"] == "status" and e["t"] > rejoin["t"], after=seen)
+
+    # One that still knows the node answers ALREADY_EXISTS: that is a join, and status resumes.
+    scheduler.kill()
+    seen = len(scheduler.events())
+    scheduler.start("--known", node_id)
+    rejoin = scheduler.wait_for(lambda e: e["event"] == "join", after=seen)
+    assert rejoin["code"] == "ALREADY_EXISTS"
+    scheduler.wait_for(lambda e: e["event"] == "status" and e["t"] > rejoin["t"], after=seen)
+
+
+def test_join_retries_every_interval_while_the_scheduler_is_down_then_up(
+    daemon_factory: DaemonFactory, scheduler: SchedulerProcess
+) -> None:
+    daemon = daemon_factory(*agent_args(scheduler, "--orka-join-retries", "20"))
+    time.sleep(3 * INTERVAL)  # a few attempts find nobody
+    scheduler.start("--refuse-joins", "2")  # up, and refusing the first two
+    joined = scheduler.wait_for(lambda e: e["event"] == "join" and e["code"] == "OK")
+    attempts = [e["t"] for e in scheduler.events("join")]
+    assert len(attempts) == 3
+    assert_spaced(attempts)
+    failed = log_times(daemon, r"cannot join the orka scheduler .*\(attempt \d+ of 21\)")
+    assert len(failed) >= 4  # the ones that found it down, and the two refusals
+    assert_spaced(failed)
+    assert joined["t"] - failed[-1] <= INTERVAL + SLACK
+
+
+def test_exits_non_zero_saying_why_when_it_cannot_join(
+    daemon_factory: DaemonFactory, scheduler: SchedulerProcess
+) -> None:
+    daemon = daemon_factory(*agent_args(scheduler, "--orka-join-retries", "2"))
+    assert wait_exit(daemon, timeout=20) == 1
+    failed = log_times(daemon, r"cannot join the orka scheduler .*\(attempt \d of 3\)")
+    assert len(failed) == 3
+    assert_spaced(failed)
+    message = f"cannot join the orka scheduler at {scheduler.address}: 3 attempts over 0.6 s failed"
+    assert message in daemon.log()
+    assert "auraed stopped" in daemon.log()
+
+
+async def test_keeps_serving_and_joins_later_when_so_configured(
+    daemon_factory: DaemonFactory, scheduler: SchedulerProcess
+) -> None:
+    daemon = daemon_factory(
+        *agent_args(scheduler, "--orka-join-retries", "1", "--orka-join-failure", "serve")
+    )
+    deadline = time.monotonic() + 10
+    while "serving locally, and trying to join" not in daemon.log():
+        assert time.monotonic() < deadline, daemon.log()
+        time.sleep(0.05)
+    assert daemon.process is not None and daemon.process.poll() is None
+    async with daemon.client() as client:  # the aurae API still serves
+        request = discovery.DiscoveryServiceDiscoverRequest()
+        reply = await client.call("aurae.discovery.v0.DiscoveryService", "Discover", request)
+        assert reply.healthy
+    scheduler.start()
+    joined = scheduler.wait_for(lambda e: e["event"] == "join", timeout=10)
+    assert joined["code"] == "OK"
+    scheduler.wait_for(lambda e: e["event"] == "status")

@@ -1,0 +1,55 @@
+"""The node agent's and the metrics' settings: defaults, and what is refused naming the setting."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from auraed.config import load_config
+from auraed.errors import ConfigError
+
+
+def test_defaults_are_off_and_orkas() -> None:
+    config = load_config([], {})
+    assert (config.orka_scheduler, config.metrics_listen) == ("", "")
+    assert config.orka_listen == "[::]:50052"  # orka's node agent port
+    assert (config.orka_join_retry_interval, config.orka_join_retries) == (5.0, 3)
+    assert (config.orka_status_interval, config.orka_workload_status_interval) == (15.0, 1.0)
+    assert config.orka_join_failure == "exit" and not config.orka_plaintext
+
+
+def test_settings_come_from_the_environment_too() -> None:
+    environ = {"AURAED_ORKA_SCHEDULER": "sched:50051", "AURAED_ORKA_JOIN_RETRIES": "7"}
+    config = load_config(["--orka-join-failure", "serve"], environ)
+    assert (config.orka_scheduler, config.orka_join_retries, config.orka_join_failure) == (
+        "sched:50051", 7, "serve",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--orka-scheduler", "no-port"], "orka_scheduler: expected host:port"),
+        (["--orka-listen", "[::]:70000"], "orka_listen: the port must be a number"),
+        (["--metrics-listen", "::1:9464"], "metrics_listen: an IPv6 address goes between brackets"),
+        (["--orka-join-failure", "retry"], "orka_join_failure: must be exit or serve"),
+        (["--orka-join-retries", "-1"], "orka_join_retries: must be 0 to"),
+        (["--orka-status-interval", "0"], "orka_status_interval: must be more than 0"),
+        (["--orka-workload-status-interval", "nan"], "must be a finite number"),
+        (["--orka-scheduler", "s:1", "--orka-listen", ""], "orka_listen: the WorkloadService needs"),
+        (["--orka-scheduler", "s:1", "--orka-scheduler-identity", ""], "orka_scheduler_identity"),
+    ],
+)
+def test_refused_settings_are_named(flags: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        load_config(flags, {})
+
+
+def test_a_daemon_without_metrics_never_imports_prometheus_client() -> None:
+    code = (
+        "import sys, auraed.server.daemon, auraed.images.images, auraed.vms.guests, auraed.orka.workloads;"
+        "sys.exit('prometheus_client' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
