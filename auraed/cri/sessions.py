@@ -66,35 +66,13 @@ def _ended() -> _Output:
     return output
 
 
-class _ExecInput:
-    def __init__(self, session: ExecSession) -> None:
-        self._session = session
+class _Streams:
+    """A session's standard streams as the ProcessSession protocol reads them: the output
+    streams asked for, a stderr that ends at once where one was asked of a terminal, stdin."""
 
-    async def write(self, data: bytes) -> None:
-        await self._session.write_stdin(data)
-
-    async def close(self) -> None:
-        await self._session.close_stdin()
-
-
-class ExecProcess:
-    """A ProcessSession over an exec'd process (with a tty its output is all stdout)."""
-
-    def __init__(self, session: ExecSession, request: ExecRequest) -> None:
-        self._session = session
-        self._outputs = _outputs(request.stdout, request.stderr and not request.tty)
-        self._stdin = _ExecInput(session) if request.stdin else None
-        self._reader = asyncio.get_running_loop().create_task(self._read(), name="exec output")
-
-    async def _read(self) -> None:
-        try:
-            async for stream, data in self._session.output():
-                output = self._outputs.get(stream)
-                if output is not None:  # what the client did not ask for is read and dropped
-                    await output.put(data)
-        finally:
-            for output in self._outputs.values():
-                output.end()
+    _outputs: dict[str, _Output]
+    _no_stderr: _Output | None = None
+    _stdin: ByteSink | None = None
 
     @property
     def stdin(self) -> ByteSink | None:
@@ -106,7 +84,38 @@ class ExecProcess:
 
     @property
     def stderr(self) -> _Output | None:
-        return self._outputs.get("stderr")
+        return self._outputs.get("stderr", self._no_stderr)
+
+
+class _ExecInput:
+    def __init__(self, session: ExecSession) -> None:
+        self._session = session
+
+    async def write(self, data: bytes) -> None:
+        await self._session.write_stdin(data)
+
+    async def close(self) -> None:
+        await self._session.close_stdin()
+
+
+class ExecProcess(_Streams):
+    """A ProcessSession over an exec'd process (with a tty its output is all stdout)."""
+
+    def __init__(self, session: ExecSession, request: ExecRequest) -> None:
+        self._session = session
+        self._outputs = _outputs(request.stdout, request.stderr and not request.tty)
+        self._stdin: ByteSink | None = _ExecInput(session) if request.stdin else None
+        self._reader = asyncio.get_running_loop().create_task(self._read(), name="exec output")
+
+    async def _read(self) -> None:
+        try:
+            async for stream, data in self._session.output():
+                output = self._outputs.get(stream)
+                if output is not None:  # what the client did not ask for is read and dropped
+                    await output.put(data)
+        finally:
+            for output in self._outputs.values():
+                output.end()
 
     async def resize(self, size: TerminalSize) -> None:
         self._session.resize(size.height, size.width)
@@ -134,7 +143,7 @@ class _AttachInput:
         await self._process.input_ended()
 
 
-class AttachProcess:
+class AttachProcess(_Streams):
     """A ProcessSession attached to a running container's streams."""
 
     def __init__(
@@ -154,7 +163,7 @@ class AttachProcess:
         self._no_stderr = _ended() if request.stderr and host.tty else None
         # Without an input to write to (the container's stdin closed by an earlier stdin_once
         # attach), what the client types is dropped, as containerd does.
-        self._stdin = _AttachInput(self) if request.stdin and input_fd >= 0 else None
+        self._stdin: ByteSink | None = _AttachInput(self) if request.stdin and input_fd >= 0 else None
         self._detached = asyncio.Event()
         self._closed = False
         self._follower = asyncio.get_running_loop().create_task(
@@ -181,18 +190,6 @@ class AttachProcess:
             await lines.aclose()
             for output in self._outputs.values():
                 output.end()
-
-    @property
-    def stdin(self) -> ByteSink | None:
-        return self._stdin
-
-    @property
-    def stdout(self) -> _Output | None:
-        return self._outputs.get("stdout")
-
-    @property
-    def stderr(self) -> _Output | None:
-        return self._outputs.get("stderr", self._no_stderr)
 
     async def resize(self, size: TerminalSize) -> None:
         if self._host.tty and self.input_fd >= 0 and size.width > 0 and size.height > 0:

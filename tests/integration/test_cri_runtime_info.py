@@ -66,8 +66,11 @@ async def test_ready_with_a_cni_network_and_the_handlers_listed(
         reply = await status(daemon_factory, "--cni-conf-dir", str(network.conf_dir))
     found = conditions(reply)
     assert found["RuntimeReady"].status and found["NetworkReady"].status
-    # critest and kubelets look features up by the handler a pod names: "" when it names none.
-    assert [h.name for h in reply.runtime_handlers] == ["", "cell"]
+    # critest and kubelets look features up by the handler a pod names: "" when it names none
+    # (the default, cell); vm pods are guests, which have no recursive read-only mounts yet.
+    assert [h.name for h in reply.runtime_handlers] == ["", "cell", "vm"]
+    vm = reply.runtime_handlers[2].features
+    assert vm is None or not (vm.recursive_read_only_mounts or vm.user_namespaces)
 
 
 async def test_runtime_config_is_cgroupfs(daemon_factory: DaemonFactory) -> None:
