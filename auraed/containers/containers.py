@@ -132,6 +132,11 @@ class Containers:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         images.in_use = lambda image_id: any(r.image_id == image_id for r in self._records.values())
 
+    @property
+    def runtime_binary(self) -> str:
+        """The OCI runtime's program, as chosen at start (the CRI reports it)."""
+        return self._runtime.binary
+
     # -- lookup ----------------------------------------------------------------------------
 
     def get(self, id_or_name: str) -> ContainerRecord:

@@ -47,6 +47,11 @@ class OciRuntime(Protocol):
         ...
 
     @property
+    def binary(self) -> str:
+        """The program run (a path, or a bare name when it was not found at start)."""
+        ...
+
+    @property
     def env(self) -> tuple[str, ...]:
         """The environment its commands run with (KEY=VALUE), also those run by a monitor."""
         ...

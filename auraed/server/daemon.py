@@ -302,19 +302,17 @@ class Daemon:
 
     async def _serve_cri(self) -> None:
         """The kubelet's endpoint: its own server, so the plain socket never reaches the aurae API."""
-        from auraed.containers.setup import runtime_binary
         from auraed.cri import setup as cri_setup
 
         config = self.config
         assert self.store is not None and self._cgroups is not None
         assert self.images is not None and self.containers is not None
-        oci_runtime = runtime_binary(config, self._cgroups.layout)
         self.cri = await cri_setup.build(
             config,
             self.store,
             self.images,
             self._cgroups,
-            oci_runtime,
+            self.containers.runtime_binary,  # the one Containers chose: found once
             containers=self.containers,
             guests=self.guests,
             log_watch=self._log_watch,
