@@ -171,7 +171,9 @@ class VmSandbox:
             initramfs="",
             root_disk="",
             extra_disks=(),
-            kernel_args=(),
+            # The pod's hostname for the guest (the last auraed.hostname wins over the VM's name,
+            # which stays its identity: its certificate and the host's channel name it).
+            kernel_args=(f"auraed.hostname={pod.spec.hostname}",) if pod.spec.hostname else (),
             network=True,
             backend="qemu",
             role=GUEST_ROLE,

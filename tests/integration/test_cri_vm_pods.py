@@ -105,7 +105,9 @@ def links_in(netns: str) -> list[str]:
 
 async def test_a_vm_pod_is_a_guest_on_the_pod_network(vm_node: VmNode) -> None:
     client = vm_node.client
-    pod_id = await asyncio.wait_for(run_pod(client, vm_pod("guest-pod"), "vm"), TIMEOUT)
+    pod_id = await asyncio.wait_for(
+        run_pod(client, vm_pod("guest-pod", hostname="guest-pod-host"), "vm"), TIMEOUT
+    )
     status = (await pod_status(client, pod_id, verbose=True)).status
     assert status is not None and status.network is not None
     assert status.state == cri.PodSandboxState.SANDBOX_READY and status.runtime_handler == "vm"
@@ -118,6 +120,10 @@ async def test_a_vm_pod_is_a_guest_on_the_pod_network(vm_node: VmNode) -> None:
         [guest] = listing.vms
         assert guest.vm.name == f"pod-{pod_id[:16]}" and guest.vm.memory_mib == 512
         assert guest.address == f"{ip}:{GUEST_PORT}"
+
+    # The guest took the pod's hostname (its PID 1 says so on the console).
+    console = vm_node.daemon.root / "run" / "vms" / guest.vm.name / "console.log"
+    assert "hostname guest-pod-host" in console.read_text(errors="replace")
 
     # The pod's namespace holds the CNI interface and the guest's tap, nothing else.
     cell_dir = vm_node.daemon.root / "run" / "pods" / pod_id
