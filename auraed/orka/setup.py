@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 
 from auraed.config import DaemonConfig
 from auraed.orka.agent import AgentSettings, NodeAgent
@@ -33,7 +32,7 @@ def agent_settings(config: DaemonConfig, port: int) -> AgentSettings:
         retries=config.orka_join_retries,
         exit_on_join_failure=config.orka_join_failure == "exit",
         status_interval=config.orka_status_interval,
-        ca_crt=Path(config.orka_scheduler_ca) if config.orka_scheduler_ca else None,
+        ca_crt=config.orka_scheduler_ca,
         server_name=config.orka_scheduler_server_name,
     )
 
