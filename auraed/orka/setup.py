@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from auraed.config import DaemonConfig
+from auraed.errors import ConfigError
 from auraed.orka.agent import AgentSettings, NodeAgent
+from auraed.orka.host import HostRunner
+from auraed.orka.model import HOST, VM, Runner
+from auraed.orka.workloads import Workloads
 from auraed.state.store import Store
 from auraed.system.node import CpuLoad
+
+if TYPE_CHECKING:
+    from auraed.containers.containers import Containers
+    from auraed.images.images import Images
+    from auraed.vms.guests import Guests
 
 NODE_KIND = "orka_node"
 NODE_KEY = "self"
@@ -41,3 +51,17 @@ def build_agent(
     config: DaemonConfig, store: Store, port: int, give_up: Callable[[str], None], cpu: CpuLoad
 ) -> NodeAgent:
     return NodeAgent(agent_settings(config, port), node_id(store), give_up, cpu)
+
+
+async def build_workloads(
+    config: DaemonConfig, store: Store, images: Images, containers: Containers, guests: Guests | None
+) -> Workloads:
+    """The workloads, their earlier runs' recovered. A guest VM per workload needs guests (the
+    host role's), refused at start otherwise; workloads of earlier runs in VMs are served
+    whenever guests are there, whatever the isolation of new ones."""
+    runners: dict[str, Runner] = {HOST: HostRunner(containers)}
+    if config.orka_workload_isolation == VM:
+        raise ConfigError("orka_workload_isolation: vm is not built yet")
+    workloads = Workloads(store, images, runners, config.orka_workload_isolation)
+    await workloads.recover()
+    return workloads

@@ -8,8 +8,8 @@ import pytest
 from auraed.api import node_agent as na
 from auraed.containers.request import Resources
 from auraed.errors import AuraeError
+from auraed.orka.model import Phase, Status, Usage, container_name
 from auraed.orka.servicer import status_message, workload_spec
-from auraed.orka.workloads import Phase, Status, Usage, container_name
 from auraed.wire import codec
 
 
