@@ -60,8 +60,14 @@ async def build_workloads(
     host role's), refused at start otherwise; workloads of earlier runs in VMs are served
     whenever guests are there, whatever the isolation of new ones."""
     runners: dict[str, Runner] = {HOST: HostRunner(containers)}
-    if config.orka_workload_isolation == VM:
-        raise ConfigError("orka_workload_isolation: vm is not built yet")
+    if guests is not None:
+        from auraed.orka.guest import GuestRunner, GuestSizing
+        from auraed.vms.placement import ImagePlacer
+
+        sizing = GuestSizing(config.orka_vm_vcpus, config.orka_vm_memory_mib)
+        runners[VM] = GuestRunner(guests, images, ImagePlacer(images), sizing, config.stop_grace_period)
+    elif config.orka_workload_isolation == VM:
+        raise ConfigError("orka_workload_isolation: vm needs guest VMs, which only a host auraed boots")
     workloads = Workloads(store, images, runners, config.orka_workload_isolation)
     await workloads.recover()
     return workloads

@@ -71,7 +71,8 @@ def test_refused_settings_are_named(flags: list[str], message: str) -> None:
 
 def test_a_daemon_without_metrics_never_imports_prometheus_client() -> None:
     code = (
-        "import sys, auraed.server.daemon, auraed.images.images, auraed.vms.guests, auraed.orka.workloads;"
+        "import sys, auraed.server.daemon, auraed.images.images, auraed.vms.guests, auraed.orka.workloads,"
+        " auraed.orka.guest;"
         "sys.exit('prometheus_client' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
