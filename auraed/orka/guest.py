@@ -239,8 +239,9 @@ class GuestRunner:
 
     async def status(self, workload: Workload, sample: Sample) -> tuple[Status, Sample]:
         endpoint = await self._endpoint(workload)
-        if endpoint is None:
-            return Status(Phase.TERMINATED, workload.ended_with(self._vm_state(workload.name))), sample
+        if endpoint is None:  # its VM ended, or a Signal is freeing it (how it ended is known then)
+            ending = workload.ended or workload.ended_with(self._vm_state(workload.name))
+            return Status(Phase.TERMINATED, ending), sample
         try:
             container = await self._container(endpoint, workload)
             if container.state == pb.ContainerState.RUNNING:

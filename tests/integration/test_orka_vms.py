@@ -182,7 +182,7 @@ async def test_workloads_run_in_guest_vms_sized_from_their_limits_and_signals_fr
         stopped = time.monotonic() - stopping
         assert stopped < GRACE + 5, stopped
         rest = [reply async for reply in web]
-        assert state(rest[-1]) == (TERMINATED, "Signal STOP: exited with code 7")
+        assert state(rest[-1]) == (TERMINATED, "Signal STOP: exited with code 7"), [state(r) for r in rest]
         assert list(await guests_of(daemon)) == [calm_vm]
         assert taps_of(daemon) == [guests[calm_vm][3]]
         await client.signal("web", KILL)  # a repeated signal: a success
