@@ -250,8 +250,8 @@ class DaemonConfig:
             "agents); warned about at every start"
         ),
     )
-    orka_scheduler_ca: str = field(
-        default="",
+    orka_scheduler_ca: Path | None = field(
+        default=None,
         metadata=_help(
             "CA certificate (PEM) the scheduler's certificate must be signed by: TLS to the "
             "scheduler when set, plain otherwise"
@@ -289,6 +289,20 @@ class DaemonConfig:
     orka_workload_status_interval: float = field(
         default=1.0, metadata=_help("seconds between the WorkloadStatus messages of a Create's stream")
     )
+    orka_workload_isolation: str = field(
+        default="host",
+        metadata=_help(
+            "where an orka workload's container runs: host (a container on this host) or vm (a "
+            "guest VM booted for each workload, from guest_image; host role only)"
+        ),
+    )
+    orka_vm_vcpus: int = field(
+        default=1, metadata=_help("vCPUs of a workload's guest VM when the workload gives no cpu limit")
+    )
+    orka_vm_memory_mib: int = field(
+        default=768,
+        metadata=_help("MiB of a workload's guest VM when the workload gives no memory limit"),
+    )
     authorization: AuthorizationPolicy = dataclasses.field(default_factory=AuthorizationPolicy)
     registries: Mapping[str, RegistryHost] = dataclasses.field(default_factory=dict)
     config_file: Path | None = None
@@ -300,15 +314,18 @@ class Setting:
     kind: type
     default: Any
     help: str
+    optional: bool = False  # None (off) when given empty
 
 
 def _settings() -> tuple[Setting, ...]:
     kinds = {"str": str, "bool": bool, "Path": Path, "float": float, "int": int}
-    return tuple(
-        Setting(f.name, kinds[str(f.type)], f.default, f.metadata["help"])
-        for f in dataclasses.fields(DaemonConfig)
-        if "help" in f.metadata
-    )
+    settings = []
+    for f in dataclasses.fields(DaemonConfig):
+        if "help" not in f.metadata:
+            continue
+        kind, _, none = str(f.type).partition(" | ")
+        settings.append(Setting(f.name, kinds[kind], f.default, f.metadata["help"], none == "None"))
+    return tuple(settings)
 
 
 SETTINGS = _settings()
@@ -344,6 +361,8 @@ def _coerce(setting: Setting, value: Any, source: str) -> Any:
     """``value`` of ``setting`` from ``source``: text (environment, flags, a TOML string) or a TOML
     value, which must be of the setting's type. Numbers must be finite."""
     try:
+        if setting.optional and value == "":
+            return None
         if isinstance(value, str):
             result = _from_text(setting.kind, value)
         elif type(value) in _TOML_TYPES.get(setting.kind, ()):
@@ -551,6 +570,7 @@ def _validate(config: DaemonConfig) -> DaemonConfig:
 MAX_ORKA_INTERVAL = 86400.0  # a day: an interval longer than that is a mistake
 MAX_ORKA_JOIN_RETRIES = 1000
 ORKA_JOIN_FAILURES = ("exit", "serve")
+ORKA_WORKLOAD_ISOLATIONS = ("host", "vm")
 
 
 def _validate_orka(config: DaemonConfig) -> None:
@@ -563,6 +583,15 @@ def _validate_orka(config: DaemonConfig) -> None:
         raise ConfigError(
             f"orka_join_failure: must be {' or '.join(ORKA_JOIN_FAILURES)}, not {config.orka_join_failure!r}"
         )
+    if config.orka_workload_isolation not in ORKA_WORKLOAD_ISOLATIONS:
+        raise ConfigError(
+            f"orka_workload_isolation: must be {' or '.join(ORKA_WORKLOAD_ISOLATIONS)}, "
+            f"not {config.orka_workload_isolation!r}"
+        )
+    if not 1 <= config.orka_vm_vcpus <= MAX_VM_VCPUS:
+        raise ConfigError(f"orka_vm_vcpus: must be 1 to {MAX_VM_VCPUS}")
+    if not 64 <= config.orka_vm_memory_mib <= MAX_VM_MEMORY_MIB:
+        raise ConfigError(f"orka_vm_memory_mib: must be 64 to {MAX_VM_MEMORY_MIB}")
     if config.orka_scheduler and not config.orka_listen:
         raise ConfigError("orka_listen: the WorkloadService needs an address when orka_scheduler is set")
     if config.orka_scheduler and not config.orka_plaintext and not config.orka_scheduler_identity:
@@ -592,9 +621,8 @@ def build_argument_parser() -> argparse.ArgumentParser:
                 help=f"{setting.help} (default: {setting.default})",
             )
         else:
-            parser.add_argument(
-                flag, type=str, default=None, help=f"{setting.help} (default: {setting.default})"
-            )
+            default = "off" if setting.default is None else setting.default
+            parser.add_argument(flag, type=str, default=None, help=f"{setting.help} (default: {default})")
     return parser
 
 

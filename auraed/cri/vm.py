@@ -36,7 +36,7 @@ from auraed.cri.sandbox import HandlerFeatures
 from auraed.errors import AuraeError, ErrorKind
 from auraed.system.netns_dial import open_connection_in
 from auraed.system.tasks import run_to_end
-from auraed.vms.guests import Guests
+from auraed.vms.guests import GUEST_BASE_MIB, Guests
 from auraed.vms.model import GUEST_ROLE, NetInfo, State, VmSpec
 from auraed.vms.pod_tap import join_tap, unjoin_tap
 
@@ -46,8 +46,6 @@ VM_KEY = "vm"
 """The pod's sandbox entry of this handler: its VM's name and its tap."""
 TAP = "tap0"
 """The guest's tap, beside the CNI interface in the pod's namespace."""
-GUEST_BASE_MIB = 256
-"""Memory the guest's own kernel and auraed take before any container (added to the pod's)."""
 MIB = 1024 * 1024
 
 

@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator
 from auraed.api import node_agent as pb
 from auraed.containers.request import MAX_CFS_QUOTA_US, MIN_MEMORY_BYTES, SpecError, check_text, env_entry
 from auraed.errors import ErrorKind
-from auraed.orka.workloads import CPU_PERIOD_US, MIB, OrkaError, Status, Workloads, WorkloadSpec
+from auraed.orka.model import CPU_PERIOD_US, MIB, OrkaError, Status, WorkloadSpec
+from auraed.orka.workloads import Workloads
 from auraed.references import ReferenceError, parse_reference
 from auraed.wire.handlers import Context
 

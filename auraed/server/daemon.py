@@ -411,12 +411,12 @@ class Daemon:
         from auraed.orka import setup as orka_setup
         from auraed.orka.servicer import SERVICE_NAME as WORKLOADS
         from auraed.orka.servicer import WorkloadServicer
-        from auraed.orka.workloads import Workloads
 
         config = self.config
         assert self.store is not None and self.images is not None and self.containers is not None
-        self.workloads = Workloads(self.store, self.images, self.containers)
-        self.workloads.recover()
+        self.workloads = await orka_setup.build_workloads(
+            config, self.store, self.images, self.containers, self.guests
+        )
         servicer = WorkloadServicer(self.workloads, config.orka_workload_status_interval)
         handlers = [generic_handler(WORKLOADS, servicer)]
         server = grpc.aio.server(options=server_options(config))

@@ -175,6 +175,8 @@ def identity_for(name: str, guest_address: str, host_address: str, port: int) ->
     )
 
 
+GUEST_BASE_MIB = 256
+"""Memory a guest's own kernel and auraed take before any container (added to what it runs)."""
 CONFIG_DISK = "config.img"
 GUEST_IMAGE_FILES = {"kernel": "vmlinuz", "initramfs": "initramfs.img", "root_disk": "rootfs.img"}
 # Transparent huge pages cost a small guest 2-4 MiB of RSS for nothing.

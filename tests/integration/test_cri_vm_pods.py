@@ -24,8 +24,9 @@ from auraed.api.runtime import v1 as cri
 from auraed.client import AuraeClient, ClientError
 from auraed.cri.model import PodResources
 from auraed.cri.streaming.client import open_port_forward
-from auraed.cri.vm import GUEST_BASE_MIB, VmSizing, guest_size
+from auraed.cri.vm import VmSizing, guest_size
 from auraed.pki import PkiPaths
+from auraed.vms.guests import GUEST_BASE_MIB
 from tests.conftest import DaemonFactory, DaemonProcess
 from tests.integration.test_vms import free_test_pool
 from tests.support.cni import CniNetwork, cni_network

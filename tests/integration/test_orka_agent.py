@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from auraed.api.aurae.discovery import v0 as discovery
+from auraed.pki import certificate_pem, create_ca, issue_server_cert, write_pem_files
 from auraed.system.node import read_memory
 from tests.conftest import DaemonFactory, DaemonProcess
 from tests.support.orka import SchedulerProcess
@@ -172,3 +173,37 @@ async def test_keeps_serving_and_joins_later_when_so_configured(
     joined = scheduler.wait_for(lambda e: e["event"] == "join", timeout=10)
     assert joined["code"] == "OK"
     scheduler.wait_for(lambda e: e["event"] == "status")
+
+
+def test_joins_over_tls_checking_the_schedulers_certificate(
+    daemon_factory: DaemonFactory, scheduler: SchedulerProcess, tmp_path: Path
+) -> None:
+    # The scheduler's own CA and certificate, for localhost only (as orka's makes itself).
+    ca = create_ca("orka scheduler CA")
+    crt, key = write_pem_files(tmp_path, "scheduler", *issue_server_cert(ca, "localhost", [], []))
+    (tmp_path / "pki").mkdir()
+    (tmp_path / "pki" / "scheduler-ca.crt").write_bytes(certificate_pem(ca.cert))
+    scheduler.start("--tls-cert", str(crt), "--tls-key", str(key))
+
+    # The CA named relative to the config file, read beside it.
+    config = tmp_path / "orka.toml"
+    config.write_text(
+        'orka_scheduler_ca = "pki/scheduler-ca.crt"\norka_scheduler_server_name = "localhost"\n'
+    )
+    daemon = daemon_factory(*agent_args(scheduler), "--config", str(config))
+    join = scheduler.wait_for(lambda e: e["event"] == "join")
+    assert join["code"] == "OK"
+    scheduler.wait_for(lambda e: e["event"] == "status" and e["id"] == join["id"])
+    assert daemon.stop() == 0
+    scheduler.wait_for(lambda e: e["event"] == "leave")
+
+    # Checked against the address's host (127.0.0.1), which the certificate does not name: no
+    # handshake, no join, and the daemon exits saying so.
+    seen = len(scheduler.events())
+    refused = daemon_factory(
+        *agent_args(scheduler, "--orka-join-retries", "1"),
+        "--orka-scheduler-ca", str(tmp_path / "pki" / "scheduler-ca.crt"),
+    )  # fmt: skip
+    assert wait_exit(refused, timeout=20) == 1
+    assert "cannot join the orka scheduler" in refused.log() and "UNAVAILABLE" in refused.log()
+    assert [e for e in scheduler.events()[seen:] if e["event"] == "join"] == []

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from auraed.api import node_agent as na
 from auraed.client import ClientError
-from auraed.orka.workloads import MIB, container_name
+from auraed.orka.model import MIB, container_name
 from auraed.pki import PkiPaths, ensure_dev_pki
 from tests.conftest import DaemonFactory, DaemonProcess
 from tests.integration.containers_helpers import logs, status

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,24 @@ def test_defaults_are_off_and_orkas() -> None:
     assert (config.orka_join_retry_interval, config.orka_join_retries) == (5.0, 3)
     assert (config.orka_status_interval, config.orka_workload_status_interval) == (15.0, 1.0)
     assert config.orka_join_failure == "exit" and not config.orka_plaintext
+    assert config.orka_scheduler_ca is None  # plain to the scheduler
+    assert (config.orka_workload_isolation, config.orka_vm_vcpus, config.orka_vm_memory_mib) == (
+        "host", 1, 768,
+    )  # fmt: skip
+
+
+def test_the_schedulers_ca_is_a_path_read_beside_the_config_file(tmp_path: Path) -> None:
+    config_file = tmp_path / "etc" / "auraed.toml"
+    config_file.parent.mkdir()
+    config_file.write_text('orka_scheduler_ca = "pki/orka-ca.crt"\n')
+    config = load_config(["--config", str(config_file)], {})
+    assert config.orka_scheduler_ca == tmp_path / "etc" / "pki" / "orka-ca.crt"
+    # From a flag or the environment, a relative path is the directory auraed starts in; empty
+    # is off, wherever it comes from.
+    assert load_config(["--orka-scheduler-ca", "ca.crt"], {}).orka_scheduler_ca == Path("ca.crt")
+    config_file.write_text('orka_scheduler_ca = ""\n')
+    assert load_config(["--config", str(config_file)], {}).orka_scheduler_ca is None
+    assert load_config([], {"AURAED_ORKA_SCHEDULER_CA": ""}).orka_scheduler_ca is None
 
 
 def test_settings_come_from_the_environment_too() -> None:
@@ -40,6 +59,9 @@ def test_settings_come_from_the_environment_too() -> None:
         (["--orka-workload-status-interval", "nan"], "must be a finite number"),
         (["--orka-scheduler", "s:1", "--orka-listen", ""], "orka_listen: the WorkloadService needs"),
         (["--orka-scheduler", "s:1", "--orka-scheduler-identity", ""], "orka_scheduler_identity"),
+        (["--orka-workload-isolation", "cell"], "orka_workload_isolation: must be host or vm"),
+        (["--orka-vm-vcpus", "0"], "orka_vm_vcpus: must be 1 to 255"),
+        (["--orka-vm-memory-mib", "32"], "orka_vm_memory_mib: must be 64 to"),
     ],
 )
 def test_refused_settings_are_named(flags: list[str], message: str) -> None:
@@ -49,7 +71,8 @@ def test_refused_settings_are_named(flags: list[str], message: str) -> None:
 
 def test_a_daemon_without_metrics_never_imports_prometheus_client() -> None:
     code = (
-        "import sys, auraed.server.daemon, auraed.images.images, auraed.vms.guests, auraed.orka.workloads;"
+        "import sys, auraed.server.daemon, auraed.images.images, auraed.vms.guests, auraed.orka.workloads,"
+        " auraed.orka.guest;"
         "sys.exit('prometheus_client' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

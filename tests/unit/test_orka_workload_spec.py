@@ -8,8 +8,11 @@ import pytest
 from auraed.api import node_agent as na
 from auraed.containers.request import Resources
 from auraed.errors import AuraeError
+from auraed.orka.guest import GuestSizing, check_guest_size, guest_size
+from auraed.orka.model import Phase, Status, Usage, WorkloadSpec, container_name
 from auraed.orka.servicer import status_message, workload_spec
-from auraed.orka.workloads import Phase, Status, Usage, container_name
+from auraed.vms.guests import GUEST_BASE_MIB
+from auraed.vms.model import host_memory_mib
 from auraed.wire import codec
 
 
@@ -48,3 +51,19 @@ def test_a_status_carries_its_code_message_and_usage() -> None:
         6,
         7,
     )
+
+
+def test_a_workloads_guest_is_sized_from_its_limits_or_the_default() -> None:
+    default = GuestSizing(vcpus=3, memory_mib=500)
+    sizes = [
+        guest_size(WorkloadSpec("i", "nginx", cpu_millicores=cpu, memory_mib=memory), default)
+        for cpu, memory in ((1500, 64), (1000, 6), (10, None), (None, 100))
+    ]
+    assert sizes == [(2, GUEST_BASE_MIB + 64), (1, GUEST_BASE_MIB + 6), (1, 500), (3, GUEST_BASE_MIB + 100)]
+    with pytest.raises(
+        AuraeError, match=r"resource_limits.cpu: 256 vCPUs for its guest VM are more than 255"
+    ):
+        check_guest_size(WorkloadSpec("i", "nginx", cpu_millicores=255_001), default)
+    with pytest.raises(AuraeError, match=r"resource_limits\.memory: its guest VM would need"):
+        check_guest_size(WorkloadSpec("i", "nginx", memory_mib=host_memory_mib()), default)
+    check_guest_size(WorkloadSpec("i", "nginx", cpu_millicores=255_000, memory_mib=64), default)
