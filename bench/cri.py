@@ -59,6 +59,8 @@ warm-up pod, with exit status 3 and a message saying so (everything is cleaned u
 
 Target (issue): auraed's lifecycle at most 0.8x containerd's (median of the total); the
 concurrent pods all succeed on both, and nothing leaks.
+
+Pods of the ``vm`` handler (a guest VM each) are measured by bench/cri_vm.py, with these pieces.
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ from auraed.system.mounts import read_mounts
 from auraed.system.pod_namespaces import POD_INIT_NAME
 
 if TYPE_CHECKING:
+    from auraed.pki import PkiPaths
     from tests.support.cni import CniNetwork
     from tests.support.registry import LocalRegistry
 
@@ -350,9 +353,10 @@ class Runtime(abc.ABC):
     def connected(self) -> bool:
         return self._client is not None
 
-    async def connect(self, busybox: str) -> None:
+    async def connect(self, *pull: str) -> None:
         """A CRI client on the socket, once the runtime reports RuntimeReady and NetworkReady
-        (containerd loads the CNI config a moment after it serves); then the images pulled."""
+        (containerd loads the CNI config a moment after it serves); then its own images and
+        ``pull`` pulled."""
         self._client = AuraeClient(grpc.aio.insecure_channel(f"unix:{self.socket}"))
         deadline = time.monotonic() + READY_TIMEOUT
         while not await self._ready():
@@ -363,7 +367,7 @@ class Runtime(abc.ABC):
             await asyncio.sleep(0.1)
         reply = await call(self.client, "Version", cri.VersionRequest())
         self.version = {"runtime_name": reply.runtime_name, "runtime_version": reply.runtime_version}
-        for image in (*self.images, busybox):
+        for image in (*self.images, *pull):
             request = cri.PullImageRequest(image=cri.ImageSpec(image=image))
             await self.client.call(IMAGE_SERVICE, "PullImage", request, CALL_TIMEOUT)
 
@@ -387,6 +391,10 @@ class Runtime(abc.ABC):
     def leftover_processes(self) -> list[Process]:
         """Processes a removed pod must not leave behind (shims, monitors)."""
 
+    def leftovers_on_host(self) -> dict[str, list[str]]:
+        """What else of a removed pod the runtime may leave on the host, by kind (none here)."""
+        return {}
+
     @abc.abstractmethod
     def log(self) -> str: ...
 
@@ -396,20 +404,29 @@ class Runtime(abc.ABC):
 
 
 class Auraed(Runtime):
-    """A real auraed (bench/common.py's Daemon) with the CNI config and the registry mirror."""
+    """A real auraed (bench/common.py's Daemon) with the CNI config and the registry mirror (none
+    without a registry), ``extra_args`` on its command line, a dev PKI of its own unless given."""
 
     name = "auraed"
 
-    def __init__(self, root: Path, network: CniNetwork, registry: LocalRegistry) -> None:
+    def __init__(
+        self,
+        root: Path,
+        network: CniNetwork,
+        registry: LocalRegistry | None,
+        *extra_args: str,
+        pki: PkiPaths | None = None,
+    ) -> None:
         tests_support()
         from tests.support.cri import mirrors_config
 
         self.daemon = Daemon(
             root,
-            make_pki(root),
+            pki or make_pki(root),
             "--cni-conf-dir",
             str(network.conf_dir),
-            config_text=mirrors_config(registry, MIRRORED),
+            *extra_args,
+            config_text=mirrors_config(registry, MIRRORED) if registry is not None else "",
         )
         super().__init__(root, self.daemon.cri_socket)
 
@@ -732,6 +749,7 @@ async def leaks(runtime: Runtime, setup: Setup, before: Baseline) -> dict[str, A
             "mounts": sorted(set(mounts_under(runtime.root)) - before.mounts),
             "cgroups": sorted(cgroups_under(bases) - before.cgroups),
             "processes": [str(p) for p in runtime.leftover_processes()],
+            **runtime.leftovers_on_host(),
         }
 
     start = time.monotonic()

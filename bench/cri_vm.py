@@ -1,0 +1,615 @@
+"""CRI ``vm`` pods: RunPodSandbox until the guest serves, against a bare boot of the same kernel;
+the pod-only lifecycle of ``vm`` pods against ``cell`` pods; all in one run.
+
+    .venv/bin/python bench/cri_vm.py [--iterations 5] [--warmup 1] [--gap-ms 500]
+        [--memory-mib 768] [--guest-image DIR] [--json-only]
+
+A sibling of bench/cri.py, not a mode of it: it shares cri.py's pieces (the Auraed runtime, the
+pods' requests, the CNI network, PodSandboxStatus's check, the host-side leak checks, the
+clean-up) and bench/guest.py's (the bare VM, the console markers, the guest image), but its
+series, its peer (a bare boot through the VmService, not containerd) and its report are its own;
+folded into cri.py they would double that file's paths through run() and report().
+
+One real auraed (cri.py's Auraed: common.py's Daemon, a dev PKI, the CNI network of
+tests.support.cni: Debian's bridge + host-local + portmap + loopback on a private /24) started
+with ``--guest-image`` (guest-image/build's output), ``--ca-key`` (the host CA issues every guest
+its certificate), ``--vm-address-pool`` (a free /28 of 10.213.128.0/18; pods' guests take their
+pod's CNI address, the pool serves the VmService's own VMs) and ``--cri-vm-memory-mib`` /
+``--cri-vm-vcpus`` (the size of a pod's guest when the pod gives no limits: ``--memory-mib``
+and 1 vCPU, as the bare VM). QEMU runs under TCG on machines without a usable KVM. Three series,
+one of each per round, the order rotating from round to round, each after ``--gap-ms`` idle:
+
+* ``vm``: a pod of the ``vm`` handler, its pod-only lifecycle, each RPC timed by the client:
+  RunPodSandbox (its reply comes once the guest's auraed serves health over mTLS at the pod IP:
+  cell-style pod namespaces and cgroup, CNI ADD, the tap, Allocate, the config disk, QEMU, the
+  boot) -> PodSandboxStatus (READY, an IP of the CNI subnet) -> StopPodSandbox (the guest
+  stopped, CNI DEL) -> RemovePodSandbox (the VM freed, tap, namespaces, cgroup and files
+  removed). Every pod boots a fresh guest: a cold boot (guest templates do not exist yet).
+  Containers in vm pods are not served yet, so the lifecycle is the pod's alone.
+* ``bare`` (RunPodSandbox's peer): the same kernel with the same QEMU command line (auraed's own:
+  machine, accelerator, 1 vCPU, the same memory) and the bare initramfs, whose /init prints
+  AURAE-BARE-BOOT-OK and powers off (bench/guest.py's bare_vm); no network, no disks. VmService
+  Allocate + Start with wait_for_console, timed from sending Allocate until Start's reply; freed
+  once it has powered off (untimed).
+* ``cell``: a pod of the ``cell`` handler, the same pod-only lifecycle: the vm pod's peer.
+
+A lifecycle's total is the sum of its four RPCs. Where a boot's time goes is read off its serial
+console, followed on the host every 10 ms as bench/guest.py does: when the console file appears
+(QEMU has started: everything before is the host's side), when the kernel's clock starts (its
+printk uptime at ``Run /init``), then the guest's markers (initramfs, PID 1, the daemon, serving)
+or the bare marker; the host seeing SERVING is the rest of the reply.
+
+``--warmup`` rounds first, untimed, which also check the vm pod's guest while it runs (its size
+as the VmService lists it, QEMU's accelerator off its command line). After the rounds nothing
+may be left, checked on the host as cri.py checks (no pod listed, no CNI lease, NAT rule, bridge
+port or libcni cache entry, no mount below the daemon's directories (the pods' netns pins), no
+cgroup below the pods' cgroup parents or the daemon's base, no pod init) and for the guests: no
+VM listed by the VmService, no process naming the VMs' run directory (QEMU), no VM run directory
+or pod directory, no tap owned by one of the daemon's VMs. On exit, whatever happens: pods
+removed through the CRI, VMs freed through the VmService, the daemon stopped, any QEMU still
+naming a VM's run directory killed, mounts detached, cgroups, the CNI bridge, rules and leases
+and the temp directory removed.
+
+Targets (issue #20): RunPodSandbox of a vm pod at most 1.0x the bare boot (p50) *with the guest
+template*; templates do not exist yet, so only cold boots are measured, and the cold ratio is
+reported against that target as what it is (not the template figure); the vm pod's lifecycle is
+reported against the cell pod's (no target); nothing leaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from common import (
+    exit_on_sigterm,
+    machine_info,
+    make_pki,
+    print_json,
+    print_lines,
+    print_table,
+    ratio,
+    remove_cgroup_base,
+    summarize,
+    temp_dir,
+    verdict,
+)
+from container_start import source_state, tests_support
+from cri import (
+    Auraed,
+    Pod,
+    Process,
+    Setup,
+    baseline,
+    call,
+    check_pod_network,
+    leaks,
+    plugin_chain,
+    processes,
+    remove_everything,
+    teardown,
+    unmount_under,
+)
+from guest import (
+    BARE_MARKER,
+    BARE_MARKERS,
+    GUEST_MARKERS,
+    VMS,
+    Booted,
+    ConsoleWatch,
+    Made,
+    allocate,
+    bare_phases,
+    bare_vm,
+    free_pool,
+    free_vm,
+    guest_image_dir,
+    guest_phases,
+    image_facts,
+    last_resort,
+    read_console,
+    wait_ended,
+)
+
+from auraed.api.aurae.vms import v0 as vms_pb
+from auraed.api.runtime import v1 as cri
+from auraed.client import AuraeClient
+from auraed.cri.runtime import SERVICE_NAME as RUNTIME_SERVICE
+from auraed.vms import network
+from auraed.vms.backend import CONSOLE_LOG, processes_referencing
+
+if TYPE_CHECKING:
+    from tests.support.cni import CniNetwork
+
+SERIES = ("vm", "bare", "cell")
+HANDLERS = ("vm", "cell")
+POD_PHASES = ("run_pod", "status", "stop_pod", "remove_pod")
+VCPUS = 1
+TARGET_RATIO = 1.0  # vm pod RunPodSandbox over the bare boot, p50: the issue's, for templates
+RUN_POD_TIMEOUT = 300.0  # a cold guest boot under TCG on a loaded machine
+START_TIMEOUT_S = 300
+BARE_TAIL_S = 0.2  # the bare guest powers off right after its marker: let the console catch up
+QEMU = "qemu-system-x86_64"
+
+
+# ------------------------------------------------------------------------------ the runtime
+
+
+class VmAuraed(Auraed):
+    """cri.py's Auraed serving ``vm`` pods too: the guest image, the host CA's key, a pool."""
+
+    def __init__(self, root: Path, network: CniNetwork, image: Path, memory_mib: int, made: Made) -> None:
+        pki = make_pki(root)
+        super().__init__(
+            root,
+            network,
+            None,
+            "--guest-image", str(image),
+            "--ca-key", str(pki.ca_key),
+            "--vm-address-pool", str(free_pool()),
+            "--cri-vm-memory-mib", str(memory_mib),
+            "--cri-vm-vcpus", str(VCPUS),
+            pki=pki,
+        )  # fmt: skip
+        self.made = made  # the bare VMs, for the clean-up of last resort
+
+    @property
+    def vms_dir(self) -> Path:
+        return self.root / "run" / "vms"
+
+    def leftover_processes(self) -> list[Process]:
+        """Monitors and pod inits (cri.py's), and any process naming a VM's run directory (QEMU)."""
+        vmms = set(processes_referencing(self.vms_dir))
+        return [*super().leftover_processes(), *(p for p in processes() if p.pid in vmms)]
+
+    def leftovers_on_host(self) -> dict[str, list[str]]:
+        """VM run directories, pod directories, and taps one of this daemon's VMs owns."""
+        pods_dir = self.root / "run" / "pods"
+        return {
+            "vm_run_dirs": entries(self.vms_dir),
+            "pod_dirs": entries(pods_dir),
+            "vm_taps": taps_owned_under(self.root),
+        }
+
+    def cleanup(self) -> None:
+        """The daemon stopped (it leaves its VMs running: that is how they outlive a restart),
+        then any QEMU still naming a VM's run directory killed, then the mounts detached."""
+        try:
+            self.daemon.cleanup()
+        finally:
+            try:
+                last_resort(self.daemon, self.made)
+            finally:
+                unmount_under(self.root)
+
+
+def entries(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+
+
+def taps_owned_under(root: Path) -> list[str]:
+    """Host taps whose owner alias (``auraed-vm <run dir>``) names a run directory below ``root``."""
+    found = []
+    for name in sorted(network.link_names()):
+        if network.TAP_NAME.match(name):
+            owner = network.tap_owner(name) or ""
+            if owner.startswith(f"auraed-vm {root}/"):
+                found.append(f"{name} ({owner})")
+    return found
+
+
+# ------------------------------------------------------------------------------ consoles
+
+
+class Console(ConsoleWatch):
+    """guest.py's ConsoleWatch on a file found once it exists; notes when it first appears."""
+
+    def __init__(self, find: Callable[[], Path | None], markers: dict[str, str]) -> None:
+        super().__init__(Path(), markers)
+        self._find = find
+        self.appeared: float | None = None
+
+    def _scan(self, now: float) -> None:
+        if self.appeared is None:
+            found = self._find()
+            if found is None or not found.exists():
+                return
+            self.path, self.appeared = found, now
+        super()._scan(now)
+
+
+def new_pod_console(vms_dir: Path) -> Callable[[], Path | None]:
+    """The console of the first pod VM (``pod-<id>``) that was not there yet."""
+    before = set(entries(vms_dir))
+
+    def find() -> Path | None:
+        for run_dir in vms_dir.glob("pod-*"):
+            if run_dir.name not in before:
+                return run_dir / CONSOLE_LOG
+        return None
+
+    return find
+
+
+def booted(name: str, total: float, console: Console, t0: float) -> Booted:
+    """What guest.py's phase splitters read, with times since ``t0`` (our first RPC's send)."""
+    text = read_console(console.path) if console.appeared is not None else ""
+    return Booted(
+        name=name,
+        address="",
+        allocate_s=0.0,
+        start_wall_s=total,
+        reported_ready_ms=0,
+        arrivals={key: when - t0 for key, (when, _) in console.seen.items()},
+        lines={key: line for key, (_, line) in console.seen.items()},
+        console=text,
+    )
+
+
+def host_side_split(phases: dict[str, float], console: Console, t0: float) -> dict[str, float]:
+    """guest.py's phases renamed for a whole boot: ``total``, and its VMM-and-firmware phase split
+    where the console file appears (QEMU started: before it, the host's own work)."""
+    out = {"total": phases.pop("total_start_rpc")}
+    until_kernel = phases.pop("vmm_and_firmware_until_kernel_clock_starts")
+    if console.appeared is not None:
+        out["host_until_qemu_console"] = console.appeared - t0
+        out["qemu_and_firmware_until_kernel_clock"] = until_kernel - out["host_until_qemu_console"]
+    return out | phases
+
+
+# ------------------------------------------------------------------------------ the series
+
+
+async def pod_only(
+    runtime: VmAuraed,
+    setup: Setup,
+    handler: str,
+    name: str,
+    while_ready: Callable[[Pod], Awaitable[None]] | None = None,
+) -> tuple[dict[str, float], dict[str, float] | None]:
+    """One pod's RunPodSandbox, PodSandboxStatus (READY with an IP), StopPodSandbox and
+    RemovePodSandbox, seconds per RPC and their sum; for a vm pod, its boot's phases too.
+    ``while_ready`` runs (untimed) between the status and the stop."""
+    pod = setup.pod(name)
+    await asyncio.to_thread(pod.prepare)
+    client = runtime.client
+    console = Console(new_pod_console(runtime.vms_dir), GUEST_MARKERS) if handler == "vm" else None
+    durations: dict[str, float] = {}
+    try:
+        if console is not None:
+            console.start()
+        try:
+            request = cri.RunPodSandboxRequest(config=pod.config(), runtime_handler=handler)
+            t0 = time.monotonic()
+            reply = await client.call(RUNTIME_SERVICE, "RunPodSandbox", request, RUN_POD_TIMEOUT)
+            durations["run_pod"] = time.monotonic() - t0
+        finally:
+            if console is not None:
+                await console.stop()
+        pod.pod_id = reply.pod_sandbox_id
+        start = time.monotonic()
+        await check_pod_network(client, pod, setup.network)
+        durations["status"] = time.monotonic() - start
+        if while_ready is not None:
+            await while_ready(pod)
+        for phase, method, teardown_request in teardown("", pod.pod_id):
+            start = time.monotonic()
+            await call(client, method, teardown_request)
+            durations[phase] = time.monotonic() - start
+    finally:
+        await asyncio.to_thread(pod.clean)
+    durations["total"] = sum(durations[p] for p in POD_PHASES)
+    if console is None:
+        return durations, None
+    boot = booted(name, durations["run_pod"], console, t0)
+    try:
+        return durations, host_side_split(guest_phases(boot), console, t0)
+    except RuntimeError as error:  # markers missing: the boot's total stands, its split does not
+        print(f"cri_vm: {name}: {error}", file=sys.stderr)
+        return durations, {"total": durations["run_pod"]}
+
+
+async def bare_boot(
+    aurae: AuraeClient, runtime: VmAuraed, image: Path, memory_mib: int, name: str
+) -> dict[str, float]:
+    """Allocate + Start (until the bare marker) of the bare VM, its phases; freed once off."""
+    console = Console(lambda: runtime.vms_dir / name / CONSOLE_LOG, BARE_MARKERS)
+    console.start()
+    try:
+        t0 = time.monotonic()
+        await allocate(aurae, bare_vm(name, image, memory_mib), runtime.made)
+        allocated = time.monotonic() - t0
+        request = vms_pb.VmServiceStartRequest(
+            name=name, wait_for_console=BARE_MARKER, timeout_ms=START_TIMEOUT_S * 1000
+        )
+        await aurae.call(VMS, "Start", request, timeout=START_TIMEOUT_S + 30)
+        total = time.monotonic() - t0
+        await asyncio.sleep(BARE_TAIL_S)
+    finally:
+        await console.stop()
+    reason = await wait_ended(aurae, name)
+    await free_vm(aurae, name, runtime.made)
+    if "powered off" not in reason:
+        raise RuntimeError(f"bare VM {name} ended with {reason!r}")
+    phases = host_side_split(bare_phases(booted(name, total, console, t0)), console, t0)
+    return {"total": phases.pop("total"), "allocate_rpc": allocated, **phases}
+
+
+class GuestCheck:
+    """While a warm-up vm pod is READY: its guest as the VmService lists it, QEMU's accelerator."""
+
+    def __init__(self, aurae: AuraeClient, runtime: VmAuraed) -> None:
+        self.aurae = aurae
+        self.runtime = runtime
+        self.seen: dict[str, Any] = {}
+
+    async def __call__(self, pod: Pod) -> None:
+        listing = await self.aurae.call(VMS, "List", vms_pb.VmServiceListRequest(), timeout=30)
+        pods = [s for s in listing.vms if s.vm.name.startswith("pod-")]
+        if len(pods) != 1:
+            raise RuntimeError(f"{pod.name}: {len(pods)} pod VMs listed while it runs, not 1")
+        vm = pods[0].vm
+        argv = qemu_argv(self.runtime.vms_dir / vm.name)
+        self.seen = {
+            "vcpus": vm.vcpus,
+            "memory_mib": vm.memory_mib,
+            "accelerator": argv[argv.index("-accel") + 1] if "-accel" in argv[:-1] else "",
+        }
+
+
+def qemu_argv(run_dir: Path) -> list[str]:
+    """The command line of the QEMU naming ``run_dir`` (empty when none)."""
+    for pid in processes_referencing(run_dir):
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            if Path(argv[0]).name == QEMU:
+                return argv
+    return []
+
+
+async def run(args: argparse.Namespace, runtime: VmAuraed, setup: Setup, image: Path) -> dict[str, Any]:
+    """Warm-up, the rotating rounds, the leak check; whatever happens, pods and VMs removed."""
+    series: dict[str, list[dict[str, float]]] = {s: [] for s in SERIES}
+    boots: dict[str, list[dict[str, float]]] = {"vm": [], "bare": []}
+    runs: list[dict[str, Any]] = []
+    async with runtime.daemon.client() as aurae:
+        check = GuestCheck(aurae, runtime)
+
+        async def one(
+            kind: str, name: str, ready: Callable[[Pod], Awaitable[None]] | None
+        ) -> tuple[dict[str, float], dict[str, float] | None]:
+            if kind == "bare":
+                phases = await bare_boot(aurae, runtime, image, args.memory_mib, name)
+                return phases, phases
+            return await pod_only(runtime, setup, kind, name, ready)
+
+        try:
+            await runtime.connect()
+            before = baseline(runtime, setup.pods_base)
+            for i in range(args.warmup):
+                for kind in SERIES:
+                    await one(kind, f"{kind}-w{i}", check if kind == "vm" else None)
+            for i in range(args.iterations):
+                for kind in SERIES[i % len(SERIES) :] + SERIES[: i % len(SERIES)]:
+                    await asyncio.sleep(args.gap_ms / 1000)
+                    measured, phases = await one(kind, f"{kind}-{i}", None)
+                    series[kind].append(measured)
+                    if phases is not None and kind in boots:
+                        boots[kind].append(phases)
+                    runs.append({"kind": kind, "round": i, "total_ms": round(measured["total"] * 1000, 1)})
+                    if not args.json_only:
+                        print(f"  round {i}: {kind} {measured['total']:.2f} s", file=sys.stderr)
+            left = await leaks(runtime, setup, before)
+            listed = await aurae.call(VMS, "List", vms_pb.VmServiceListRequest(), timeout=30)
+            if listed.vms:
+                left["left"]["vms_listed"] = [s.vm.name for s in listed.vms]
+                left["clean"] = False
+        finally:
+            if runtime.connected:
+                await remove_everything(runtime.client)
+            for name in list(runtime.made.vms):
+                with contextlib.suppress(Exception):
+                    await free_vm(aurae, name, runtime.made)
+            await runtime.close()
+    return {
+        "version": runtime.version,
+        "series": series,
+        "boots": boots,
+        "runs": runs,
+        "vm_pod_guest": check.seen,
+        "leaks_after_rounds": left,
+    }
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def stats_of(samples: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per key, the summary of every sample holding it (a boot whose markers were missed has
+    only its total)."""
+    keys = list(dict.fromkeys(k for s in samples for k in s))
+    return {k: summarize([s[k] for s in samples if k in s]) for k in keys}
+
+
+def report(
+    args: argparse.Namespace,
+    results: dict[str, Any],
+    *,
+    machine: dict[str, Any],
+    source: dict[str, Any],
+    image: Path,
+    network: CniNetwork,
+) -> dict[str, Any]:
+    lifecycle = {h: stats_of(results["series"][h]) for h in HANDLERS}
+    boots = {k: stats_of(v) for k, v in results["boots"].items()}
+    run_pod = {"vm": lifecycle["vm"]["run_pod"], "bare": boots["bare"]["total"]}
+    boot_ratio = ratio(run_pod["vm"]["p50_ms"], run_pod["bare"]["p50_ms"])
+    lifecycle_ratios = {
+        phase: ratio(lifecycle["vm"][phase]["p50_ms"], lifecycle["cell"][phase]["p50_ms"])
+        for phase in (*POD_PHASES, "total")
+    }
+    clean = bool(results["leaks_after_rounds"]["clean"])
+    result: dict[str, Any] = {
+        "benchmark": "cri_vm",
+        "machine": machine,
+        "source": source,
+        "guest_image": image_facts(image),
+        "iterations": args.iterations,
+        "warmup": args.warmup,
+        "gap_ms": args.gap_ms,
+        "memory_mib": args.memory_mib,
+        "vcpus": VCPUS,
+        "boot": "cold",
+        "version": results["version"],
+        "vm_pod_guest": results["vm_pod_guest"],
+        "cni": {"subnet": str(network.subnet), "plugins": plugin_chain(network)},
+        "run_pod": run_pod,
+        "ratio_p50_run_pod_vm_over_bare": boot_ratio,
+        "ratio_min_run_pod_vm_over_bare": ratio(run_pod["vm"]["min_ms"], run_pod["bare"]["min_ms"]),
+        "boot_phases": boots,
+        "pod_lifecycle": lifecycle,
+        "ratio_p50_pod_lifecycle_vm_over_cell": lifecycle_ratios,
+        "runs": results["runs"],
+        "leaks_after_rounds": results["leaks_after_rounds"],
+        "target": {
+            "ratio_p50_run_pod_over_bare_at_most": TARGET_RATIO,
+            "applies_to": "template boots (not measured: guest templates do not exist yet)",
+            "cold_result": verdict(boot_ratio <= TARGET_RATIO),
+            "nothing_leaked": verdict(clean),
+        },
+    }
+    if not args.json_only:
+        print_report(args, result)
+    return result
+
+
+def stat_row(label: str, stats: dict[str, float]) -> list[object]:
+    return [label, stats["p50_ms"], stats["min_ms"], stats["max_ms"]]
+
+
+def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    run_pod, boots, lifecycle = result["run_pod"], result["boot_phases"], result["pod_lifecycle"]
+    print_table(
+        f"Cold vm pod RunPodSandbox vs a bare boot of the same kernel (ms), {args.iterations} each, "
+        f"{args.memory_mib} MiB, {VCPUS} vCPU",
+        ["series", "p50", "min", "max"],
+        [
+            stat_row("vm pod: RunPodSandbox until the guest serves", run_pod["vm"]),
+            stat_row("bare: Allocate + Start until its marker", run_pod["bare"]),
+        ],
+    )
+    rows = [stat_row(f"{kind}: {phase}", stats) for kind in boots for phase, stats in boots[kind].items()]
+    print_table(
+        "Where the boots go (ms; p50s do not add up to the total's)",
+        ["series: phase", "p50", "min", "max"],
+        rows,
+    )
+    ratios = result["ratio_p50_pod_lifecycle_vm_over_cell"]
+    print_table(
+        f"Pod-only lifecycle (ms per RPC), {args.iterations} pods per handler",
+        ["RPC", "vm p50", "vm min", "vm max", "cell p50", "cell min", "cell max", "ratio p50"],
+        [
+            [
+                phase,
+                *(lifecycle[h][phase][f"{stat}_ms"] for h in HANDLERS for stat in ("p50", "min", "max")),
+                ratios[phase],
+            ]
+            for phase in (*POD_PHASES, "total")
+        ],
+    )
+    found = result["leaks_after_rounds"]
+    target = result["target"]
+    cold = result["ratio_p50_run_pod_vm_over_bare"]
+    met = "met" if target["cold_result"] == "PASS" else "NOT met"
+    print_lines(
+        [
+            f"vm pod guest: {result['vm_pod_guest']}",
+            f"after the rounds: {'nothing left' if found['clean'] else 'LEFT ' + str(found['left'])} "
+            f"({found['settled_ms']} ms)",
+            f"ratio vm pod RunPodSandbox / bare boot, p50: {cold}x (cold; min/min "
+            f"{result['ratio_min_run_pod_vm_over_bare']}x)",
+            f"target <= {TARGET_RATIO}x is for template boots, which do not exist yet: cold, it is {met}",
+            f"ratio vm / cell pod-only lifecycle, p50: {ratios['total']}x",
+            f"nothing leaked: {target['nothing_leaked']}",
+        ]
+    )
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--iterations", type=int, default=5, help="measured rounds (default 5)")
+    parser.add_argument("--warmup", type=int, default=1, help="warm-up rounds (default 1)")
+    parser.add_argument("--gap-ms", type=int, default=500, help="idle time before each (default 500)")
+    parser.add_argument(
+        "--memory-mib", type=int, default=768, help="MiB of the pods' guests and the bare VM (default 768)"
+    )
+    parser.add_argument("--guest-image", help="guest image directory (default: guest-image/build)")
+    parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
+    args = parser.parse_args()
+    if args.iterations < 1 or args.warmup < 0 or args.gap_ms < 0 or args.memory_mib < 64:
+        parser.error("--iterations must be positive, --warmup and --gap-ms not negative, --memory-mib >= 64")
+    if os.geteuid() != 0:
+        parser.exit(2, "cri_vm: needs root (pods: namespaces, cgroups, mounts, CNI; taps, QEMU)\n")
+    if shutil.which(QEMU) is None:
+        parser.exit(2, f"cri_vm: {QEMU} is not installed (qemu-system-x86)\n")
+    tests_support()
+    from tests.support.cni import missing_plugins
+
+    if missing_plugins():
+        parser.exit(
+            2, f"cri_vm: CNI plugins missing: {', '.join(missing_plugins())} (containernetworking-plugins)\n"
+        )
+    return args
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole run, set up and, whatever happens, cleaned up; the result."""
+    tests_support()
+    from tests.support.cni import cni_network
+
+    machine = machine_info()  # now: the load before this run's own guests
+    source = source_state()
+    image = guest_image_dir(args.guest_image)
+    pods_base = f"aurae-bench-cri-vm-{os.getpid()}"
+    with temp_dir("auraed-bench-cri-vm-") as root, cni_network(root) as network:
+        network.write(network.conflist())
+        runtime = VmAuraed(root / "auraed", network, image, args.memory_mib, Made())
+        try:
+            runtime.start()
+            setup = Setup("", network, root / "pods", pods_base)
+            results = asyncio.run(run(args, runtime, setup, image))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                sys.stderr.write(f"--- auraed log (tail)\n{runtime.log()[-4000:]}\n")
+            raise
+        finally:
+            with contextlib.suppress(Exception):
+                runtime.cleanup()
+            remove_cgroup_base(pods_base)
+        return report(args, results, machine=machine, source=source, image=image, network=network)
+
+
+def main() -> None:
+    args = parse_args()
+    exit_on_sigterm()
+    print_json(measure(args))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)
