@@ -29,7 +29,7 @@ from auraed.cri.containers import (
     PodUsage,
 )
 from auraed.cri.errors import CriError
-from auraed.cri.model import MAX_NAME, PodRecord, labels
+from auraed.cri.model import PodRecord, labels, plausible_id
 from auraed.cri.pods import Pods
 from auraed.wire.handlers import Context
 
@@ -55,14 +55,6 @@ MAX_EXEC_TIMEOUT = 365 * 24 * 3600  # seconds; anything longer is a mistake, not
 
 PodStatus = Callable[[PodRecord], cri.PodSandboxStatus]
 """A pod's PodSandboxStatus, as the pod RPCs report it (events carry it; None: they do not)."""
-
-
-def _id(value: str, field: str) -> str:
-    if not value:
-        raise CriError.invalid(field, "is required")
-    if len(value) > MAX_NAME or "\0" in value:
-        raise CriError.invalid(field, "is not a plausible id")
-    return value
 
 
 # -- typed values -> messages ------------------------------------------------------------------
@@ -261,7 +253,7 @@ class ContainerRpcs:
     async def create_container(
         self, request: cri.CreateContainerRequest, context: Context
     ) -> cri.CreateContainerResponse:
-        pod = self._pods.get(_id(request.pod_sandbox_id, "pod_sandbox_id"))
+        pod = self._pods.get(plausible_id(request.pod_sandbox_id, "pod_sandbox_id"))
         spec = await asyncio.to_thread(container_spec, request.config, pod.spec)
         container = await self._containers.create(pod, spec)
         return cri.CreateContainerResponse(container_id=container.record.id)
@@ -269,19 +261,20 @@ class ContainerRpcs:
     async def start_container(
         self, request: cri.StartContainerRequest, context: Context
     ) -> cri.StartContainerResponse:
-        await self._containers.start(_id(request.container_id, "container_id"))
+        await self._containers.start(plausible_id(request.container_id, "container_id"))
         return cri.StartContainerResponse()
 
     async def stop_container(
         self, request: cri.StopContainerRequest, context: Context
     ) -> cri.StopContainerResponse:
-        await self._containers.stop(_id(request.container_id, "container_id"), max(request.timeout, 0))
+        container_id = plausible_id(request.container_id, "container_id")
+        await self._containers.stop(container_id, max(request.timeout, 0))
         return cri.StopContainerResponse()
 
     async def remove_container(
         self, request: cri.RemoveContainerRequest, context: Context
     ) -> cri.RemoveContainerResponse:
-        await self._containers.remove(_id(request.container_id, "container_id"))
+        await self._containers.remove(plausible_id(request.container_id, "container_id"))
         return cri.RemoveContainerResponse()
 
     # -- lists and status --------------------------------------------------------------------
@@ -302,7 +295,7 @@ class ContainerRpcs:
     async def container_status(
         self, request: cri.ContainerStatusRequest, context: Context
     ) -> cri.ContainerStatusResponse:
-        container = self._containers.get(_id(request.container_id, "container_id"))
+        container = self._containers.get(plausible_id(request.container_id, "container_id"))
         info: dict[str, str] = {}
         if request.verbose:
             info["info"] = json.dumps(
@@ -327,13 +320,13 @@ class ContainerRpcs:
         self, request: cri.UpdateContainerResourcesRequest, context: Context
     ) -> cri.UpdateContainerResourcesResponse:
         limits = resources(request.linux, "linux")
-        await self._containers.update_resources(_id(request.container_id, "container_id"), limits)
+        await self._containers.update_resources(plausible_id(request.container_id, "container_id"), limits)
         return cri.UpdateContainerResourcesResponse()
 
     async def reopen_container_log(
         self, request: cri.ReopenContainerLogRequest, context: Context
     ) -> cri.ReopenContainerLogResponse:
-        await self._containers.reopen_log(_id(request.container_id, "container_id"))
+        await self._containers.reopen_log(plausible_id(request.container_id, "container_id"))
         return cri.ReopenContainerLogResponse()
 
     async def exec_sync(self, request: cri.ExecSyncRequest, context: Context) -> cri.ExecSyncResponse:
@@ -342,7 +335,7 @@ class ContainerRpcs:
         if not 0 <= request.timeout <= MAX_EXEC_TIMEOUT:
             raise CriError.invalid("timeout", f"must be 0 (none) to {MAX_EXEC_TIMEOUT} seconds")
         result = await self._containers.exec_sync(
-            _id(request.container_id, "container_id"), list(request.cmd), request.timeout or None
+            plausible_id(request.container_id, "container_id"), list(request.cmd), request.timeout or None
         )
         return cri.ExecSyncResponse(stdout=result.stdout, stderr=result.stderr, exit_code=result.exit_code)
 
@@ -351,7 +344,7 @@ class ContainerRpcs:
     async def container_stats(
         self, request: cri.ContainerStatsRequest, context: Context
     ) -> cri.ContainerStatsResponse:
-        container = self._containers.get(_id(request.container_id, "container_id"))
+        container = self._containers.get(plausible_id(request.container_id, "container_id"))
         return cri.ContainerStatsResponse(stats=stats_message(await self._containers.usage(container)))
 
     async def _stats(self, request_filter: cri.ContainerStatsFilter | None) -> list[cri.ContainerStats]:
@@ -370,7 +363,7 @@ class ContainerRpcs:
     async def pod_sandbox_stats(
         self, request: cri.PodSandboxStatsRequest, context: Context
     ) -> cri.PodSandboxStatsResponse:
-        pod = self._pods.get(_id(request.pod_sandbox_id, "pod_sandbox_id"))
+        pod = self._pods.get(plausible_id(request.pod_sandbox_id, "pod_sandbox_id"))
         return cri.PodSandboxStatsResponse(stats=pod_stats_message(await self._containers.pod_usage(pod)))
 
     async def _pod_stats(self, request_filter: cri.PodSandboxStatsFilter | None) -> list[cri.PodSandboxStats]:

@@ -341,3 +341,13 @@ def pod_spec(config: cri.PodSandboxConfig | None, runtime_handler: str) -> PodSp
         privileged=bool(context and context.privileged),
         runtime_handler=_text(runtime_handler, "runtime_handler", limit=MAX_NAME),
     )
+
+
+def plausible_id(value: str, field: str) -> str:
+    """A pod's or container's id as a request names it (or a prefix of it): required, and no
+    longer than a name, without NUL; INVALID_ARGUMENT naming ``field`` otherwise."""
+    if not value:
+        raise CriError.invalid(field, "is required")
+    if len(value) > MAX_NAME or "\0" in value:
+        raise CriError.invalid(field, "is not a plausible id")
+    return value

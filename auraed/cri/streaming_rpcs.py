@@ -9,7 +9,7 @@ import dataclasses
 
 from auraed.api.runtime import v1 as cri
 from auraed.cri.errors import CriError
-from auraed.cri.model import MAX_NAME, PodState
+from auraed.cri.model import PodState, plausible_id
 from auraed.cri.pods import Pods
 from auraed.cri.sessions import CriSessions
 from auraed.cri.streaming.backend import AttachRequest, ExecRequest, PortForwardRequest
@@ -22,14 +22,6 @@ MAX_ARG_BYTES = 128 * 1024
 """Longest word of an exec's command (the kernel's MAX_ARG_STRLEN)."""
 MAX_PORTS = 1024
 """Most ports one PortForward may name."""
-
-
-def _id(value: str, field: str) -> str:
-    if not value:
-        raise CriError.invalid(field, "is required")
-    if len(value) > MAX_NAME or "\0" in value:
-        raise CriError.invalid(field, "is not a plausible id")
-    return value
 
 
 def _command(words: list[str]) -> tuple[str, ...]:
@@ -73,7 +65,7 @@ class StreamingRpcs:
         self._pods = pods
 
     async def exec(self, request: cri.ExecRequest, context: Context) -> cri.ExecResponse:
-        container_id = _id(request.container_id, "container_id")
+        container_id = plausible_id(request.container_id, "container_id")
         cmd = _command(list(request.cmd))
         _streams(request.stdin, request.stdout, request.stderr, request.tty)
         wanted = ExecRequest(
@@ -87,7 +79,7 @@ class StreamingRpcs:
         return cri.ExecResponse(url=self._server.url_for(wanted))
 
     async def attach(self, request: cri.AttachRequest, context: Context) -> cri.AttachResponse:
-        container_id = _id(request.container_id, "container_id")
+        container_id = plausible_id(request.container_id, "container_id")
         _streams(request.stdin, request.stdout, request.stderr, request.tty)
         wanted = AttachRequest(
             container_id=container_id,
@@ -103,7 +95,7 @@ class StreamingRpcs:
     async def port_forward(
         self, request: cri.PortForwardRequest, context: Context
     ) -> cri.PortForwardResponse:
-        pod_id = _id(request.pod_sandbox_id, "pod_sandbox_id")
+        pod_id = plausible_id(request.pod_sandbox_id, "pod_sandbox_id")
         ports = _ports(list(request.port))
         pod = self._pods.get(pod_id)
         if pod.state != PodState.READY:
