@@ -224,20 +224,24 @@ def create_network_namespace(path: str | os.PathLike[str]) -> None:
     in_new_thread(worker)
 
 
+def enter_network_namespace(path: str | os.PathLike[str]) -> None:
+    """Move the calling thread into the network namespace pinned at ``path``: only ever on a
+    short-lived thread of its own (in_new_thread), which the namespace then dies with."""
+    fd = os.open(os.fspath(path), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        setns(fd, CLONE_NEWNET)
+    finally:
+        os.close(fd)
+
+
 def socket_in_network_namespace(path: str | os.PathLike[str], family: int, kind: int) -> socket.socket:
     """A new socket of the network namespace pinned at ``path``: made on a short-lived thread
     that enters the namespace, so that neither the caller's thread nor a pool's is moved. A
     socket belongs to the namespace it was made in for its whole life, whichever thread uses it."""
     import socket
 
-    target = os.fspath(path)
-
     def worker() -> socket.socket:
-        fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            setns(fd, CLONE_NEWNET)
-        finally:
-            os.close(fd)
+        enter_network_namespace(path)
         return socket.socket(family, kind)
 
     return in_new_thread(worker)

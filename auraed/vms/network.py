@@ -332,15 +332,11 @@ def open_tap_in(netns: str, tap: str) -> int:
     import fcntl
     import struct
 
-    from auraed.system.namespaces import CLONE_NEWNET, setns
+    from auraed.system.namespaces import enter_network_namespace
     from auraed.system.threads import in_new_thread
 
     def worker() -> int:
-        ns_fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            setns(ns_fd, CLONE_NEWNET)
-        finally:
-            os.close(ns_fd)
+        enter_network_namespace(netns)
         fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
         try:
             request = struct.pack("16sH", tap.encode(), IFF_TAP | IFF_NO_PI | IFF_VNET_HDR)

@@ -19,7 +19,7 @@ import dataclasses
 import os
 from typing import Any
 
-from auraed.system.namespaces import CLONE_NEWNET, setns
+from auraed.system.namespaces import enter_network_namespace
 from auraed.system.threads import in_new_thread
 from auraed.vms.errors import VmError
 
@@ -35,14 +35,6 @@ class PodNic:
 
     mac: str
     mtu: int
-
-
-def _enter(netns: str) -> None:
-    fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        setns(fd, CLONE_NEWNET)
-    finally:
-        os.close(fd)
 
 
 def _index(ipr: Any, name: str) -> int:
@@ -75,7 +67,7 @@ def join_tap(netns: str, ifname: str, tap: str) -> PodNic:
     from pyroute2 import IPRoute
 
     def worker() -> PodNic:
-        _enter(netns)
+        enter_network_namespace(netns)
         with IPRoute() as ipr:
             interface = _index(ipr, ifname)
             link = ipr.get_links(interface)[0]
@@ -117,7 +109,7 @@ def unjoin_tap(netns: str, ifname: str, tap: str) -> None:
         return
 
     def worker() -> None:
-        _enter(netns)
+        enter_network_namespace(netns)
         with IPRoute() as ipr:
             found = ipr.link_lookup(ifname=ifname)
             _remove(ipr, tap, int(found[0]) if found else None)
