@@ -13,6 +13,10 @@ from typing import NamedTuple
 # found by its virtio serial, not by its place (/dev/vdb is the first extra disk).
 GUEST_CONFIG_SERIAL = "config"
 GUEST_CONFIG_DISK = f"serial={GUEST_CONFIG_SERIAL}"
+# A host directory shared with the guest over virtio-fs (a pod's volumes): its tag, named by
+# ``auraed.share=``, and where the guest's PID 1 mounts it.
+SHARE_TAG = "aurae-share"
+SHARE_MOUNT = "/run/aurae/share"
 
 
 class BootArgs(NamedTuple):
@@ -25,6 +29,7 @@ class BootArgs(NamedTuple):
     iface: str = "eth0"
     config_disk: str = ""
     poweroff: bool = False
+    share: str = ""  # a virtio-fs tag to mount at SHARE_MOUNT
 
     @classmethod
     def parse(cls, cmdline: str) -> BootArgs:
@@ -43,6 +48,7 @@ class BootArgs(NamedTuple):
             iface=values.get("iface", "") or "eth0",
             config_disk=values.get("config_disk", ""),
             poweroff=values.get("poweroff", "").lower() in ("1", "yes", "on", "true"),
+            share=values.get("share", ""),
         )
 
     @property

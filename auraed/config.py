@@ -153,6 +153,10 @@ class DaemonConfig:
     vm_machine: str = field(default="microvm", metadata=_help("QEMU machine type: microvm or q35"))
     vm_guest_port: int = field(default=8443, metadata=_help("port the guests' auraed listens on (mTLS)"))
     qemu_binary: str = field(default="qemu-system-x86_64", metadata=_help("QEMU system emulator"))
+    virtiofsd_binary: str = field(
+        default="/usr/lib/qemu/virtiofsd",
+        metadata=_help("virtiofsd serving a vm pod's volumes to its guest (Debian's qemu-system-common)"),
+    )
     cloud_hypervisor_binary: str = field(
         default="cloud-hypervisor", metadata=_help("cloud-hypervisor binary (used only when KVM works)")
     )
@@ -178,10 +182,11 @@ class DaemonConfig:
         ),
     )
     cri_default_handler: str = field(
-        default="cell",
+        default="auto",
         metadata=_help(
             "runtime handler of a pod that names no RuntimeClass: cell (pinned namespaces on the "
-            "host), vm (a guest VM per pod), or auto (vm unless the pod asks for a host namespace)"
+            "host), vm (a guest VM per pod), or auto (vm unless the pod asks for a host namespace "
+            "or there is no guest image, then cell)"
         ),
     )
     cri_vm_vcpus: int = field(

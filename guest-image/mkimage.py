@@ -66,7 +66,7 @@ PACKAGES = ("busybox-static", "crun", *PYTHON_PACKAGES, *LIBRARY_PACKAGES)
 INITRAMFS_MODULES = (
     "virtio_ring", "virtio", "virtio_mmio", "virtio_pci_modern_dev", "virtio_pci_legacy_dev",
     "virtio_pci", "virtio_blk", "failover", "net_failover", "virtio_net", "squashfs", "crc32c-intel",
-    "libcrc32c", "erofs", "overlay", "virtio-rng",
+    "libcrc32c", "erofs", "overlay", "virtio-rng", "fuse", "virtiofs",
 )  # fmt: skip
 # Also in the root image's /lib/modules/<release> (at their modules.dep paths, with a modules.dep)
 # for PID 1 to load when it needs them: the ACPI power button and evdev (auraed/init/powerbutton.py),

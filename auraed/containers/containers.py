@@ -26,6 +26,7 @@ from auraed.containers.errors import ContainerError
 from auraed.containers.exec import ExecSession
 from auraed.containers.model import ContainerRecord, State
 from auraed.containers.oci_spec import build_spec, image_runtime_config, resource_limits, stop_signal
+from auraed.containers.pid_groups import PidGroups
 from auraed.containers.request import ContainerRequest, Resources, SpecError, check_path
 from auraed.containers.rootfs import Snapshotter
 from auraed.containers.runtime import OciRuntime, OciRuntimeError
@@ -45,6 +46,8 @@ from auraed.system.tasks import run_to_end
 log = logging.getLogger(__name__)
 
 KIND = "container"
+PID_GROUPS_DIR = "pid-groups"
+"""Beside the consoles' directory (in the runtime dir): the shared PID namespaces' pins."""
 KILL_WAIT = 30.0  # seconds to wait for a SIGKILLed container to be reaped
 ENDED_BEFORE_START = "its process ended before it was started"
 ID_BYTES = 16  # a container id is this many random bytes in hex: 32 lowercase hex digits
@@ -108,9 +111,11 @@ class Containers:
         sockets_dir: Path,
         default_stop_timeout: float,
         log_watch: LogWatch | None = None,
+        pid_groups: PidGroups | None = None,
     ) -> None:
         self._log_watch = log_watch  # wakes Logs followers (None: they poll)
         self._sockets_dir = sockets_dir
+        self.pid_groups = pid_groups or PidGroups(sockets_dir.parent / PID_GROUPS_DIR)
         self._store = store
         self._images = images
         self._snapshotter = snapshotter
@@ -563,6 +568,8 @@ class Containers:
                     f"container {record.name} is {record.state}; stop it or force"
                 )
             await run_to_end(self._delete(record, keep_logs))
+        in_use = any(r.sandbox_id == record.sandbox_id for r in self._records.values())
+        await asyncio.to_thread(self.pid_groups.release, record.sandbox_id, in_use)
 
     async def _delete(self, record: ContainerRecord, keep_logs: bool) -> None:
         if record.state == State.RUNNING:
@@ -690,6 +697,7 @@ class Containers:
                 "cpu_usage_usec": cpu.get("usage_usec", 0),
                 "cpu_throttled_usec": cpu.get("throttled_usec", 0),
                 "memory_current": self._cgroups.memory_current(path),
+                "memory_working_set": self._cgroups.memory_working_set(path),
                 "memory_max": self._cgroups.memory_max(path) or 0,
                 "pids_current": self._cgroups.pids_current(path),
                 "pids_max": self._cgroups.pids_max(path) or 0,

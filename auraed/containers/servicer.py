@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from auraed.api.aurae.containers import v0 as pb
@@ -18,6 +20,7 @@ from auraed.containers.errors import ContainerError
 from auraed.containers.exec import ExecSession
 from auraed.containers.model import ContainerRecord, State
 from auraed.containers.oci_spec import exec_process, image_runtime_config, resolve_user
+from auraed.containers.pid_groups import PidGroups
 from auraed.containers.request import (
     ContainerRequest,
     Hook,
@@ -29,6 +32,7 @@ from auraed.containers.request import (
     SpecError,
     parse_signal,
 )
+from auraed.containers.sandbox import HOST_LOCAL, SandboxContext
 from auraed.images.images import Images, PullProgress
 from auraed.images.model import ImageRecord
 from auraed.names import seconds_from_ms, validate_label
@@ -113,6 +117,21 @@ def container_request(config: pb.ContainerConfig) -> ContainerRequest:
         stop_signal=config.stop_signal,
         host_network=config.host_network,
     )
+
+
+MACHINE_NAMESPACES = Path("/proc/1/ns")
+"""The namespaces of the machine's init (auraed itself in a guest), of which host_ipc joins the
+IPC one."""
+
+
+def container_sandbox(config: pb.ContainerConfig, groups: PidGroups) -> SandboxContext:
+    """A container on its own, but for the machine's IPC namespace and a group's PID namespace
+    where asked: in a pod's guest VM, the pod's, shared by its containers."""
+    sandbox = groups.sandbox(config.shared_pid) if config.shared_pid else HOST_LOCAL
+    if config.host_ipc:
+        ipc = MACHINE_NAMESPACES / "ipc"
+        sandbox = dataclasses.replace(sandbox, namespaces=dataclasses.replace(sandbox.namespaces, ipc=ipc))
+    return sandbox
 
 
 def _labels(values: dict[str, str], field: str) -> dict[str, str]:
@@ -291,6 +310,7 @@ class ContainerServicer:
             _required(config.image, "config.image"),
             _labels(config.labels, "config.labels"),
             start=request.start,
+            sandbox=await asyncio.to_thread(container_sandbox, config, self._containers.pid_groups),
         )
         return pb.ContainerServiceCreateResponse(status=status_message(record))
 

@@ -8,6 +8,7 @@ import shutil
 from auraed.config import DaemonConfig
 from auraed.containers.containers import Containers
 from auraed.containers.oci_cli import runtime_for
+from auraed.containers.pid_groups import PidGroups
 from auraed.containers.rootfs import OverlaySnapshotter
 from auraed.images.images import Images
 from auraed.observe.logfile import LogWatch
@@ -51,6 +52,7 @@ def build(
         supervisor=supervisor,
         root=config.state_dir / "containers",
         sockets_dir=config.runtime_dir / "consoles",
+        pid_groups=PidGroups(config.runtime_dir / "pid-groups"),
         default_stop_timeout=config.stop_grace_period,
         log_watch=log_watch,
     )

@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from auraed.api.runtime import v1 as cri
 from auraed.containers.model import ContainerRecord, State
 from auraed.cri.container_config import CriMount, container_spec, resources
+from auraed.cri.container_host import CgroupUsage
 from auraed.cri.containers import (
-    CgroupUsage,
     Container,
     ContainerEvent,
     ContainerFilter,

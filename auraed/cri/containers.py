@@ -21,18 +21,16 @@ import enum
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from auraed.containers.containers import Containers, spec_error
 from auraed.containers.errors import ContainerError
-from auraed.containers.exec import ExecSession
 from auraed.containers.model import ContainerRecord, State
-from auraed.containers.oci_spec import exec_process
-from auraed.containers.request import Resources, SpecError
+from auraed.containers.request import Resources
 from auraed.containers.sandbox import SandboxContext
 from auraed.cri.container_config import ContainerSpec, CriMount, ImageAsked
+from auraed.cri.container_host import CgroupUsage, ContainerHost, ProcessHandle, cgroup_usage
 from auraed.cri.errors import CriError
 from auraed.cri.images import FsUsage, FsUsageCache
 from auraed.cri.model import PodRecord, PodState
@@ -40,7 +38,7 @@ from auraed.cri.pods import MIN_PREFIX, Pods
 from auraed.cri.security import NamespaceScope
 from auraed.errors import AuraeError, ErrorKind
 from auraed.state.store import Store
-from auraed.system.cgroupfs import CgroupError, Cgroupfs
+from auraed.system.cgroupfs import Cgroupfs
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +87,7 @@ class CriContainerRecord:
     log_path: str  # absolute
     mounts: tuple[CriMount, ...]
     created_ns: int
+    handler: str = "cell"  # whose ContainerHost holds it: its pod's runtime handler
 
     def to_doc(self) -> dict[str, Any]:
         return {
@@ -103,6 +102,7 @@ class CriContainerRecord:
             "log_path": self.log_path,
             "mounts": [mount.to_doc() for mount in self.mounts],
             "created_ns": self.created_ns,
+            "handler": self.handler,
         }
 
     @classmethod
@@ -132,15 +132,6 @@ class ContainerFilter:
     states: frozenset[str] | None = None  # host states (auraed.containers.model.State)
     pod_id: str = ""
     labels: dict[str, str] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
-class CgroupUsage:
-    timestamp_ns: int
-    cpu_ns: int
-    memory_working_set: int
-    memory_usage: int
-    processes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,12 +204,15 @@ def _ns(seconds: float | None) -> int:
 
 
 class CriContainers:
-    """The pods' containers over the host's Containers (the PodContainers of auraed.cri.pods)."""
+    """The pods' containers (the PodContainers of auraed.cri.pods), each held by the
+    ContainerHost of its pod's runtime handler (``hosts``, by handler name)."""
 
-    def __init__(self, store: Store, pods: Pods, containers: Containers, cgroups: Cgroupfs) -> None:
+    def __init__(
+        self, store: Store, pods: Pods, hosts: Mapping[str, ContainerHost], cgroups: Cgroupfs
+    ) -> None:
         self._store = store
         self._pods = pods
-        self._containers = containers
+        self._hosts = dict(hosts)
         self._cgroups = cgroups
         self._records: dict[str, CriContainerRecord] = {}
         self._watchers: dict[str, asyncio.Task[None]] = {}
@@ -248,9 +242,12 @@ class CriContainers:
             raise CriError.not_found(f"container {container_id[:100]}")
         return container
 
+    def _host(self, record: CriContainerRecord) -> ContainerHost:
+        return self._hosts[record.handler]
+
     def _container(self, record: CriContainerRecord) -> Container | None:
         try:
-            return Container(record, self._containers.get(record.id))
+            return Container(record, self._host(record).get(record.id))
         except ContainerError:
             return None  # removed meanwhile
 
@@ -291,6 +288,11 @@ class CriContainers:
                 raise CriError.not_found(
                     f"target container {spec.namespaces.pid_target[:100]} (running, in this pod)"
                 )
+            if target.handler != "cell":
+                raise CriError(
+                    ErrorKind.UNIMPLEMENTED,
+                    "a PID namespace of another container is not served in vm pods yet",
+                )
             return Path(f"/proc/{host.host.pid}/ns/pid")
         return sandbox.namespaces.pid
 
@@ -298,12 +300,14 @@ class CriContainers:
         """A container in ``pod`` (which must be READY), in the pod's sandbox."""
         if pod.state is not PodState.READY:
             raise CriError.precondition(f"pod sandbox {pod.id[:13]} is not ready")
-        sandbox = dataclasses.replace(self._pods.controller(pod).container_sandbox(pod), sandbox_id=pod.id)
+        controller = self._pods.controller(pod)
+        sandbox = dataclasses.replace(controller.container_sandbox(pod), sandbox_id=pod.id)
         sandbox = dataclasses.replace(
             sandbox,
             namespaces=dataclasses.replace(sandbox.namespaces, pid=self._pid_namespace(spec, sandbox)),
         )
-        host = await self._containers.create(
+        holder = self._hosts[controller.name]
+        host = await holder.create(
             spec.request, spec.image.image, dict(spec.labels), sandbox=sandbox, log_path=spec.log_path
         )
         record = CriContainerRecord(
@@ -318,6 +322,7 @@ class CriContainers:
             log_path=str(host.log_path),
             mounts=spec.mounts,
             created_ns=_ns(host.created_at),
+            handler=controller.name,
         )
         try:
             self._save(record)
@@ -335,14 +340,14 @@ class CriContainers:
 
     async def _forget(self, record: CriContainerRecord, host: ContainerRecord) -> None:
         try:
-            await self._containers.delete(host, force=True, keep_logs=False)
-        except ContainerError as exc:
+            await self._host(record).delete(host, force=True, keep_logs=False)
+        except AuraeError as exc:
             log.warning("container %s could not be removed: %s", host.id[:13], exc)
         self._drop(record)
 
     async def start(self, container_id: str) -> Container:
         container = self.get(container_id)
-        await self._containers.start(container.host)
+        await self._host(container.record).start(container.host)
         self._publish(container.record, EventType.STARTED)
         self._watch(container)
         return container
@@ -356,7 +361,7 @@ class CriContainers:
             if not container_id:
                 raise CriError.invalid("container_id", "is required")
             return
-        await self._containers.stop(container.host, timeout)
+        await self._host(container.record).stop(container.host, timeout)
 
     async def remove(self, container_id: str) -> None:
         """Remove the container, killing it if it runs. A container that is gone is removed."""
@@ -367,7 +372,7 @@ class CriContainers:
             return
         container = self._container(record)
         if container is not None:
-            await self._containers.delete(container.host, force=True, keep_logs=False)
+            await self._host(record).delete(container.host, force=True, keep_logs=False)
         if record.id in self._records:
             self._drop(record)
             self._publish(record, EventType.DELETED)
@@ -376,13 +381,18 @@ class CriContainers:
     # -- the pod's hooks (auraed.cri.pods.PodContainers) --------------------------------------
 
     async def stop_pod_containers(self, pod: PodRecord) -> None:
-        await _all(self._containers.stop(c.host, POD_STOP_GRACE) for c in self.in_pod(pod.id))
+        await _all(self._host(c.record).stop(c.host, POD_STOP_GRACE) for c in self.in_pod(pod.id))
 
     async def remove_pod_containers(self, pod: PodRecord) -> None:
         ids = [record.id for record in self._records.values() if record.pod_id == pod.id]
         await _all(self.remove(container_id) for container_id in ids)
 
     # -- in a running container ----------------------------------------------------------------
+
+    async def wait(self, container: Container) -> None:
+        """Until the container's process ends (or it is removed)."""
+        with contextlib.suppress(ContainerError):
+            await self._host(container.record).wait(container.host)
 
     def running(self, container_id: str, what: str) -> Container:
         """The container, FAILED_PRECONDITION unless it runs (``what``: the refused action)."""
@@ -393,15 +403,11 @@ class CriContainers:
             )
         return container
 
-    async def exec(self, container_id: str, command: list[str], *, tty: bool, stdin: bool) -> ExecSession:
+    async def exec(self, container_id: str, command: list[str], *, tty: bool, stdin: bool) -> ProcessHandle:
         """Start ``command`` in the running container with the container's process defaults
         (user, env, cwd); the caller closes the session."""
         container = self.running(container_id, "exec")
-        try:
-            process = exec_process(self._containers.process_defaults(container.host), command, (), "")
-        except SpecError as exc:
-            raise spec_error(exc) from None
-        return await self._containers.exec(container.host, process, tty, stdin=stdin, size=None)
+        return await self._host(container.record).exec(container.host, command, tty=tty, stdin=stdin)
 
     async def exec_sync(self, container_id: str, command: list[str], timeout: float | None) -> ExecResult:
         """Run ``command`` in the container to its end, or kill it after ``timeout`` seconds
@@ -421,10 +427,12 @@ class CriContainers:
         return ExecResult(exit_code, stdout, stderr)
 
     async def reopen_log(self, container_id: str) -> None:
-        await self._containers.reopen_log(self.running(container_id, "reopen its log").host)
+        container = self.running(container_id, "reopen its log")
+        await self._host(container.record).reopen_log(container.host)
 
     async def update_resources(self, container_id: str, resources: Resources) -> None:
-        await self._containers.update_resources(self.get(container_id).host, resources)
+        container = self.get(container_id)
+        await self._host(container.record).update_resources(container.host, resources)
 
     async def runtime_spec(self, container: Container) -> dict[str, Any] | None:
         """The container's OCI runtime spec (its bundle's config.json), None when unreadable."""
@@ -440,36 +448,25 @@ class CriContainers:
 
     # -- stats -------------------------------------------------------------------------------
 
-    def _cgroup_usage(self, path: str) -> CgroupUsage | None:
-        try:
-            if not self._cgroups.exists(path):
-                return None
-            return CgroupUsage(
-                timestamp_ns=time.time_ns(),
-                cpu_ns=self._cgroups.cpu_stat(path).get("usage_usec", 0) * 1000,
-                memory_working_set=self._cgroups.memory_working_set(path),
-                memory_usage=self._cgroups.memory_current(path),
-                processes=self._cgroups.pids_current(path),
-            )
-        except CgroupError:
-            return None  # removed as it was read (the container ended)
-
-    def cgroup(self, container: Container) -> str:
-        """The container's cgroup, relative to the cgroup base (it exists while it runs)."""
-        return self._containers.cgroup(container.host)
+    def cgroup(self, container: Container) -> str | None:
+        """The container's cgroup on the host, relative to the cgroup base (it exists while it
+        runs); None for a container in a guest, whose cgroup is the guest's."""
+        if container.record.handler != "cell":
+            return None
+        return f"{container.host.cgroup_parent}/{container.host.id}"
 
     async def writable(self, container: Container) -> tuple[Path, FsUsage]:
         """The container's writable layer and what it uses (measured at most every
         WRITABLE_USAGE_TTL seconds)."""
         host = container.host
-        root = self._containers.written(host)
+        root = self._host(container.record).written(host)
         cache = self._writable.setdefault(host.id, FsUsageCache(root, WRITABLE_USAGE_TTL))
         return root, await cache.usage()
 
     async def usage(self, container: Container) -> ContainerUsage:
         cgroup = None
         if container.host.state == State.RUNNING:
-            cgroup = await asyncio.to_thread(self._cgroup_usage, self.cgroup(container))
+            cgroup = await self._host(container.record).usage(container.host)
         root, writable = await self.writable(container)
         return ContainerUsage(container, cgroup, writable, root)
 
@@ -480,7 +477,7 @@ class CriContainers:
         cgroup = None
         with contextlib.suppress(AuraeError):  # a pod whose sandbox is gone has no cgroup to read
             parent = self._pods.controller(pod).container_sandbox(pod).cgroup_parent
-            cgroup = await asyncio.to_thread(self._cgroup_usage, parent)
+            cgroup = await asyncio.to_thread(cgroup_usage, self._cgroups, parent)
         containers = [await self.usage(c) for c in self.in_pod(pod.id) if c.host.state == State.RUNNING]
         return PodUsage(pod, cgroup, tuple(containers))
 
@@ -507,7 +504,7 @@ class CriContainers:
 
         async def watch() -> None:
             try:
-                await self._containers.wait(container.host)
+                await self._host(record).wait(container.host)
             except ContainerError:
                 return  # removed before it ran
             finally:
@@ -533,16 +530,9 @@ class CriContainers:
                 self._drop(record)
             elif container.host.state == State.RUNNING:
                 self._watch(container)
-        # Only the CRI puts host containers in sandboxes: one without a record is a Create's.
-        for host in self._containers.all():
-            if host.sandbox_id and host.id not in self._records:
-                log.warning(
-                    "container %s of pod %s has no CRI record; removing it",
-                    host.id[:13],
-                    host.sandbox_id[:13],
-                )
-                with contextlib.suppress(ContainerError):
-                    await self._containers.delete(host, force=True, keep_logs=False)
+        # Only the CRI puts containers in sandboxes: one without a record is a Create's.
+        for holder in self._hosts.values():
+            await holder.recover(lambda container_id: container_id in self._records)
         log.info("recovered %d CRI containers", len(self._records))
 
     async def close(self) -> None:
@@ -550,6 +540,8 @@ class CriContainers:
         for task in list(self._watchers.values()):
             task.cancel()
         await asyncio.gather(*self._watchers.values(), return_exceptions=True)
+        for holder in self._hosts.values():
+            await holder.close()
 
 
 async def _all(calls: Iterable[Any]) -> None:
@@ -560,7 +552,7 @@ async def _all(calls: Iterable[Any]) -> None:
             raise result
 
 
-async def _collect(session: ExecSession, limit: int) -> tuple[bytes, bytes]:
+async def _collect(session: ProcessHandle, limit: int) -> tuple[bytes, bytes]:
     """stdout and stderr to their end, each cut at ``limit`` bytes."""
     kept = {"stdout": bytearray(), "stderr": bytearray()}
     async for stream, data in session.output():

@@ -8,6 +8,7 @@ name too, as kubelets and critest look features up by the handler a pod names ("
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -80,7 +81,7 @@ class InfoRpcs:
     async def status(self, request: cri.StatusRequest, context: Context) -> cri.StatusResponse:
         handlers = list(self._handlers())
         listed = [_handler(name, features) for name, features in handlers]
-        default = dict(handlers).get(self._default_handler)
+        default = _default_features(dict(handlers), self._default_handler)
         if default is not None:
             listed.insert(0, _handler("", default))
         info = {}
@@ -123,3 +124,19 @@ class InfoRpcs:
                 log.info("the kubelet set the pod CIDR to %s", cidr)
         self.pod_cidr = cidr
         return cri.UpdateRuntimeConfigResponse()
+
+
+def _default_features(handlers: dict[str, HandlerFeatures], default: str) -> HandlerFeatures | None:
+    """The features of the handler a pod naming none gets; with ``auto`` (a vm or a cell, by
+    the pod) only what both offer."""
+    if default != "auto":
+        return handlers.get(default)
+    chosen = [features for name, features in handlers.items() if name in ("cell", "vm")]
+    if not chosen:
+        return None
+    return HandlerFeatures(
+        **{
+            field.name: all(getattr(features, field.name) for features in chosen)
+            for field in dataclasses.fields(HandlerFeatures)
+        }
+    )

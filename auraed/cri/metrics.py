@@ -132,7 +132,8 @@ class PodMetricsSource:
     async def samples(self) -> list[PodSample]:
         running: dict[str, list[Container]] = {}
         for container in self._containers.all():
-            if container.host.state == State.RUNNING:
+            # Those in a guest have their cgroups there (vm pods' metrics are not sampled yet).
+            if container.host.state == State.RUNNING and self._containers.cgroup(container) is not None:
                 running.setdefault(container.record.pod_id, []).append(container)
         ready = [pod for pod in self._pods.all() if pod.state is PodState.READY]
         return [await self._sample(pod, running.get(pod.id, [])) for pod in ready]
@@ -141,7 +142,7 @@ class PodMetricsSource:
         pod_cgroup = None
         with contextlib.suppress(AuraeError):  # a sandbox the pod lost has no cgroup to read
             pod_cgroup = self._pods.controller(pod).container_sandbox(pod).cgroup_parent
-        paths = [self._containers.cgroup(container) for container in running]
+        paths = [path for container in running if (path := self._containers.cgroup(container)) is not None]
         pod_sample, samples = await asyncio.to_thread(self._read, pod_cgroup, paths)
         containers = []
         for container, sample in zip(running, samples, strict=True):

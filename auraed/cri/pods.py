@@ -103,6 +103,14 @@ class Pods:
     def save(self, pod: PodRecord) -> None:
         self._store.put(KIND, pod.id, pod.to_doc())
 
+    def sandbox_lost(self, pod: PodRecord, why: str) -> None:
+        """The pod's sandbox ended under it (a guest VM died): a READY pod is NOT_READY from now
+        on, and the kubelet stops and removes it as any other."""
+        if pod.state is PodState.READY and pod.id in self._records:
+            log.warning("pod %s lost its sandbox: %s", pod.id[:13], why)
+            pod.state = PodState.NOT_READY
+            self.save(pod)
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     def resolve_handler(self, spec: PodSpec) -> PodSpec:

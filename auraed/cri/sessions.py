@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import Awaitable, Callable
 
 from auraed.containers.containers import Containers
-from auraed.containers.exec import ExecSession, write_fd
-from auraed.containers.model import ContainerRecord
+from auraed.containers.exec import write_fd
+from auraed.cri.container_host import ProcessHandle
 from auraed.cri.containers import Container, CriContainers
 from auraed.cri.errors import CriError
 from auraed.cri.model import PodState
@@ -88,7 +89,7 @@ class _Streams:
 
 
 class _ExecInput:
-    def __init__(self, session: ExecSession) -> None:
+    def __init__(self, session: ProcessHandle) -> None:
         self._session = session
 
     async def write(self, data: bytes) -> None:
@@ -101,7 +102,7 @@ class _ExecInput:
 class ExecProcess(_Streams):
     """A ProcessSession over an exec'd process (with a tty its output is all stdout)."""
 
-    def __init__(self, session: ExecSession, request: ExecRequest) -> None:
+    def __init__(self, session: ProcessHandle, request: ExecRequest) -> None:
         self._session = session
         self._outputs = _outputs(request.stdout, request.stderr and not request.tty)
         self._stdin: ByteSink | None = _ExecInput(session) if request.stdin else None
@@ -149,14 +150,18 @@ class AttachProcess(_Streams):
     def __init__(
         self,
         containers: Containers,
-        host: ContainerRecord,
+        container: Container,
+        exited: Callable[[Container], Awaitable[object]],
         request: AttachRequest,
         input_fd: int,
         *,
         watch: LogWatch | None,
         log_end: tuple[int, int],
     ) -> None:
+        host = container.host
         self._containers = containers
+        self._container = container
+        self._exited = exited
         self._host = host
         self.input_fd = input_fd
         self._outputs = _outputs(request.stdout, request.stderr and not host.tty)
@@ -213,7 +218,7 @@ class AttachProcess(_Streams):
 
     async def wait(self) -> int:
         """Until the container exits (its last lines sent) or the client detaches: 0 then."""
-        exited = asyncio.ensure_future(self._containers.wait(self._host))
+        exited = asyncio.ensure_future(self._exited(self._container))
         detached = asyncio.ensure_future(self._detached.wait())
         try:
             await asyncio.wait({exited, detached}, return_when=asyncio.FIRST_COMPLETED)
@@ -270,7 +275,8 @@ class CriSessions:
         return container
 
     async def attach(self, request: AttachRequest) -> ProcessSession:
-        host = self.attachable(request).host
+        container = self.attachable(request)
+        host = container.host
         # Where the output starts, before any input can reach the container: what it answers
         # to the client's first line is after this.
         log_end = await asyncio.to_thread(end_position, host.log_path, OUTPUT_STREAMS)
@@ -280,7 +286,13 @@ class CriSessions:
         if (request.stdin or host.tty) and host.input_fd >= 0:
             input_fd = self._host_containers.borrow_input(host)
         return AttachProcess(
-            self._host_containers, host, request, input_fd, watch=self._watch, log_end=log_end
+            self._host_containers,
+            container,
+            self._containers.wait,
+            request,
+            input_fd,
+            watch=self._watch,
+            log_end=log_end,
         )
 
     async def dial(self, pod_sandbox_id: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

@@ -10,8 +10,10 @@ from auraed.cni.model import CniSettings, parse_bin_dirs
 from auraed.config import DaemonConfig
 from auraed.containers.containers import Containers
 from auraed.cri.cell import CellSandbox
+from auraed.cri.container_host import ContainerHost, LocalHost
 from auraed.cri.container_rpcs import ContainerRpcs
 from auraed.cri.containers import CriContainers
+from auraed.cri.guest_containers import GuestContainers
 from auraed.cri.images import SERVICE_NAME as IMAGE_SERVICE
 from auraed.cri.images import FsUsageCache, ImageServicer
 from auraed.cri.info import InfoRpcs
@@ -19,6 +21,7 @@ from auraed.cri.metric_rpcs import MetricRpcs
 from auraed.cri.metrics import PodMetricsSource
 from auraed.cri.model import PodSpec
 from auraed.cri.pod_rpcs import PodRpcs, status_message
+from auraed.cri.pod_share import PodShares
 from auraed.cri.pods import Pods
 from auraed.cri.runtime import SERVICE_NAME as RUNTIME_SERVICE
 from auraed.cri.runtime import RuntimeServicer
@@ -28,15 +31,21 @@ from auraed.cri.streaming.config import StreamingConfig
 from auraed.cri.streaming.server import StreamingServer
 from auraed.cri.streaming_rpcs import StreamingRpcs
 from auraed.cri.unserved import Unserved
-from auraed.cri.vm import VmSandbox, VmSizing, host_namespaces_asked
+from auraed.cri.vm import VmSandbox, VmSizing, host_namespaces_asked, pod_vm_name, vm_name
 from auraed.images.images import Images
 from auraed.observe.logfile import LogWatch
 from auraed.state.store import Store
 from auraed.system.cgroupfs import Cgroupfs
 from auraed.vms.guests import Guests
+from auraed.vms.model import VmRecord
 
 PODS_DIR = "pods"
 """Below the runtime dir: one directory per cell pod (its pins, files and /dev/shm)."""
+POD_SHARES_DIR = "pod-shares"
+"""Below the runtime dir: one directory per vm pod, shared with its guest (its volumes)."""
+GUEST_CONTAINERS_DIR = "cri/guest-containers"
+"""Below the state dir: one directory per container of a vm pod (its log, when the pod names no
+log directory)."""
 
 
 @dataclasses.dataclass
@@ -57,12 +66,25 @@ class Cri:
         await self.containers.close()
 
 
-def default_handler(setting: str) -> Callable[[PodSpec], str]:
+def default_handler(setting: str, guests: Guests | None) -> Callable[[PodSpec], str]:
     """The handler of a pod that names none: the setting's, or with ``auto`` a guest unless the
-    pod asks for a host namespace (system pods: kube-proxy, a CNI daemon), which runs as a cell."""
+    pod asks for a host namespace (system pods: kube-proxy, a CNI daemon), which runs as a cell,
+    as does every pod on a node with no guest image to boot."""
     if setting == "auto":
-        return lambda spec: "cell" if host_namespaces_asked(spec) else "vm"
+
+        def choose(spec: PodSpec) -> str:
+            if host_namespaces_asked(spec) or guests is None or not guests.has_image():
+                return "cell"
+            return "vm"
+
+        return choose
     return lambda spec: setting
+
+
+def _guest_ended(pods: Pods, vm: VmRecord) -> None:
+    for pod in pods.all():
+        if pod.handler == "vm" and vm_name(pod) == vm.name:
+            pods.sandbox_lost(pod, f"its guest VM {vm.name} is {vm.state_with_reason()}")
 
 
 def streaming_config(config: DaemonConfig) -> StreamingConfig:
@@ -93,11 +115,17 @@ async def build(
     cni = Cni(store, cni_settings(config))
     cell = CellSandbox(cni, cgroups, config.runtime_dir / PODS_DIR)
     controllers: dict[str, SandboxController] = {"cell": cell}
+    hosts: dict[str, ContainerHost] = {"cell": LocalHost(containers, cgroups)}
     if guests is not None:
         sizing = VmSizing(vcpus=config.cri_vm_vcpus, memory_mib=config.cri_vm_memory_mib)
-        controllers["vm"] = VmSandbox(cell, cni, guests, sizing)
-    pods = Pods(store, controllers, default_handler(config.cri_default_handler))
-    pod_containers = CriContainers(store, pods, containers, cgroups)
+        shares = PodShares(config.runtime_dir / POD_SHARES_DIR)
+        controllers["vm"] = VmSandbox(cell, cni, guests, sizing, shares)
+        root = config.state_dir / GUEST_CONTAINERS_DIR
+        hosts["vm"] = GuestContainers(store, guests, images, root, vm_of=pod_vm_name, shares=shares)
+    pods = Pods(store, controllers, default_handler(config.cri_default_handler, guests))
+    if guests is not None:
+        guests.vms.when_ended(lambda vm: _guest_ended(pods, vm))
+    pod_containers = CriContainers(store, pods, hosts, cgroups)
     pods.containers = pod_containers
     # Containers first: a pod whose removal a crash interrupted removes its containers.
     await pod_containers.recover()

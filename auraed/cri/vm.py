@@ -12,7 +12,9 @@ The guest is sized from the pod's resources where it gives them (its containers'
 overhead, which the kubelet sums), plus what the guest itself needs, else from the configured
 default. Pods that ask for a host namespace cannot be a guest: refused before anything is made.
 
-Containers of a ``vm`` pod are not served yet (CreateContainer answers UNIMPLEMENTED).
+Containers of a ``vm`` pod run in its guest (auraed.cri.guest_containers): they share the
+guest's network and IPC namespaces (the pod's) and, when the pod shares its PID namespace, one
+the guest makes for the pod (never the guest auraed's own).
 """
 
 from __future__ import annotations
@@ -23,15 +25,17 @@ import ipaddress
 import logging
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from auraed.cni.cni import Cni
 from auraed.cni.model import DEFAULT_IFNAME
 from auraed.cni.result import CniResult
-from auraed.containers.sandbox import SandboxContext
+from auraed.containers.sandbox import SandboxContext, SharedNamespaces
 from auraed.cri.cell import CellSandbox
 from auraed.cri.errors import CriError
 from auraed.cri.model import PodRecord, PodResources, PodSpec, PodState
+from auraed.cri.pod_share import PodShares
 from auraed.cri.sandbox import HandlerFeatures
 from auraed.errors import AuraeError, ErrorKind
 from auraed.system.netns_dial import open_connection_in
@@ -47,6 +51,9 @@ VM_KEY = "vm"
 TAP = "tap0"
 """The guest's tap, beside the CNI interface in the pod's namespace."""
 MIB = 1024 * 1024
+POD_PID = Path("/proc/self/ns/pid")
+"""What a vm pod's container sandbox names as its PID namespace when the pod shares one: no path
+is joined by it, the guest makes the pod's PID namespace (auraed.cri.guest_containers)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +89,12 @@ def host_namespaces_asked(spec: PodSpec) -> list[str]:
 
 
 def vm_name(pod: PodRecord) -> str:
-    return f"pod-{pod.id[:16]}"
+    return pod_vm_name(pod.id)
+
+
+def pod_vm_name(pod_id: str) -> str:
+    """The VM of the pod ``pod_id``."""
+    return f"pod-{pod_id[:16]}"
 
 
 def _pod_address(result: CniResult, ifname: str) -> tuple[ipaddress.IPv4Interface, ipaddress.IPv4Address]:
@@ -110,11 +122,14 @@ class VmSandbox:
     name = "vm"
     features = HandlerFeatures()
 
-    def __init__(self, cell: CellSandbox, cni: Cni, guests: Guests, sizing: VmSizing) -> None:
+    def __init__(
+        self, cell: CellSandbox, cni: Cni, guests: Guests, sizing: VmSizing, shares: PodShares
+    ) -> None:
         self._cell = cell
         self._cni = cni
         self._guests = guests
         self._sizing = sizing
+        self._shares = shares
 
     def check(self, spec: PodSpec) -> None:
         asked = host_namespaces_asked(spec)
@@ -149,8 +164,9 @@ class VmSandbox:
         address, gateway = _pod_address(attachment.result, DEFAULT_IFNAME)
         name = vm_name(pod)
         pod.sandbox[VM_KEY] = {"name": name, "tap": TAP, "netns": netns}
-        save(pod)  # before the tap and the VM: a crash from here on is undone at start
+        save(pod)  # before the tap, the share and the VM: a crash from here on is undone at start
         nic = await run_to_end(asyncio.to_thread(join_tap, netns, DEFAULT_IFNAME, TAP))
+        shared = await run_to_end(asyncio.to_thread(self._shares.make, pod.id))
         net = NetInfo(
             index=-1,
             tap=TAP,
@@ -175,6 +191,7 @@ class VmSandbox:
             network=True,
             backend="qemu",
             role=GUEST_ROLE,
+            shared_dir=str(shared),
         )
         await self._guests.allocate(spec, net)
         booted = await self._guests.boot(name)
@@ -207,6 +224,7 @@ class VmSandbox:
         entry = self._entry(pod)
         if entry is not None:
             await run_to_end(asyncio.to_thread(unjoin_tap, entry["netns"], DEFAULT_IFNAME, entry["tap"]))
+        await run_to_end(asyncio.to_thread(self._shares.remove, pod.id))
         await self._cell.remove(pod)
 
     async def recover(self, pod: PodRecord) -> None:
@@ -226,10 +244,16 @@ class VmSandbox:
         )
 
     def container_sandbox(self, pod: PodRecord) -> SandboxContext:
-        raise CriError(
-            ErrorKind.UNIMPLEMENTED,
-            f"pod sandbox {pod.id[:13]} runs as a guest VM (handler vm); containers in vm pods are not "
-            "served yet: run the pod with the cell handler",
+        """What a container in the pod's guest shares there: the pod's PID namespace when the
+        pod shares one (its network and IPC are the guest's always)."""
+        if self._vm(pod) is None:
+            raise CriError.precondition(f"pod sandbox {pod.id[:13]} has no guest VM")
+        pid = POD_PID if pod.spec.shared_pid else None
+        return SandboxContext(
+            sandbox_id=pod.id,
+            cgroup_parent="",
+            namespaces=SharedNamespaces(pid=pid),
+            hostname=pod.spec.hostname or None,
         )
 
     async def dial(self, pod: PodRecord, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

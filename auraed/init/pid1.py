@@ -232,6 +232,7 @@ class Pid1:
             step = time.monotonic()
             self._step("network", self.configure_network)
             self.timings["network"] = time.monotonic() - step
+            self._step("shared directory", self.mount_share)
             if not self.layout.power_buttons:
                 self._step("power button modules", self.load_power_button_modules)
         self._step("power button", self.open_power_buttons)
@@ -323,6 +324,15 @@ class Pid1:
             except OSError as exc:
                 log.error("PID 1: cgroup2 controllers: %s", exc)
         return True
+
+    def mount_share(self) -> None:
+        """The host's shared directory (virtio-fs, ``auraed.share=TAG``) at SHARE_MOUNT: a pod's
+        volumes, which containers bind-mount from there."""
+        if self.args.share:
+            from auraed.bootargs import SHARE_MOUNT
+
+            if self._mount(self.args.share, SHARE_MOUNT.lstrip("/"), "virtiofs", 0, None):
+                log.info("shared directory %s at %s", self.args.share, SHARE_MOUNT)
 
     def set_hostname(self) -> None:
         if self.args.hostname:

@@ -17,7 +17,6 @@ Disk usage is reported as 0: the guest's API does not say what a container wrote
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import math
@@ -25,7 +24,6 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import betterproto2
-import grpc
 
 from auraed.api.aurae.containers import v0 as pb
 from auraed.errors import AuraeError, ErrorKind
@@ -43,10 +41,10 @@ from auraed.orka.model import (
     usage_numbers,
 )
 from auraed.system.tasks import run_to_end
+from auraed.vms.guest_calls import call_guest, place_in_guest
 from auraed.vms.guests import GUEST_BASE_MIB, Guests
 from auraed.vms.model import GUEST_ROLE, MAX_VCPUS, VmSpec, host_memory_mib
-from auraed.vms.placement import CONTAINERS, GuestEndpoint, ImagePlacer
-from auraed.wire import codec
+from auraed.vms.placement import GuestEndpoint, ImagePlacer
 
 log = logging.getLogger(__name__)
 
@@ -86,20 +84,6 @@ def check_guest_size(spec: WorkloadSpec, default: GuestSizing) -> None:
             "resource_limits.memory",
             f"its guest VM would need {memory_mib} MiB, more than the host has ({host} MiB)",
         )
-
-
-def _kind(code: grpc.StatusCode) -> ErrorKind:
-    try:
-        return ErrorKind(code.name.lower())
-    except ValueError:
-        return ErrorKind.UNAVAILABLE if code is grpc.StatusCode.CANCELLED else ErrorKind.INTERNAL
-
-
-def _closed_under(endpoint: GuestEndpoint) -> str:
-    """Why the host closed the guest's channel under a call ("" when the caller was cancelled)."""
-    why = endpoint.why_closed()
-    task = asyncio.current_task()
-    return why if why and (task is None or not task.cancelling()) else ""
 
 
 def status_ending(status: pb.ContainerStatus) -> str:
@@ -154,7 +138,7 @@ class GuestRunner:
             )
             endpoint = await self._guests.lookup(name)
             workload.at(f"placing {image} in its guest VM")
-            await self._place(endpoint, image)
+            await place_in_guest(self._placer, endpoint, image, self._images.find(image))
             workload.at("creating its container in its guest VM")
             reply = await self._call(
                 endpoint, "Create", self._create_request(workload, image), pb.ContainerServiceCreateResponse,
@@ -182,38 +166,16 @@ class GuestRunner:
         )
         return pb.ContainerServiceCreateRequest(config=config, start=True)
 
-    async def _place(self, endpoint: GuestEndpoint, reference: str) -> None:
-        try:
-            await self._placer.place(endpoint, reference, self._images.find(reference))
-        except grpc.aio.AioRpcError as exc:
-            raise OrkaError(_kind(exc.code()), f"guest {endpoint.name}: {exc.details()}") from None
-        except codec.CodecError as exc:
-            raise OrkaError(ErrorKind.INTERNAL, f"guest {endpoint.name}: {exc}") from None
-        except asyncio.CancelledError:
-            if why := _closed_under(endpoint):
-                raise OrkaError(ErrorKind.UNAVAILABLE, f"guest {endpoint.name}: {why}") from None
-            raise
-
+    @staticmethod
     async def _call(
-        self,
         endpoint: GuestEndpoint,
         method: str,
         request: betterproto2.Message,
         reply: type[Reply],
         timeout: float,
     ) -> Reply:
-        """``method`` of the guest's ContainerService; its failures as OrkaErrors of their kind."""
-        call = endpoint.channel.unary_unary(f"/{CONTAINERS}/{method}")
-        try:
-            return codec.decode(reply, await call(codec.encode(request), timeout=timeout))
-        except grpc.aio.AioRpcError as exc:
-            raise OrkaError(_kind(exc.code()), f"guest {endpoint.name}: {exc.details()}") from None
-        except codec.CodecError as exc:
-            raise OrkaError(ErrorKind.INTERNAL, f"guest {endpoint.name}: {exc}") from None
-        except asyncio.CancelledError:
-            if why := _closed_under(endpoint):  # its VM ended: the host closed the channel
-                raise OrkaError(ErrorKind.UNAVAILABLE, f"guest {endpoint.name}: {why}") from None
-            raise
+        """``method`` of the guest's ContainerService; its failures as errors of their kind."""
+        return await call_guest(endpoint, method, request, reply, timeout)
 
     # -- status ----------------------------------------------------------------------------
 
@@ -246,7 +208,7 @@ class GuestRunner:
             container = await self._container(endpoint, workload)
             if container.state == pb.ContainerState.RUNNING:
                 return await self._usage(endpoint, workload, container, sample)
-        except OrkaError as exc:
+        except AuraeError as exc:
             if exc.kind is ErrorKind.NOT_FOUND:
                 return Status(Phase.TERMINATED, workload.ended or "removed in its guest VM"), sample
             # Not an end: the next status asks again (its VM's end shows there).
@@ -264,7 +226,7 @@ class GuestRunner:
             stats = await self._call(
                 endpoint, "Stats", request, pb.ContainerServiceStatsResponse, STATUS_TIMEOUT
             )
-        except OrkaError:  # it ended as it was read: the next status says how
+        except AuraeError:  # it ended as it was read: the next status says how
             return Status(Phase.RUNNING), sample
         if sample is None:  # the first: over its life so far
             cpu, wall = stats.cpu_usage_usec, stats.timestamp - container.created_at
@@ -288,7 +250,7 @@ class GuestRunner:
         )
         try:
             await self._call(endpoint, "Stop", request, pb.ContainerServiceStopResponse, grace + STOP_SLACK)
-        except OrkaError as exc:
+        except AuraeError as exc:
             # Freeing its VM ends the container all the same.
             log.warning("orka workload %s: cannot stop its container: %s", workload.instance_id, exc.message)
 
@@ -300,7 +262,7 @@ class GuestRunner:
         elif workload.container_id:
             try:
                 container = await self._container(endpoint, workload)
-            except OrkaError as exc:
+            except AuraeError as exc:
                 log.warning(
                     "orka workload %s: no status from its guest: %s", workload.instance_id, exc.message
                 )

@@ -64,6 +64,7 @@ class LaunchSpec:
     net: LaunchNet | None
     run_dir: Path
     timeout: float = 30.0  # for the VMM to come up and report the guest running
+    shared_dir: str = ""  # shared with the guest over virtio-fs (its tag: SHARE_TAG)
 
 
 @dataclasses.dataclass

@@ -248,6 +248,10 @@ class Guests:
             kernel_args=kernel_args,
         )
 
+    def has_image(self) -> bool:
+        """Whether a guest image is there to boot guests from."""
+        return all((self._image_dir / name).is_file() for name in GUEST_IMAGE_FILES.values())
+
     def _image_file(self, field: str, filename: str) -> str:
         path = self._image_dir / filename
         if not path.is_file():

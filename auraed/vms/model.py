@@ -68,6 +68,9 @@ class VmSpec:
     network: bool
     backend: str  # as requested: "", "qemu" or "cloud-hypervisor"
     role: str
+    # A host directory the guest mounts at auraed.bootargs.SHARE_MOUNT (virtio-fs): a pod's
+    # volumes. "": none.
+    shared_dir: str = ""
 
     def files(self) -> list[tuple[str, str]]:
         """(field, path) of every file the VM boots from."""

@@ -10,7 +10,11 @@
   "root"; the NIC is the VM's tap (``script=no,downscript=no``) with its MAC;
 - the serial console goes to a file (chardev file), readable while it grows; QMP listens on a unix
   socket (``server=on,wait=off``); ``-no-reboot``: a guest reboot ends the VM, it is reported;
-- QEMU runs sandboxed (``-sandbox on``: no spawning, no privilege changes) in its own session.
+- QEMU runs sandboxed (``-sandbox on``: no spawning, no privilege changes) in its own session;
+- a shared directory (a pod's volumes) is served by virtiofsd (QEMU's, from qemu-system-common)
+  over vhost-user: the guest's RAM is then a shared memfd (vhost-user needs to map it), and the
+  device is vhost-user-fs with the tag auraed.bootargs.SHARE_TAG. virtiofsd runs in its own
+  namespace sandbox and ends when QEMU disconnects.
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ import asyncio
 import logging
 import os
 import shutil
+import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from auraed.bootargs import SHARE_TAG
 from auraed.errors import ErrorKind
 from auraed.system import processes
 from auraed.system.tasks import run_to_end
@@ -39,6 +46,10 @@ MACHINES = ("microvm", "q35")
 QMP_SOCKET = "qmp.sock"
 STATUS_TIMEOUT = 5.0
 QUIT_WAIT = 5.0
+VIRTIOFS_SOCKET = "virtiofs.sock"
+VIRTIOFSD_LOG = "virtiofsd.log"
+VIRTIOFSD_START = 10.0
+"""Seconds virtiofsd has to open its socket."""
 MICROVM = "microvm,x-option-roms=off,isa-serial=on,rtc=on"
 
 
@@ -72,10 +83,13 @@ def build_command(
     blk = "virtio-blk-device" if mmio else "virtio-blk-pci"
     nic = "virtio-net-device" if mmio else "virtio-net-pci"
     rng = "virtio-rng-device" if mmio else "virtio-rng-pci"
+    machine_option = MICROVM if mmio else "q35"
+    if spec.shared_dir:
+        machine_option += ",memory-backend=ram0"  # shared with virtiofsd (vhost-user maps it)
     argv = [
         binary,
         "-name", f"{spec.name},debug-threads=on",
-        "-M", MICROVM if mmio else "q35",
+        "-M", machine_option,
         "-accel", accelerator,
         "-cpu", "host" if accelerator == "kvm" else "max",
         "-smp", str(spec.vcpus),
@@ -92,6 +106,17 @@ def build_command(
     ]  # fmt: skip
     if spec.initramfs:
         argv += ["-initrd", spec.initramfs]
+    if spec.shared_dir:
+        fs = "vhost-user-fs-device" if mmio else "vhost-user-fs-pci"
+        argv += [
+            "-object", f"memory-backend-memfd,id=ram0,size={spec.memory_mib}M,share=on",
+            "-chardev", f"socket,id=fs0,path={spec.run_dir / VIRTIOFS_SOCKET}",
+            "-device", f"{fs},chardev=fs0,tag={SHARE_TAG}",
+        ]  # fmt: skip
+        if mmio:
+            # virtiofsd's libvhost-user serves virtio 1.0 only; microvm's virtio-mmio is legacy
+            # (0.9.5) unless told otherwise.
+            argv += ["-global", "virtio-mmio.force-legacy=false"]
     for index, disk in enumerate(spec.disks):
         readonly = "off" if disk.writable else "on"
         argv += [
@@ -117,12 +142,14 @@ class QemuBackend:
         binary: str = "qemu-system-x86_64",
         machine: str = "microvm",
         kvm_usable: Callable[[], bool] = lambda: False,
+        virtiofsd: str = "/usr/lib/qemu/virtiofsd",
     ) -> None:
         if machine not in MACHINES:
             raise VmError(ErrorKind.INVALID_ARGUMENT, f"vm_machine: {machine!r} is not one of {MACHINES}")
         self.binary = binary
         self.machine = machine
         self._kvm_usable = kvm_usable
+        self.virtiofsd = virtiofsd
 
     def problem(self) -> str | None:
         if shutil.which(self.binary) is None:
@@ -155,6 +182,8 @@ class QemuBackend:
         cmdline = " ".join([*self.kernel_args(), spec.cmdline]).strip()
         accelerator = self.accelerator
         tap_fd = -1
+        if spec.shared_dir:
+            await self._start_virtiofsd(spec)
         if spec.net is not None and spec.net.netns:
             tap_fd = await asyncio.to_thread(network.open_tap_in, spec.net.netns, spec.net.tap)
         try:
@@ -194,6 +223,40 @@ class QemuBackend:
             await run_to_end(self.kill(handle))
             raise
         return handle
+
+    async def _start_virtiofsd(self, spec: LaunchSpec) -> None:
+        """virtiofsd for the VM's shared directory, listening on its socket in the run dir. It
+        serves the one QEMU that connects and ends when that QEMU does (reaped by a thread)."""
+        if not os.access(self.virtiofsd, os.X_OK):
+            raise VmError.precondition(
+                f"virtiofsd ({self.virtiofsd}) is not installed: a VM with a shared directory needs it"
+            )
+        socket_path = spec.run_dir / VIRTIOFS_SOCKET
+        common.remove_quietly(socket_path)
+        process = await run_to_end(asyncio.to_thread(self._spawn_virtiofsd, spec, socket_path))
+        deadline = time.monotonic() + VIRTIOFSD_START
+        while not socket_path.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                tail = _tail(spec.run_dir / VIRTIOFSD_LOG) or "no output"
+                raise VmError.precondition(f"virtiofsd did not start for {spec.shared_dir}: {tail}")
+            await asyncio.sleep(0.02)
+
+    def _spawn_virtiofsd(self, spec: LaunchSpec, socket_path: Path) -> subprocess.Popen[bytes]:
+        argv = [
+            self.virtiofsd,
+            f"--socket-path={socket_path}",
+            "-o", f"source={spec.shared_dir}",
+            "-o", "cache=none",  # what the host changes (a configMap update) the guest sees at once
+            "-o", "sandbox=namespace",
+        ]  # fmt: skip
+        with (spec.run_dir / VIRTIOFSD_LOG).open("ab") as output:
+            process = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=output, stderr=output, start_new_session=True,
+                cwd=spec.run_dir,
+            )  # fmt: skip
+        threading.Thread(target=process.wait, name=f"virtiofsd {spec.name}", daemon=True).start()
+        return process
 
     async def _connect(self, handle: VmHandle, timeout: float) -> None:
         """Wait for QEMU's QMP socket and connect; fail with QEMU's own words if it exits."""
@@ -301,3 +364,10 @@ class QemuBackend:
     async def close(self, handle: VmHandle) -> None:
         client: QmpClient = handle.client
         await client.close()
+
+
+def _tail(path: Path, limit: int = 1000) -> str:
+    try:
+        return path.read_bytes()[-limit:].decode(errors="replace").strip()
+    except OSError:
+        return ""

@@ -31,7 +31,10 @@ def build(
     probe = kvm
     backends: dict[str, Backend] = {
         "qemu": QemuBackend(
-            binary=config.qemu_binary, machine=config.vm_machine, kvm_usable=lambda: probe.usable
+            binary=config.qemu_binary,
+            machine=config.vm_machine,
+            kvm_usable=lambda: probe.usable,
+            virtiofsd=config.virtiofsd_binary,
         ),
         "cloud-hypervisor": CloudHypervisorBackend(
             binary=config.cloud_hypervisor_binary,

@@ -25,6 +25,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 
+from auraed.bootargs import SHARE_TAG
 from auraed.errors import ErrorKind
 from auraed.state.store import Store
 from auraed.system.tasks import run_to_end
@@ -257,6 +258,8 @@ class Vms:
             args += [f"auraed.ip={n.guest_ip}/{n.prefixlen}", f"auraed.gateway={n.host_ip}"]
         if spec.role:
             args.append(f"auraed.role={spec.role}")
+        if spec.shared_dir:
+            args.append(f"auraed.share={SHARE_TAG}")
         args += spec.kernel_args
         return LaunchSpec(
             name=spec.name,
@@ -269,6 +272,7 @@ class Vms:
             net=net,
             run_dir=Path(record.run_dir),
             timeout=timeout,
+            shared_dir=spec.shared_dir,
         )
 
     async def start(

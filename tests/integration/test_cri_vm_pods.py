@@ -148,17 +148,6 @@ async def test_a_vm_pod_is_a_guest_on_the_pod_network(vm_node: VmNode) -> None:
     finally:
         await forward.close()
 
-    # Containers in vm pods are not served yet: said plainly.
-    create = cri.CreateContainerRequest(
-        pod_sandbox_id=pod_id,
-        config=cri.ContainerConfig(
-            metadata=cri.ContainerMetadata(name="c"), image=cri.ImageSpec(image="busybox")
-        ),
-        sandbox_config=vm_pod("guest-pod"),
-    )
-    message = await expect(client.call(RUNTIME_SERVICE, "CreateContainer", create), "UNIMPLEMENTED")
-    assert "vm" in message and "cell" in message
-
     # Stop ends the guest and releases the address; remove leaves nothing of the pod.
     await stop_pod(client, pod_id)
     status = (await pod_status(client, pod_id)).status

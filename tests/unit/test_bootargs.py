@@ -44,3 +44,8 @@ def test_odd_values_parse_without_raising() -> None:
     assert args == BootArgs(ip="", gateway="x", hostname="==", role="guest=1", poweroff=True)
     assert args.iface == "eth0"  # an empty auraed.iface= keeps the default
     assert not args.guest
+
+
+def test_a_shared_directory_is_named_by_its_tag() -> None:
+    assert BootArgs.parse("auraed.role=guest auraed.share=aurae-share").share == "aurae-share"
+    assert BootArgs.parse("auraed.role=guest").share == ""

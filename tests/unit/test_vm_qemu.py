@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,22 @@ def test_kernel_args_and_accelerator() -> None:
     assert q35.accelerator == "kvm"
     assert QemuBackend(binary="/nonexistent/qemu").problem() is not None
     assert QemuBackend().problem() is None
+
+
+@pytest.mark.parametrize(
+    ("machine", "device"), [("microvm", "vhost-user-fs-device"), ("q35", "vhost-user-fs-pci")]
+)
+def test_a_shared_directory_is_virtio_fs_over_shared_memory(machine: str, device: str) -> None:
+    """virtiofsd maps the guest's RAM (vhost-user): a shared memfd, the machine's memory; on
+    microvm the virtio-mmio devices are modern (libvhost-user serves no legacy device)."""
+    spec = dataclasses.replace(SPEC, shared_dir="/run/aurae/pod-shares/p1")
+    argv = command(machine, spec=spec)
+    assert option(argv, "-M")[0].endswith(",memory-backend=ram0")
+    assert option(argv, "-object")[-1] == "memory-backend-memfd,id=ram0,size=384M,share=on"
+    assert "socket,id=fs0,path=/run/aurae/vms/web/virtiofs.sock" in option(argv, "-chardev")
+    assert f"{device},chardev=fs0,tag=aurae-share" in option(argv, "-device")
+    legacy_off = ["virtio-mmio.force-legacy=false"] if machine == "microvm" else []
+    assert option(argv, "-global") == legacy_off
+    # Without a share: private RAM and legacy mmio, as every VM had before.
+    plain = command(machine)
+    assert "memory-backend" not in option(plain, "-M")[0] and option(plain, "-global") == []

@@ -1,0 +1,670 @@
+"""The containers of ``vm`` pods: each made and run by its pod's guest (the guest's
+ContainerService), with the host keeping what the kubelet reads.
+
+The guest has no CRI or pod concept: the host places the image there (only the blobs it lacks),
+then creates the container with the guest's network (the pod network: the guest's eth0 has the
+pod IP), and the guest's IPC namespace (the pod's); PID as the pod asks (the guest's, or one of
+the container's own). For each container the host keeps a record like a host container's, a
+mirror of the guest's status: updated by every call's reply and by a Wait held open while the
+container runs, and saved (kind ``cri_guest_container``) so that a restarted host auraed finds its
+containers again and asks their guests how they are.
+
+The container's output: the guest logs it inside the guest; the host follows the guest's Logs
+stream and writes each line to the container's log path on the host in the CRI format, which is
+what the kubelet reads. Where the copy got to (the last line's time, and how many lines of that
+time were written) is saved with the record, so that a host auraed killed and restarted resumes
+there: no line lost, none written twice.
+
+A guest that ends under its containers (QEMU died, the pod's VM was freed) ends them too: each
+reports EXITED with the guest's end as its reason. A guest that does not answer a call is
+UNAVAILABLE with the VM named (auraed.vms.guest_calls), never a wait past the call's deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from auraed.api.aurae.containers import v0 as pb
+from auraed.containers.errors import ContainerError
+from auraed.containers.model import ContainerRecord, State
+from auraed.containers.request import ContainerRequest, Mount, Resources
+from auraed.containers.sandbox import SandboxContext
+from auraed.cri.container_host import CgroupUsage, ProcessHandle
+from auraed.cri.errors import CriError
+from auraed.cri.pod_share import PodShares
+from auraed.errors import AuraeError, ErrorKind
+from auraed.images.images import Images
+from auraed.state.store import Store
+from auraed.system.cri_log import format_cri_timestamp
+from auraed.system.tasks import run_to_end
+from auraed.vms.errors import VmError
+from auraed.vms.guest_calls import call_guest, channel_closed, guest_error, place_in_guest, stream_guest
+from auraed.vms.guests import Guests
+from auraed.vms.model import State as VmState
+from auraed.vms.placement import CONTAINERS, GuestEndpoint, ImagePlacer
+from auraed.wire import codec
+
+log = logging.getLogger(__name__)
+
+KIND = "cri_guest_container"
+CALL_TIMEOUT = 30.0
+"""Seconds a guest has to answer a call about a container (a status, a start, a delete)."""
+CREATE_TIMEOUT = 300.0
+"""Seconds for placing an image in a guest and creating a container there: its layers are
+unpacked in the guest (under TCG, slowly)."""
+STOP_SLACK = 30.0
+"""Seconds a guest's Stop may take beyond the container's grace period."""
+MAX_LABEL = 63
+POD_PID_GROUP = "pod"
+"""The guest's PID namespace group of a pod that shares one (a guest holds one pod)."""
+LOG_RETRY = 1.0
+"""Seconds between attempts to follow a container's log in a guest that did not answer."""
+
+STATES = {
+    pb.ContainerState.CREATED: State.CREATED,
+    pb.ContainerState.RUNNING: State.RUNNING,
+    pb.ContainerState.EXITED: State.EXITED,
+    pb.ContainerState.UNKNOWN: State.UNKNOWN,
+}
+
+
+@dataclasses.dataclass
+class _Guested:
+    """A container in a guest: the host's mirror of it, where its log's copy got to."""
+
+    vm: str
+    record: ContainerRecord
+    share: str = ""  # its key in the pod's shared directory ("": it mounts no host path)
+    log_us: int = 0  # microseconds since the epoch of the last line copied to the host
+    log_seen: int = 0  # lines of that microsecond copied
+
+    def to_doc(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "record": self.record.to_doc()}
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> _Guested:
+        return cls(**{**doc, "record": ContainerRecord.from_doc(doc["record"])})
+
+
+@dataclasses.dataclass
+class _Resume:
+    """Where a follow of a guest's log starts: lines before ``micros``, and the first ``skip`` of
+    that microsecond, were copied before."""
+
+    micros: int
+    skip: int
+
+
+def _unserved(what: str) -> CriError:
+    return CriError(ErrorKind.UNIMPLEMENTED, f"{what} is not served for containers of vm pods yet")
+
+
+def config_message(
+    request: ContainerRequest, image: str, labels: dict[str, str], share_pid: bool
+) -> pb.ContainerConfig:
+    """The guest's ContainerConfig of a CRI container: the guest's network and IPC (the pod's),
+    its PID namespace with ``share_pid``. What a guest cannot be given yet is refused, naming it."""
+    security = request.security
+    if security.privileged:
+        raise _unserved("a privileged container")
+    if security.seccomp is not None:
+        raise _unserved("a Localhost seccomp profile")
+    if request.stdin:
+        raise _unserved("a container's stdin (attach)")
+    resources = request.resources
+    return pb.ContainerConfig(
+        name=guest_name(request.name),
+        image=image,
+        command=list(request.command),
+        args=list(request.args),
+        env=list(request.env),
+        working_dir=request.working_dir,
+        hostname=request.hostname,
+        mounts=[_mount_message(m) for m in request.mounts],
+        resources=_resources_message(resources),
+        security=pb.Security(
+            capabilities_add=list(security.capabilities_add),
+            capabilities_drop=list(security.capabilities_drop),
+            no_new_privileges=security.no_new_privileges,
+            read_only_rootfs=security.read_only_rootfs,
+            masked_paths=list(security.masked_paths),
+            readonly_paths=list(security.readonly_paths),
+            user=security.user,
+            additional_gids=list(security.additional_gids),
+            seccomp_profile=security.seccomp_profile,
+            oom_score_adj=security.oom_score_adj,
+        ),
+        rlimits=[pb.Rlimit(r.type, r.soft, r.hard) for r in request.rlimits],
+        sysctls=dict(request.sysctls),
+        tty=request.tty,
+        labels=labels,
+        stop_signal=request.stop_signal,
+        host_network=True,
+        host_ipc=True,
+        shared_pid=POD_PID_GROUP if share_pid else "",
+    )
+
+
+def guest_name(name: str) -> str:
+    """The container's name in its guest, a DNS label as the guest wants: the CRI's host name
+    is ``<name>_<pod>_<namespace>_<uid>_<attempt>``, and a guest holds one pod, so the container
+    is its name and attempt there."""
+    parts = name.split("_")
+    wanted = f"{parts[0]}-{parts[-1]}" if len(parts) > 1 else name
+    label = re.sub(r"[^a-z0-9-]+", "-", wanted.lower()).strip("-")[-MAX_LABEL:].strip("-")
+    return label or "container"
+
+
+def _mount_message(mount: Mount) -> pb.Mount:
+    return pb.Mount(mount.source, mount.destination, mount.type, list(mount.options), mount.read_only)
+
+
+def _resources_message(resources: Resources) -> pb.Resources:
+    if resources.cpu_shares is not None or resources.memory_swap is not None:
+        # cgroup v1 only: a guest's cgroups are v2, where the kubelet sends neither.
+        raise _unserved("cgroup v1 resources (cpu_shares, memory_swap)")
+    return pb.Resources(
+        cpu_weight=resources.cpu_weight,
+        cpu_max=resources.cpu_max,
+        cpu_period=resources.cpu_period,
+        cpuset_cpus=resources.cpuset_cpus,
+        cpuset_mems=resources.cpuset_mems,
+        memory_max=resources.memory_max,
+        pids_max=resources.pids_max,
+    )
+
+
+def mirror(record: ContainerRecord, status: pb.ContainerStatus) -> ContainerRecord:
+    """``record`` with the guest's status of the container."""
+    record.state = STATES.get(status.state, State.UNKNOWN)
+    record.pid = status.pid
+    record.exit_code = status.exit_code
+    record.signal = status.signal
+    record.oom_killed = status.oom_killed
+    record.started_at = status.started_at
+    record.finished_at = status.finished_at
+    record.reason = status.reason
+    return record
+
+
+def _ended_with_guest(record: ContainerRecord, why: str) -> None:
+    """The guest ended under the container: it ended then, with the guest's end as its reason."""
+    if record.state in (State.RUNNING, State.CREATED, State.CREATING):
+        record.state = State.EXITED
+        record.finished_at = record.finished_at or time.time()
+        record.reason = f"its guest VM ended: {why}"
+
+
+class GuestExec:
+    """A process exec'd in a guest's container, over the guest's Exec stream (a ProcessHandle)."""
+
+    def __init__(self, endpoint: GuestEndpoint, start: pb.ExecStart) -> None:
+        self._endpoint = endpoint
+        self._requests: asyncio.Queue[pb.ContainerServiceExecRequest | None] = asyncio.Queue()
+        self._requests.put_nowait(pb.ContainerServiceExecRequest(start=start))
+        self._call = endpoint.channel.stream_stream(f"/{CONTAINERS}/Exec")(self._encoded())
+        self._exit: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    async def _encoded(self) -> AsyncIterator[bytes]:
+        while (request := await self._requests.get()) is not None:
+            yield codec.encode(request)
+
+    async def output(self) -> AsyncIterator[tuple[str, bytes]]:
+        try:
+            async for message in self._call:
+                reply = codec.decode(pb.ContainerServiceExecResponse, message)
+                if reply.stdout:
+                    yield "stdout", reply.stdout
+                if reply.stderr:
+                    yield "stderr", reply.stderr
+                if reply.exit_code is not None and not self._exit.done():
+                    self._exit.set_result(reply.exit_code)
+        except (grpc.aio.AioRpcError, codec.CodecError) as exc:
+            self._fail(guest_error(self._endpoint, exc))
+        except asyncio.CancelledError:
+            error = channel_closed(self._endpoint)
+            if error is None:
+                raise
+            self._fail(error)
+        if not self._exit.done():
+            self._fail(
+                VmError(
+                    ErrorKind.UNAVAILABLE, f"guest {self._endpoint.name}: the exec ended with no exit code"
+                )
+            )
+        self._requests.put_nowait(None)  # the call is over: nothing more to send
+
+    def _fail(self, error: AuraeError) -> None:
+        if not self._exit.done():
+            self._exit.set_exception(error)
+
+    async def write_stdin(self, data: bytes) -> None:
+        if data:
+            self._requests.put_nowait(pb.ContainerServiceExecRequest(stdin=data))
+
+    async def close_stdin(self) -> None:
+        self._requests.put_nowait(pb.ContainerServiceExecRequest(close_stdin=True))
+
+    def resize(self, rows: int, cols: int) -> None:
+        if rows > 0 and cols > 0:
+            size = pb.TerminalSize(rows=rows, columns=cols)
+            self._requests.put_nowait(pb.ContainerServiceExecRequest(resize=size))
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exit)
+
+    async def kill(self) -> None:
+        """The guest kills a process whose caller went away."""
+        self._call.cancel()
+
+    async def close(self) -> None:
+        self._call.cancel()
+        self._requests.put_nowait(None)
+        if not self._exit.done():
+            self._exit.cancel()
+
+
+class GuestContainers:
+    """The ContainerHost of ``vm`` pods (see the module's doc). ``vm_of(pod_id)`` names the pod's
+    VM; ``root`` holds a directory per container on the host (its log when the pod names no log
+    directory)."""
+
+    def __init__(
+        self,
+        store: Store,
+        guests: Guests,
+        images: Images,
+        root: Path,
+        *,
+        vm_of: Callable[[str], str],
+        shares: PodShares,
+    ) -> None:
+        self._store = store
+        self._guests = guests
+        self._images = images
+        self._placer = ImagePlacer(images)
+        self._root = root
+        self._vm_of = vm_of
+        self._shares = shares
+        self._containers: dict[str, _Guested] = {}
+        self._logs: dict[str, asyncio.Task[None]] = {}
+        for doc in store.load(KIND, _Guested.from_doc):
+            self._containers[doc.record.id] = doc
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def _guested(self, container_id: str) -> _Guested:
+        guested = self._containers.get(container_id)
+        if guested is None:
+            raise ContainerError.not_found(f"container {container_id[:100]}")
+        return guested
+
+    def get(self, container_id: str) -> ContainerRecord:
+        return self._guested(container_id).record
+
+    def all(self) -> list[ContainerRecord]:
+        return [g.record for g in self._containers.values()]
+
+    async def _endpoint(self, guested: _Guested) -> GuestEndpoint:
+        return await self._endpoint_of(guested.vm)
+
+    async def _endpoint_of(self, vm: str) -> GuestEndpoint:
+        """The guest's endpoint; UNAVAILABLE naming the VM when it is not running."""
+        try:
+            return await self._guests.lookup(vm)
+        except AuraeError as exc:
+            raise VmError(ErrorKind.UNAVAILABLE, f"guest {vm}: {exc.message}") from None
+
+    def _save(self, guested: _Guested) -> None:
+        self._store.put(KIND, guested.record.id, guested.to_doc())
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def create(
+        self, request: ContainerRequest, image: str, labels: dict[str, str], *, sandbox: SandboxContext,
+        log_path: Path | None,
+    ) -> ContainerRecord:  # fmt: skip
+        """The container in the pod's guest (``sandbox.sandbox_id`` names the pod); the image
+        placed there first. Its PID namespace is the pod's when the sandbox gives it one."""
+        vm = self._vm_of(sandbox.sandbox_id)
+        config = config_message(request, image, labels, share_pid=sandbox.namespaces.pid is not None)
+        share = secrets.token_hex(8) if request.mounts else ""
+        if share:
+            mounts = await run_to_end(
+                asyncio.to_thread(self._shares.bind, sandbox.sandbox_id, share, request.mounts)
+            )
+            config.mounts = [_mount_message(m) for m in mounts]
+        try:
+            return await self._create(
+                request, image, labels=labels, sandbox=sandbox, log_path=log_path, vm=vm, config=config,
+                share=share,
+            )  # fmt: skip
+        except BaseException:
+            if share:
+                await run_to_end(asyncio.to_thread(self._shares.release, sandbox.sandbox_id, share))
+            raise
+
+    async def _create(
+        self, request: ContainerRequest, image: str, *, labels: dict[str, str], sandbox: SandboxContext,
+        log_path: Path | None, vm: str, config: pb.ContainerConfig, share: str,
+    ) -> ContainerRecord:  # fmt: skip
+        config.hostname = sandbox.hostname or ""
+        host_image = self._images.find(image)
+        # Placed under a name it has (the kubelet names images by id), created by its id.
+        names = [*host_image.references, *host_image.repo_digests]
+        if not names:
+            raise CriError.precondition(f"image {image[:100]} has no name to place it in a guest by")
+        config.image = host_image.id
+        endpoint = await self._endpoint_of(vm)
+        try:
+            async with asyncio.timeout(CREATE_TIMEOUT):
+                if not self._placer.placed(endpoint, names[0], host_image):
+                    await place_in_guest(self._placer, endpoint, names[0], host_image)
+                reply = await call_guest(
+                    endpoint, "Create", pb.ContainerServiceCreateRequest(config=config),
+                    pb.ContainerServiceCreateResponse, CREATE_TIMEOUT,
+                )  # fmt: skip
+        except TimeoutError:
+            raise VmError.deadline(
+                f"guest {vm}: creating {request.name} took over {CREATE_TIMEOUT:g}s"
+            ) from None
+        status = reply.status or pb.ContainerStatus()
+        directory = self._root / status.id
+        record = ContainerRecord(
+            id=status.id,
+            name=request.name,
+            image=image,
+            image_id=host_image.id,
+            directory=str(directory),
+            labels=labels,
+            tty=request.tty,
+            stop_signal=0,
+            process={},
+            cgroup_parent="",
+            sandbox_id=sandbox.sandbox_id,
+            log_file=str(log_path) if log_path is not None else "",
+            created_at=time.time(),
+        )
+        guested = _Guested(vm, mirror(record, status), share)
+        try:
+            await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
+            await asyncio.to_thread(_touch, record.log_path)  # there from Create on, as a host container's
+            self._containers[record.id] = guested
+            self._save(guested)
+        except BaseException:
+            await run_to_end(self._delete_in_guest(guested, force=True))
+            self._containers.pop(record.id, None)
+            raise
+        return record
+
+    async def _call(
+        self, guested: _Guested, method: str, request: Any, reply: type[Any], timeout: float = CALL_TIMEOUT
+    ) -> Any:
+        return await call_guest(await self._endpoint(guested), method, request, reply, timeout)
+
+    def _update(self, guested: _Guested, status: pb.ContainerStatus | None) -> ContainerRecord:
+        if status is not None:
+            mirror(guested.record, status)
+            if guested.record.id in self._containers:
+                self._save(guested)
+        return guested.record
+
+    async def start(self, record: ContainerRecord) -> ContainerRecord:
+        guested = self._guested(record.id)
+        request = pb.ContainerServiceStartRequest(container_id=record.id)
+        reply = await self._call(guested, "Start", request, pb.ContainerServiceStartResponse)
+        self._update(guested, reply.status)
+        self._copy_log(guested)
+        return record
+
+    async def stop(self, record: ContainerRecord, timeout: float | None) -> ContainerRecord:
+        """The stop signal, SIGKILL after ``timeout`` seconds (the guest's default when None). A
+        container whose guest is gone ended with it."""
+        guested = self._guested(record.id)
+        if record.state not in (State.RUNNING, State.CREATED):
+            return record
+        grace = 10.0 if timeout is None else timeout
+        request = pb.ContainerServiceStopRequest(container_id=record.id, timeout_ms=round(grace * 1000))
+        try:
+            reply = await self._call(
+                guested, "Stop", request, pb.ContainerServiceStopResponse, grace + STOP_SLACK
+            )
+        except AuraeError as exc:
+            if exc.kind is not ErrorKind.UNAVAILABLE or self._guest_running(guested):
+                raise
+            _ended_with_guest(record, self._vm_state(guested.vm))
+            self._save(guested)
+            return record
+        return self._update(guested, reply.status)
+
+    async def delete(self, record: ContainerRecord, force: bool, keep_logs: bool) -> None:
+        """Removed in the guest (which may be gone: then so is the container) and on the host;
+        the log on the host stays, as a host container's CRI log does."""
+        guested = self._containers.get(record.id)
+        if guested is None:
+            return
+        if self._guest_running(guested):
+            await self._delete_in_guest(guested, force)
+        task = self._logs.pop(record.id, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self._containers.pop(record.id, None)
+        self._store.delete(KIND, record.id)
+        if guested.share:
+            await run_to_end(asyncio.to_thread(self._shares.release, record.sandbox_id, guested.share))
+        directory = Path(record.directory)
+        await asyncio.to_thread(_remove_directory, directory, record.log_path)
+
+    async def _delete_in_guest(self, guested: _Guested, force: bool) -> None:
+        request = pb.ContainerServiceDeleteRequest(container_id=guested.record.id, force=force)
+        try:
+            await self._call(guested, "Delete", request, pb.ContainerServiceDeleteResponse)
+        except AuraeError as exc:
+            if exc.kind is ErrorKind.NOT_FOUND:
+                return
+            if exc.kind is ErrorKind.UNAVAILABLE and not self._guest_running(guested):
+                return  # its VM ended: the container with it
+            raise
+
+    async def wait(self, record: ContainerRecord) -> ContainerRecord:
+        """Until the container ends in its guest, or its guest ends under it."""
+        guested = self._guested(record.id)
+        while record.state in (State.RUNNING, State.CREATED):
+            request = pb.ContainerServiceWaitRequest(container_id=record.id)
+            try:
+                endpoint = await self._guests.lookup(guested.vm)
+                reply = await call_guest(endpoint, "Wait", request, pb.ContainerServiceWaitResponse, 1e9)
+            except AuraeError as exc:
+                if exc.kind is ErrorKind.NOT_FOUND and record.id not in self._containers:
+                    raise ContainerError.not_found(f"container {record.id[:13]}") from None
+                if self._guest_running(guested):
+                    log.warning(
+                        "container %s: waiting in guest %s: %s", record.id[:13], guested.vm, exc.message
+                    )
+                    await asyncio.sleep(LOG_RETRY)
+                    continue
+                _ended_with_guest(record, self._vm_state(guested.vm))
+                if record.id in self._containers:
+                    self._save(guested)
+                break
+            self._update(guested, reply.status)
+        return record
+
+    def _guest_running(self, guested: _Guested) -> bool:
+        try:
+            return self._guests.vms.get(guested.vm).state == VmState.RUNNING
+        except AuraeError:
+            return False
+
+    def _vm_state(self, vm: str) -> str:
+        try:
+            return f"VM {vm} is {self._guests.vms.get(vm).state_with_reason()}"
+        except AuraeError:
+            return f"VM {vm} is gone"
+
+    # -- in a running container ------------------------------------------------------------
+
+    async def exec(
+        self, record: ContainerRecord, command: list[str], *, tty: bool, stdin: bool
+    ) -> ProcessHandle:
+        """``command`` in the container in its guest, with the container's user, env and cwd."""
+        endpoint = await self._endpoint(self._guested(record.id))
+        start = pb.ExecStart(container_id=record.id, command=command, tty=tty, stdin=stdin)
+        return GuestExec(endpoint, start)
+
+    async def reopen_log(self, record: ContainerRecord) -> None:
+        """The host's copy writes to a file it opens for each batch: a new file is made at the
+        log's path now, and written from then on."""
+        if record.state != State.RUNNING:
+            raise ContainerError.precondition(f"container {record.name} is not running ({record.state})")
+        await asyncio.to_thread(_touch, record.log_path)
+
+    async def update_resources(self, record: ContainerRecord, resources: Resources) -> None:
+        raise _unserved("UpdateContainerResources")
+
+    async def usage(self, record: ContainerRecord) -> CgroupUsage | None:
+        guested = self._guested(record.id)
+        request = pb.ContainerServiceStatsRequest(container_id=record.id)
+        try:
+            stats = await self._call(guested, "Stats", request, pb.ContainerServiceStatsResponse)
+        except AuraeError:
+            return None  # ended as it was read, or its guest with it: the status says how
+        return CgroupUsage(
+            timestamp_ns=time.time_ns(),
+            cpu_ns=stats.cpu_usage_usec * 1000,
+            memory_working_set=stats.memory_working_set,
+            memory_usage=stats.memory_current,
+            processes=stats.pids_current,
+        )
+
+    def written(self, record: ContainerRecord) -> Path:
+        """The container's directory on the host: what it writes is in its guest, which does not
+        report it (ContainerStats shows 0 used for vm pods' containers)."""
+        return Path(record.directory)
+
+    # -- logs ------------------------------------------------------------------------------
+
+    def _copy_log(self, guested: _Guested) -> None:
+        """Follow the container's log in its guest into its log on the host, until it ends."""
+        container_id = guested.record.id
+        if container_id in self._logs:
+            return
+
+        async def copy() -> None:
+            try:
+                await self._follow_log(guested)
+            finally:
+                self._logs.pop(container_id, None)
+
+        self._logs[container_id] = asyncio.get_running_loop().create_task(
+            copy(), name=f"guest log {container_id}"
+        )
+
+    async def _follow_log(self, guested: _Guested) -> None:
+        record = guested.record
+        while record.id in self._containers:
+            # From the last line copied on: the lines of its microsecond that were copied are
+            # skipped (the guest's times have finer steps than a double's seconds keep).
+            resume = _Resume(guested.log_us, guested.log_seen)
+            since = (guested.log_us - 1) / 1e6 if guested.log_us else None
+            request = pb.ContainerServiceLogsRequest(container_id=record.id, follow=True, since=since)
+            try:
+                endpoint = await self._endpoint(guested)
+                async for reply in stream_guest(endpoint, "Logs", request, pb.ContainerServiceLogsResponse):
+                    await asyncio.to_thread(self._write_lines, guested, reply.lines, resume)
+                return  # the container ended and its log was read to the end
+            except AuraeError as exc:
+                if not self._guest_running(guested):
+                    return
+                log.warning(
+                    "container %s: following its log in guest %s: %s", record.id[:13], guested.vm, exc.message
+                )
+                await asyncio.sleep(LOG_RETRY)
+
+    def _write_lines(self, guested: _Guested, lines: list[pb.LogLine], resume: _Resume) -> None:
+        """Append the lines not copied yet to the host's log, then note where the copy got to."""
+        records = []
+        for line in lines:
+            micros = round(line.timestamp * 1e6)
+            if micros < resume.micros:
+                continue
+            if micros == resume.micros and resume.skip > 0:
+                resume.skip -= 1
+                continue
+            if micros == guested.log_us:
+                guested.log_seen += 1
+            else:
+                guested.log_us, guested.log_seen = micros, 1
+            stamp = format_cri_timestamp(round(line.timestamp * 1e9))
+            records.append(f"{stamp} {line.stream} F {line.line}\n".encode())
+        if not records:
+            return
+        path = guested.record.log_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("ab") as file:
+            file.write(b"".join(records))
+        if guested.record.id in self._containers:
+            self._save(guested)
+
+    # -- restart ---------------------------------------------------------------------------
+
+    async def recover(self, keep: Callable[[str], bool]) -> None:
+        """At start: each container's status from its guest (one whose guest is gone ended with
+        it), its log's copy resumed; those ``keep`` refuses (no CRI record) removed."""
+        for guested in list(self._containers.values()):
+            record = guested.record
+            if not keep(record.id):
+                log.warning(
+                    "container %s in guest %s has no CRI record; removing it", record.id[:13], guested.vm
+                )
+                with contextlib.suppress(AuraeError):
+                    await self.delete(record, force=True, keep_logs=False)
+                continue
+            if not self._guest_running(guested):
+                _ended_with_guest(record, self._vm_state(guested.vm))
+                self._save(guested)
+                continue
+            try:
+                request = pb.ContainerServiceStatusRequest(container_id=record.id)
+                reply = await self._call(guested, "Status", request, pb.ContainerServiceStatusResponse)
+            except AuraeError as exc:
+                log.warning(
+                    "container %s: no status from guest %s: %s", record.id[:13], guested.vm, exc.message
+                )
+                continue
+            self._update(guested, reply.status)
+            if record.state != State.CREATED:
+                self._copy_log(guested)
+
+    async def close(self) -> None:
+        for task in list(self._logs.values()):
+            task.cancel()
+        await asyncio.gather(*self._logs.values(), return_exceptions=True)
+
+
+def _touch(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+
+
+def _remove_directory(directory: Path, log_path: Path) -> None:
+    """The container's directory on the host, but for its log when that is the kubelet's."""
+    if not directory.exists():
+        return
+    for entry in directory.iterdir():
+        if entry != log_path:
+            entry.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        directory.rmdir()

@@ -1,0 +1,319 @@
+"""Containers of ``vm`` pods through the kubelet's socket, with a real QEMU guest (TCG here).
+
+One guest is booted for the whole module (a boot costs seconds of TCG), and one test walks what a
+kubelet does with a pod's containers: a server and a client sharing the pod network (the client
+reaches the server over localhost), their output in the kubelet's log path on the host, status
+and stats from the guest, ExecSync, an exec with a terminal over SPDY, port-forward to the
+server, host paths mounted from the host (virtio-fs), a ``kill -9`` of the host auraed with the
+logs resumed after it (nothing lost, nothing twice), QEMU killed under the pod (NOT_READY, its
+containers EXITED with a reason), then the pod stopped and removed leaving nothing (the
+fixture's checks and the leak check).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from auraed.api.aurae.vms import v0 as vms
+from auraed.api.runtime import v1 as cri
+from auraed.cri.guest_containers import guest_name
+from auraed.cri.streaming.client import open_port_forward, open_remote_command, run_remote_command
+from auraed.pki import PkiPaths
+from tests.conftest import DaemonFactory
+from tests.integration.test_cri_containers import (
+    ATTEMPT,
+    EXITED,
+    RUNNING,
+    Node,
+    cri_error,
+    stdout_lines,
+)
+from tests.integration.test_cri_containers import mirror as busybox_mirror
+from tests.integration.test_vms import free_test_pool
+from tests.support.cni import cni_network
+from tests.support.cri import (
+    BUSYBOX_IMAGE,
+    cri_client,
+    mirrors_config,
+    pod_config,
+    pod_status,
+    pull_image,
+    run_pod,
+)
+from tests.support.registry import LocalRegistry
+
+mirror = busybox_mirror  # the registry fixture, used by name
+
+VMS = "aurae.vms.v0.VmService"
+BOOT_TIMEOUT = 300.0
+TIMEOUT = 120.0
+PORT = 8080
+GREETING = "hello from the pod"
+SERVE = ["sh", "-c", f"echo serving; while true; do echo '{GREETING}' | nc -l -p {PORT}; done"]
+REACH = ["sh", "-c", f"until nc 127.0.0.1 {PORT}; do sleep 0.5; done"]
+TICK = ["sh", "-c", "i=0; while true; do echo tick $i; i=$((i+1)); sleep 0.2; done"]
+
+
+async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        outcome = check()
+        if await outcome if isinstance(outcome, Awaitable) else outcome:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.2)
+
+
+@pytest.fixture
+async def vm_node(
+    daemon_factory: DaemonFactory, mirror: LocalRegistry, guest_image: Path, pki: PkiPaths, tmp_path: Path
+) -> AsyncIterator[Node]:
+    with cni_network(tmp_path) as network:
+        network.write(network.conflist())
+        daemon = daemon_factory(
+            "--cni-conf-dir",
+            str(network.conf_dir),
+            "--guest-image",
+            str(guest_image),
+            "--ca-key",
+            str(pki.ca_key),
+            "--vm-address-pool",
+            str(free_test_pool()),
+            "--cri-vm-memory-mib",
+            "512",
+            config_text=mirrors_config(mirror),
+        )
+        node = Node(daemon, network, cri_client(daemon), "", tmp_path / "logs")
+        try:
+            node.image_id = await pull_image(node.client, BUSYBOX_IMAGE)
+            yield node
+            for pod_id in await node.pod_ids():
+                await node.stop_pod(pod_id)
+                await node.remove_pod(pod_id)
+            assert await node.containers() == []
+            async with daemon.client() as aurae:
+                assert (await aurae.call(VMS, "List", vms.VmServiceListRequest())).vms == []
+            assert not any((daemon.root / "state" / "cri" / "guest-containers").glob("*"))
+        finally:
+            await node.client.close()
+
+
+def test_a_cri_name_becomes_a_dns_label_in_the_guest() -> None:
+    assert guest_name("web_mypod_default_0123-uid_2") == "web-2"
+    assert guest_name("Big.Name_pod_ns_uid_0") == "big-name-0"
+    assert guest_name("___") == "container"
+    assert len(guest_name("x" * 200 + "_p_n_u_1")) == 63
+
+
+@dataclass
+class VmPod:
+    """A running vm pod, its log directory on the host, and how to make containers in it."""
+
+    node: Node
+    pod_id: str
+    config: cri.PodSandboxConfig
+    logs: Path
+
+    async def create(self, name: str, command: list[str], **fields: Any) -> str:
+        request = cri.CreateContainerRequest(
+            pod_sandbox_id=self.pod_id,
+            config=self.node.config(name, command, log=True, **fields),
+            sandbox_config=self.config,
+        )
+        reply = await self.node.call("CreateContainer", request, BOOT_TIMEOUT)
+        return str(reply.container_id)
+
+    async def run(self, name: str, command: list[str]) -> str:
+        container_id = await self.create(name, command)
+        await self.node.start(container_id)
+        return container_id
+
+    def lines(self, name: str) -> list[str]:
+        path = self.logs / f"{name}.log"
+        return stdout_lines(path) if path.exists() else []
+
+
+async def test_a_vm_pods_containers_run_in_its_guest(vm_node: Node, tmp_path: Path) -> None:
+    logs = vm_node.log_root / "vm-pod"
+    logs.mkdir(parents=True, mode=0o777)
+    config = pod_config("vm-pod", namespace="vm-pods", hostname="vm-pod-host")
+    config.log_directory = str(logs)
+    pod_id = await asyncio.wait_for(run_pod(vm_node.client, config, "vm"), BOOT_TIMEOUT)
+    pod = VmPod(vm_node, pod_id, config, logs)
+    server = await a_server_and_its_client_share_the_pod_network(pod)
+    await exec_runs_in_the_guest(pod, server)
+    await stats_and_port_forward(pod, server)
+    await host_paths_reach_the_guest(pod, tmp_path)
+    await the_logs_resume_after_kill_9(pod, server)
+    await a_dead_guest_ends_its_pod(pod, server)
+
+
+async def a_server_and_its_client_share_the_pod_network(pod: VmPod) -> str:
+    node = pod.node
+    server = await pod.run("server", SERVE)
+    client = await pod.run("client", REACH)
+    await node.wait_state(client, EXITED, TIMEOUT)
+    status = await node.status(client)
+    assert status.exit_code == 0 and status.metadata.attempt == ATTEMPT
+    assert status.log_path == str(pod.logs / "client.log")
+    await eventually(lambda: GREETING in pod.lines("client"))
+    await eventually(lambda: "serving" in pod.lines("server"))
+    assert (await node.status(server)).state == RUNNING
+    assert {c.id for c in await node.containers(pod_sandbox_id=pod.pod_id)} == {server, client}
+    return server
+
+
+async def exec_runs_in_the_guest(pod: VmPod, server: str) -> None:
+    """ExecSync with the pod's hostname and exit codes as results; an exec with a terminal over
+    SPDY, resized; a plain one."""
+    node = pod.node
+    hostname = await node.exec_sync(server, ["hostname"])
+    assert (hostname.exit_code, hostname.stdout) == (0, b"vm-pod-host\n")
+    # The pod shares a PID namespace (the CRI's default): one the guest made for it, whose PID 1
+    # is the pod's init, never the guest's auraed.
+    processes = (await node.exec_sync(server, ["ps", "-o", "pid,args"])).stdout.decode()
+    assert "aurae-pod-init" in processes and "auraed" not in processes.replace("aurae-pod-init", "")
+    assert "nc -l" in processes
+    failed = await node.exec_sync(server, ["sh", "-c", "echo out; echo err >&2; exit 3"])
+    assert (failed.exit_code, failed.stdout, failed.stderr) == (3, b"out\n", b"err\n")
+
+    sized = cri.ExecRequest(
+        container_id=server, cmd=["sh", "-c", "read l; stty size"], stdin=True, stdout=True, tty=True
+    )
+    command = await open_remote_command((await node.call("Exec", sized)).url, stdin=True, stdout=True,
+                                        stderr=False, tty=True)  # fmt: skip
+    try:
+        await command.resize(width=132, height=43)
+        await asyncio.sleep(0.5)  # the resize stream and stdin are separate: let it land first
+        await command.write_stdin(b"go\r")
+        seen = b""
+        async with asyncio.timeout(TIMEOUT):
+            while b"43 132" not in seen:
+                chunk = await command.read_stdout()
+                assert chunk, seen
+                seen += chunk
+        assert (await command.collect()).exit_code == 0
+    finally:
+        await command.close()
+    plain = cri.ExecRequest(container_id=server, cmd=["echo", "hi"], stdout=True, stderr=True)
+    result = await run_remote_command((await node.call("Exec", plain)).url)
+    assert (result.exit_code, result.stdout, result.stderr) == (0, b"hi\n", b"")
+
+
+async def stats_and_port_forward(pod: VmPod, server: str) -> None:
+    """Stats from the guest's cgroups; port-forward reaches the server at the pod's address."""
+    node = pod.node
+    stats = (await node.call("ContainerStats", cri.ContainerStatsRequest(container_id=server))).stats
+    assert stats.cpu.usage_core_nano_seconds.value > 0 and stats.memory.working_set_bytes.value > 0
+    url = (await node.call("PortForward", cri.PortForwardRequest(pod_sandbox_id=pod.pod_id))).url
+    forward = await open_port_forward(url)
+    try:
+        connection = await forward.connect(PORT)
+        received = b""
+        async with asyncio.timeout(TIMEOUT):
+            while chunk := await connection.read():
+                received += chunk
+        assert received == f"{GREETING}\n".encode()
+        await connection.close()
+    finally:
+        await forward.close()
+
+
+async def host_paths_reach_the_guest(pod: VmPod, tmp_path: Path) -> None:
+    """Host paths mounted into a container in the guest (virtio-fs): read and written, a read-only
+    one refused writes, a single file, and a change on the host seen in the guest at once; what
+    a guest cannot be given yet is refused by name."""
+    node = pod.node
+    data, locked = tmp_path / "data", tmp_path / "locked"
+    data.mkdir()
+    locked.mkdir()
+    (data / "in.txt").write_text("from the host\n")
+    (locked / "keep.txt").write_text("keep\n")
+    greeting = tmp_path / "greeting"
+    greeting.write_text("a single file\n")
+    script = (
+        "cat /data/in.txt; echo from the guest > /data/out.txt; cat /etc/greeting; "
+        "if echo x > /locked/x 2>/dev/null; then echo locked-written; else echo locked-refused; fi; "
+        "sleep 3600"
+    )
+    mounts = [
+        cri.Mount(container_path="/data", host_path=str(data)),
+        cri.Mount(container_path="/locked", host_path=str(locked), readonly=True),
+        cri.Mount(container_path="/etc/greeting", host_path=str(greeting), readonly=True),
+    ]
+    volume = await pod.create("volume", ["sh", "-c", script], mounts=mounts)
+    await node.start(volume)
+    await eventually(lambda: "locked-refused" in pod.lines("volume"))
+    assert pod.lines("volume") == ["from the host", "a single file", "locked-refused"]
+    assert (data / "out.txt").read_text() == "from the guest\n"
+    assert sorted(p.name for p in locked.iterdir()) == ["keep.txt"]
+    (data / "in.txt").write_text("changed on the host\n")  # as a configMap's update
+    assert (await node.exec_sync(volume, ["cat", "/data/in.txt"])).stdout == b"changed on the host\n"
+    shares = node.daemon.root / "run" / "pod-shares" / pod.pod_id
+    assert len(list(shares.iterdir())) == 1  # the container's binds, under one key
+    await node.stop(volume)
+    await node.remove(volume)
+    assert list(shares.iterdir()) == []
+    assert (data / "in.txt").exists() and (locked / "keep.txt").exists()  # released, not removed
+
+    refused = await cri_error(pod.create("attached", ["cat"], stdin=True))
+    assert refused.code == "UNIMPLEMENTED" and "vm pods" in refused.message
+
+
+async def the_logs_resume_after_kill_9(pod: VmPod, server: str) -> None:
+    """The host auraed killed and started again: the containers are found again, the log's copy
+    resumes where it was, no line lost and none twice; then stop and remove."""
+    node = pod.node
+    ticker = await pod.run("ticker", TICK)
+    await eventually(lambda: len(pod.lines("ticker")) >= 3)
+    node.daemon.kill9()
+    await asyncio.sleep(2)  # the guest's container ticks on meanwhile
+    node.daemon.start()
+    await node.client.close()
+    node.client = cri_client(node.daemon)
+    assert (await node.status(ticker)).state == RUNNING
+    before = len(pod.lines("ticker"))
+    await eventually(lambda: len(pod.lines("ticker")) >= before + 15)
+    lines = pod.lines("ticker")
+    assert lines == [f"tick {i}" for i in range(len(lines))]
+    assert (await node.exec_sync(server, ["echo", "-n", "still here"])).stdout == b"still here"
+    info = json.loads((await node.status_reply(server, verbose=True)).info["info"])
+    assert info["pid"] > 0
+
+    # Stop ends the process in the guest; remove forgets it; the log stays for the kubelet.
+    await node.stop(ticker)
+    stopped = await node.status(ticker)
+    assert (stopped.state, stopped.exit_code) == (EXITED, 137)
+    await node.remove(ticker)
+    assert (pod.logs / "ticker.log").exists()
+    assert ticker not in {c.id for c in await node.containers()}
+
+
+async def a_dead_guest_ends_its_pod(pod: VmPod, server: str) -> None:
+    """QEMU killed under the pod: the pod is NOT_READY, its container EXITED with the guest's end
+    as its reason; the kubelet's stop and remove then work as for any pod (the fixture's)."""
+    node = pod.node
+    vm = f"pod-{pod.pod_id[:16]}"
+    found = subprocess.run(["pgrep", "-f", f"qemu-system.*{vm}"], capture_output=True, text=True, check=True)
+    for pid in found.stdout.split():
+        os.kill(int(pid), signal.SIGKILL)
+
+    async def not_ready() -> bool:
+        status = (await pod_status(node.client, pod.pod_id)).status
+        return status is not None and status.state == cri.PodSandboxState.SANDBOX_NOTREADY
+
+    await eventually(not_ready)
+    ended = await node.wait_state(server, EXITED, TIMEOUT)
+    assert "guest VM" in ended.message or "guest VM" in ended.reason, ended

@@ -1,0 +1,96 @@
+"""What the host keeps of a vm pod's containers, without a guest: the copy of a guest's log into
+the kubelet's log path (resumed with no line lost or twice), the config a guest is given, and the
+mirror of a guest's status."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from auraed.api.aurae.containers import v0 as pb
+from auraed.containers.model import ContainerRecord, State
+from auraed.containers.request import ContainerRequest, Mount, Resources, Security
+from auraed.cri.errors import CriError
+from auraed.cri.guest_containers import (
+    GuestContainers,
+    _Guested,
+    _Resume,
+    config_message,
+    mirror,
+)
+from auraed.errors import ErrorKind
+from tests.integration.test_cri_containers import stdout_lines
+
+
+def guested(tmp_path: Path) -> _Guested:
+    record = ContainerRecord(
+        id="c1", name="web_p_n_u_0", image="busybox", image_id="sha256:1", directory=str(tmp_path / "c1"),
+        labels={}, tty=False, stop_signal=0, process={}, log_file=str(tmp_path / "logs" / "web.log"),
+    )  # fmt: skip
+    return _Guested("pod-1", record)
+
+
+def lines(*entries: tuple[float, str]) -> list[pb.LogLine]:
+    return [pb.LogLine(line=text, stream="stdout", timestamp=ts) for ts, text in entries]
+
+
+def write(keeper: _Guested, batch: list[pb.LogLine]) -> None:
+    # _write_lines touches no state of the host but the record's log and the store (absent here).
+    host = GuestContainers.__new__(GuestContainers)
+    host._containers = {}
+    host._write_lines(keeper, batch, _Resume(keeper.log_us, keeper.log_seen))
+
+
+def test_a_resumed_copy_skips_exactly_what_was_written(tmp_path: Path) -> None:
+    keeper = guested(tmp_path)
+    write(keeper, lines((100.000001, "a"), (100.000002, "b"), (100.000002, "c")))
+    assert (keeper.log_us, keeper.log_seen) == (100_000_002, 2)
+    # The guest sends again from that microsecond on: b and c were copied, d was not.
+    write(keeper, lines((100.000002, "b"), (100.000002, "c"), (100.000002, "d"), (100.5, "e")))
+    assert stdout_lines(Path(keeper.record.log_file)) == ["a", "b", "c", "d", "e"]
+    assert (keeper.log_us, keeper.log_seen) == (100_500_000, 1)
+
+
+def test_the_host_log_keeps_the_cri_format(tmp_path: Path) -> None:
+    keeper = guested(tmp_path)
+    write(keeper, [pb.LogLine(line="oops", stream="stderr", timestamp=1764633600.5)])
+    assert Path(keeper.record.log_file).read_text() == "2025-12-02T00:00:00.500000000Z stderr F oops\n"
+
+
+def test_what_a_guest_cannot_be_given_is_refused_by_name() -> None:
+    base = ContainerRequest(name="web_p_n_u_1")
+    for request, named in (
+        (ContainerRequest(name="w_p", security=Security(privileged=True)), "privileged"),
+        (
+            ContainerRequest(name="w_p", security=Security(seccomp={"defaultAction": "SCMP_ACT_ALLOW"})),
+            "seccomp",
+        ),
+        (ContainerRequest(name="w_p", stdin=True), "stdin"),
+        (ContainerRequest(name="w_p", resources=Resources(cpu_shares=512)), "cgroup v1"),
+    ):
+        with pytest.raises(CriError) as refused:
+            config_message(request, "busybox", {}, share_pid=False)
+        assert refused.value.kind is ErrorKind.UNIMPLEMENTED and named in refused.value.message
+    config = config_message(base, "busybox", {"a": "b"}, share_pid=True)
+    assert (config.name, config.host_network, config.host_ipc, config.shared_pid) == (
+        "web-1",
+        True,
+        True,
+        "pod",
+    )
+    mounted = ContainerRequest(
+        name="w_p", mounts=(Mount("/data", "/run/aurae/share/k/0", "bind", ("rprivate",)),)
+    )
+    assert [m.source for m in config_message(mounted, "busybox", {}, share_pid=False).mounts] == [
+        "/run/aurae/share/k/0"
+    ]
+
+
+def test_the_mirror_follows_the_guests_status(tmp_path: Path) -> None:
+    record = guested(tmp_path).record
+    mirror(
+        record,
+        pb.ContainerStatus(id="c1", state=pb.ContainerState.EXITED, exit_code=3, pid=0, reason="Error"),
+    )
+    assert (record.state, record.exit_code, record.reason) == (State.EXITED, 3, "Error")
