@@ -59,7 +59,7 @@ ACTIONS = ("poweroff", "reboot")
 DATA_DISK_WAIT = 10.0
 CARRIER_WAIT = 5.0
 DHCP_TIMEOUT = 30.0
-RESTART_BACKOFF = (1.0, 2.0, 5.0, 10.0, 30.0)
+RESTART_BACKOFF: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 30.0)
 STABLE_RUN = 60.0  # a daemon that served this long before dying starts again at the first backoff
 STOP_WAIT_EXTRA = 30.0  # seconds beyond stop_grace_period the daemon has to stop before SIGKILL
 SIOCGIFADDR = 0x8915
@@ -262,14 +262,18 @@ class DaemonSupervisor:
         argv: Sequence[str],
         boot: HostBoot,
         on_action: Callable[[str, str], object],
+        *,
         stop_grace: float,
         environ: Mapping[str, str] | None = None,
+        socket_path: str = INIT_SOCKET,
     ) -> None:
         self.argv = list(argv)
         self.boot = boot
         self.on_action = on_action
         self.stop_grace = stop_grace
         self.environ = dict(os.environ if environ is None else environ)
+        self.socket_path = socket_path
+        self.backoff = RESTART_BACKOFF
         self.process: asyncio.subprocess.Process | None = None
         self.restarts = 0
         self._stopping = False
@@ -293,7 +297,7 @@ class DaemonSupervisor:
                 ran = time.monotonic() - started
                 if ran >= STABLE_RUN:
                     self.restarts = 0
-                delay = RESTART_BACKOFF[min(self.restarts, len(RESTART_BACKOFF) - 1)]
+                delay = self.backoff[min(self.restarts, len(self.backoff) - 1)]
                 self.restarts += 1
                 console(
                     f"auraed: the daemon ended ({describe_status(status)}) after {ran:.1f} s; the "
@@ -306,7 +310,7 @@ class DaemonSupervisor:
         return 0 if status is None else status
 
     async def _run_once(self) -> int:
-        env = {**self.environ, NOTIFY_ENV: INIT_SOCKET, INIT_SOCKET_ENV: INIT_SOCKET}
+        env = {**self.environ, NOTIFY_ENV: self.socket_path, INIT_SOCKET_ENV: self.socket_path}
         self.ready_at = None
         try:
             self.process = await asyncio.create_subprocess_exec(
@@ -344,12 +348,13 @@ class DaemonSupervisor:
     # ----- the notify socket ----------------------------------------------------------------
 
     def _open_socket(self, loop: asyncio.AbstractEventLoop) -> None:
-        os.makedirs(os.path.dirname(INIT_SOCKET), mode=0o755, exist_ok=True)
+        path = self.socket_path
+        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(INIT_SOCKET)
+            os.unlink(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
-        sock.bind(INIT_SOCKET)
-        os.chmod(INIT_SOCKET, 0o600)
+        sock.bind(path)
+        os.chmod(path, 0o600)
         self._socket = sock
         loop.add_reader(sock.fileno(), self._on_message)
 
@@ -358,6 +363,8 @@ class DaemonSupervisor:
             loop.remove_reader(self._socket.fileno())
             self._socket.close()
             self._socket = None
+            with contextlib.suppress(OSError):
+                os.unlink(self.socket_path)
 
     def _on_message(self) -> None:
         assert self._socket is not None

@@ -838,7 +838,9 @@ def main(argv: Sequence[str], make_daemon: DaemonFactory) -> NoReturn:
         if init.host is not None:  # the daemon as a child of PID 1, restarted should it die
             from auraed.init.host import DaemonSupervisor
 
-            supervisor = DaemonSupervisor(argv, init.host, init.request_action, config.stop_grace_period)
+            supervisor = DaemonSupervisor(
+                argv, init.host, init.request_action, stop_grace=config.stop_grace_period
+            )
             status = init.run(supervisor)
         else:
             status = init.run(make_daemon(config, init))

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from auraed.api.aurae.cells import v0 as cells_pb
+from auraed.api.aurae.containers import v0 as containers_pb
 from auraed.api.aurae.discovery import v0 as discovery_pb
 from auraed.api.aurae.system import v0 as system_pb
 from auraed.client import AuraeClient, ClientConfig
@@ -158,14 +159,14 @@ async def test_reboot_keeps_state_and_pki(booted: Booted, client: AuraeClient) -
         assert (await status_of(again, "web", "hello")).exit_code == 0
         assert [c.name for c in await list_containers(again)] == ["hello"]
         listed_images = await again.call(
-            containers.CONTAINERS, "ListImages", containers.pb.ContainerServiceListImagesRequest()
+            containers.CONTAINERS, "ListImages", containers_pb.ContainerServiceListImagesRequest()
         )
         assert any(IMAGE in image.references for image in listed_images.images)
         assert (await containers.run(again, "after", IMAGE, command=["true"])).exit_code == 0
 
 
-async def list_containers(client: AuraeClient) -> list[containers.pb.ContainerStatus]:
-    reply = await client.call(containers.CONTAINERS, "List", containers.pb.ContainerServiceListRequest())
+async def list_containers(client: AuraeClient) -> list[containers_pb.ContainerStatus]:
+    reply = await client.call(containers.CONTAINERS, "List", containers_pb.ContainerServiceListRequest())
     return list(reply.containers)
 
 

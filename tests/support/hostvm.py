@@ -113,7 +113,8 @@ class HostMachine:
             if text in self.console[since:]:
                 return time.monotonic() - self.started
             if self.process.poll() is not None:
-                raise AssertionError(f"QEMU exited ({self.process.returncode}) before {text!r}:\n{self.tail()}")
+                code = self.process.returncode
+                raise AssertionError(f"QEMU exited ({code}) before {text!r}:\n{self.tail()}")
             time.sleep(0.05)
         raise AssertionError(f"no {text!r} within {timeout}s:\n{self.tail()}")
 
