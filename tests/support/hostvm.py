@@ -43,7 +43,14 @@ def build_host_image() -> Path:
 
 class HostMachine:
     def __init__(
-        self, image: Path, *, memory_mib: int = 1024, data_mib: int = 512, extra_append: str = ""
+        self,
+        image: Path,
+        *,
+        memory_mib: int = 1024,
+        data_mib: int = 512,
+        extra_append: str = "",
+        initramfs: str = "initramfs.img",
+        static_ip: bool = True,
     ) -> None:
         self.image = image
         self.root = Path(tempfile.mkdtemp(prefix="aurae-hostvm-", dir="/tmp"))
@@ -56,16 +63,16 @@ class HostMachine:
         network.create_tap(self.net, self.owner)
         self.address = self.net.guest_ip
         mask = ipaddress.IPv4Network(f"0.0.0.0/{self.net.prefixlen}").netmask
+        ip = f"ip={self.net.guest_ip}::{self.net.host_ip}:{mask}:aurae-host:eth0:off" if static_ip else ""
         append = (
-            f"console=ttyS0 tsc_early_khz={host_tsc_khz()} auraed.root=serial=aurae-root "
-            f"ip={self.net.guest_ip}::{self.net.host_ip}:{mask}:aurae-host:eth0:off {extra_append}"
+            f"console=ttyS0 tsc_early_khz={host_tsc_khz()} auraed.root=serial=aurae-root {ip} {extra_append}"
         )
         self.args = [
             "qemu-system-x86_64",
             "-M", MICROVM, "-accel", "tcg", "-cpu", "max", "-m", str(memory_mib), "-smp", "1",
             "-nodefaults", "-no-user-config", "-display", "none",
             "-serial", "stdio",
-            "-kernel", str(image / "vmlinuz"), "-initrd", str(image / "initramfs.img"),
+            "-kernel", str(image / "vmlinuz"), "-initrd", str(image / initramfs),
             "-append", append.strip(),
             "-drive", f"id=root,file={image / 'rootfs.img'},format=raw,if=none,readonly=on",
             "-device", "virtio-blk-device,drive=root,serial=aurae-root",
