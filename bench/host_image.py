@@ -94,6 +94,7 @@ async def one_round(image: Path, memory_mib: int, work: Path, index: int) -> dic
         config = machine.client_config(work / f"client-{index}")
         result["first_s"] = await wait_serving(config, deadline) - machine.started
         machine.wait_for(READY_MARKER, 30)
+        result["first_screen_s"] = machine.seen_at(READY_MARKER)
         result["first_phases"] = phases(machine.console)
         mark = machine.mark()
         asked = time.monotonic()
@@ -103,6 +104,7 @@ async def one_round(image: Path, memory_mib: int, work: Path, index: int) -> dic
         machine.wait_for("rebooting", 60, since=mark)
         result["reboot_s"] = await wait_serving(config, time.monotonic() + TIMEOUT) - asked
         machine.wait_for(READY_MARKER, 30, since=mark)
+        result["reboot_screen_s"] = machine.seen_at(READY_MARKER, mark) - (asked - machine.started)
         result["reboot_phases"] = phases(machine.console[mark:])
     finally:
         machine.close()

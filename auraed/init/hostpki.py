@@ -41,6 +41,15 @@ def client_config_text(address: str, server_name: str) -> str:
 
 def ensure(profile: HostProfile) -> tuple[str, bool]:
     """Make or reuse the PKI and the client configuration: (CA fingerprint, shown now)."""
+    import time
+
+    started = time.monotonic()
+    fingerprint, shown = _ensure(profile)
+    console(f"aurae-host: PKI {'made' if shown else 'checked'} in {time.monotonic() - started:.2f} s")
+    return fingerprint, shown
+
+
+def _ensure(profile: HostProfile) -> tuple[str, bool]:
     hostname = socket.gethostname()
     addresses = [address for _, address, _ in interface_addresses()]
     tls = Path(profile.tls_dir)

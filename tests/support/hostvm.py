@@ -85,6 +85,7 @@ class HostMachine:
         ]  # fmt: skip
         self.process: subprocess.Popen[bytes] | None = None
         self._output: list[str] = []
+        self._arrived: list[tuple[int, float]] = []  # (console offset after a line, when it came)
         self._lock = threading.Lock()
         self._reader: threading.Thread | None = None
         self.started = 0.0
@@ -100,13 +101,22 @@ class HostMachine:
     def _read(self) -> None:
         assert self.process is not None and self.process.stdout is not None
         for raw in self.process.stdout:
+            text = raw.decode(errors="replace")
             with self._lock:
-                self._output.append(raw.decode(errors="replace"))
+                self._output.append(text)
+                end = (self._arrived[-1][0] if self._arrived else 0) + len(text)
+                self._arrived.append((end, time.monotonic()))
 
     @property
     def console(self) -> str:
         with self._lock:
             return "".join(self._output)
+
+    def seen_at(self, text: str, since: int = 0) -> float:
+        """Seconds since ``start`` at which the console line holding ``text`` (after ``since``) came."""
+        index = self.console.index(text, since)
+        with self._lock:
+            return next(when for end, when in self._arrived if end > index) - self.started
 
     def mark(self) -> int:
         """Where the console is now: ``wait_for(..., since=mark)`` looks only at what follows."""
