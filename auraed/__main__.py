@@ -37,7 +37,18 @@ def main() -> None:
     except ConfigError as exc:
         print(f"auraed: {exc.message}", file=sys.stderr)
         sys.exit(2)
-    sys.exit(asyncio.run(build_daemon(config).run()))
+    machine: Machine | None = None
+    init_socket = os.environ.get("AURAED_INIT_SOCKET", "")
+    if init_socket:  # the daemon PID 1 of a host image runs (auraed/init/host.py)
+        from auraed.init.host import HostProfile, InitMachine
+
+        profile = HostProfile.load()
+        if profile is not None:
+            from auraed.init import hostpki
+
+            hostpki.ensure(profile)  # the PKI on the data disk; the client config shown once
+        machine = InitMachine(init_socket)
+    sys.exit(asyncio.run(build_daemon(config, machine).run()))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ import tomllib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -272,9 +273,9 @@ def walk_files(root: Path) -> Iterator[Path]:
         yield path
 
 
-def sources_digest() -> str:
+def sources_digest(builders: Iterable[Path] = (HERE,)) -> str:
     digest = hashlib.sha256()
-    ours = [p for p in walk_files(HERE) if p.suffix != ".md"]
+    ours = [p for d in builders for p in walk_files(d) if p.suffix != ".md"]
     paths = [REPO / "pyproject.toml", *walk_files(REPO / "auraed"), *ours]
     for path in paths:
         digest.update(str(path.relative_to(REPO)).encode() + b"\0")
@@ -286,9 +287,9 @@ def sources_digest() -> str:
     return digest.hexdigest()
 
 
-def apt_state() -> str:
+def apt_state(packages: Iterable[str] = PACKAGES) -> str:
     """What apt's candidates depend on: its package lists, its configuration, dpkg's status."""
-    digest = hashlib.sha256(json.dumps([KERNEL_META, *PACKAGES]).encode())
+    digest = hashlib.sha256(json.dumps([KERNEL_META, *packages]).encode())
     for directory in (Path("/var/lib/apt/lists"), Path("/etc/apt")):
         for path in sorted(directory.rglob("*")):
             if path.is_file() and "partial" not in path.parts and path.name != "lock":
@@ -299,17 +300,19 @@ def apt_state() -> str:
     return digest.hexdigest()
 
 
-def debian_packages(cache: Path) -> tuple[str, dict[str, str]]:
+def debian_packages(cache: Path, wanted: tuple[str, ...] = PACKAGES) -> tuple[str, dict[str, str]]:
     """The kernel package and every package's candidate version; remembered until apt's state changes
     (each apt-cache call here parses the package lists: ~0.7 s)."""
-    state = apt_state()
-    remembered = cache / "apt-candidates.json"
+    state = apt_state(wanted)
+    remembered = cache / (
+        "apt-candidates.json" if wanted == PACKAGES else f"apt-candidates-{state[:12]}.json"
+    )
     with contextlib.suppress(OSError, ValueError, KeyError):
         saved = json.loads(remembered.read_text())
         if saved["state"] == state:
             return saved["kernel"], saved["packages"]
     kernel = kernel_package()
-    packages = apt_candidates([kernel, *PACKAGES])
+    packages = apt_candidates([kernel, *wanted])
     cache.mkdir(parents=True, exist_ok=True)
     partial = remembered.with_name(f".{remembered.name}.{os.getpid()}")
     partial.write_text(json.dumps({"state": state, "kernel": kernel, "packages": packages}))
@@ -317,10 +320,14 @@ def debian_packages(cache: Path) -> tuple[str, dict[str, str]]:
     return kernel, packages
 
 
-def resolve_inputs(rootfs_type: str, cache: Path) -> Inputs:
-    kernel, packages = debian_packages(cache)
+def resolve_inputs(rootfs_type: str, cache: Path, flavour: Flavour | None = None) -> Inputs:
+    flavour = flavour or GUEST
+    kernel, packages = debian_packages(cache, flavour.packages)
     dists = {name: dist.version for name, dist in sorted(python_dists().items())}
-    return Inputs(kernel, packages, dists, sources_digest(), rootfs_type)
+    sources = sources_digest(flavour.builders)
+    return Inputs(
+        kernel, packages, dists, sources if flavour is GUEST else f"{flavour.name}:{sources}", rootfs_type
+    )
 
 
 # --- Debian packages -------------------------------------------------------------------------
@@ -529,6 +536,11 @@ class Build:
     used_packages: set[str] = field(default_factory=set)
     timings: dict[str, float] = field(default_factory=dict)
 
+    # What a flavour changes (host-image/mkhost.py's HostBuild): its libraries, extra modules, name.
+    library_packages: ClassVar[tuple[str, ...]] = LIBRARY_PACKAGES
+    rootfs_extra_modules: ClassVar[tuple[str, ...]] = ROOTFS_EXTRA_MODULES
+    identity: ClassVar[tuple[str, str]] = ("guest", "aurae-guest")  # (flavour, hostname and ID)
+
     def __post_init__(self) -> None:
         self.stage = self.work / "rootfs"
 
@@ -589,11 +601,12 @@ class Build:
         (etc / "passwd").write_text(PASSWD)
         (etc / "group").write_text(GROUP)
         (etc / "hosts").write_text(HOSTS)
-        (etc / "hostname").write_text("aurae-guest\n")
+        flavour, name = self.identity
+        (etc / "hostname").write_text(f"{name}\n")
         (etc / "ld.so.conf").write_text(f"/usr/lib/{MULTIARCH}\n")
         (s / "usr/lib/os-release").write_text(
-            'NAME="auraed guest"\nID=aurae-guest\n'
-            f'VERSION_ID={self.inputs.digest}\nPRETTY_NAME="auraed guest {self.inputs.digest}"\n'
+            f'NAME="auraed {flavour}"\nID={name}\n'
+            f'VERSION_ID={self.inputs.digest}\nPRETTY_NAME="auraed {flavour} {self.inputs.digest}"\n'
         )
         (etc / "os-release").symlink_to("../usr/lib/os-release")
         (s / "usr/lib/aurae/image.json").write_text(
@@ -694,7 +707,7 @@ class Build:
         """Copy the shared library closure of every ELF file in the stage; returns the library names."""
         s = self.stage
         index: dict[str, tuple[str, Path]] = {}
-        for package in LIBRARY_PACKAGES:
+        for package in self.library_packages:
             tree = self.trees[package]
             for directory in (f"lib/{MULTIARCH}", f"usr/lib/{MULTIARCH}"):
                 if (tree / directory).is_dir():
@@ -744,6 +757,9 @@ class Build:
             raise BuildError("shared libraries not in LIBRARY_PACKAGES:\n" + "\n".join(lines))
         run(["ldconfig", "-r", str(s)])
         return sorted(copied)
+
+    def customize(self) -> None:
+        """What a flavour adds to the root tree before the libraries are resolved (none here)."""
 
     def install_modules(self, modules: Modules, names: list[str]) -> None:
         release = self.kernel_release
@@ -881,15 +897,18 @@ class Build:
             self.install_busybox_and_crun()
             self.install_python()
             self.install_site_packages()
+            self.customize()
             libraries = self.install_libraries()
-            self.install_modules(modules, modules.load_order([*INITRAMFS_MODULES, *ROOTFS_EXTRA_MODULES]))
+            self.install_modules(
+                modules, modules.load_order([*INITRAMFS_MODULES, *self.rootfs_extra_modules])
+            )
         with self.step("bytecode"):
             self.compile_bytecode()
         with self.step("chroot check"):
             self.check_rootfs()
         with self.step(f"rootfs image ({self.inputs.rootfs_type})"):
             self.make_rootfs_image()
-        unused = sorted(set(LIBRARY_PACKAGES) - self.used_packages)
+        unused = sorted(set(self.library_packages) - self.used_packages)
         if unused:
             log(f"note: library packages nothing needs: {', '.join(unused)}")
         tree_bytes = sum(
@@ -902,6 +921,7 @@ class Build:
             files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         manifest = {
             "inputs_hash": self.inputs.digest,
+            "flavour": self.identity[0],
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "build_seconds": round(time.monotonic() - started, 1),
             "step_seconds": self.timings,
@@ -917,7 +937,7 @@ class Build:
                 "selftest_init": "/sbin/aurae-selftest",
                 "python": f"/usr/bin/python{PYTHON}",
                 "site_packages": f"/{SITE_PACKAGES}",
-                "modules": modules.load_order([*INITRAMFS_MODULES, *ROOTFS_EXTRA_MODULES]),
+                "modules": modules.load_order([*INITRAMFS_MODULES, *self.rootfs_extra_modules]),
             },
             "initramfs": {"compression": INITRAMFS_COMPRESSION, "modules": order},
             "files": files,
@@ -940,6 +960,23 @@ KERNEL_ARGS = {
     "auraed.debug": "1: trace the initramfs /init on the console",
     "auraed.role": "guest: read by auraed (PID 1) itself, not by the initramfs",
 }
+
+
+# --- flavours -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Flavour:
+    """One kind of image this builder makes: the guest's (GUEST) or the host's (host-image/mkhost.py)."""
+
+    name: str
+    base: Path  # where builds go: <base>/<inputs-hash>, <base>/latest
+    packages: tuple[str, ...]  # Debian packages besides the kernel
+    builders: tuple[Path, ...]  # the builder directories whose files the inputs hash covers
+    build: type[Build] = Build
+
+
+GUEST = Flavour("guest", DEFAULT_BASE, PACKAGES, (HERE,))
 
 
 # --- entry point --------------------------------------------------------------------------------
@@ -994,14 +1031,14 @@ def remove_killed_builds(base: Path) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def build(out: Path | None, rootfs_type: str, force: bool, cache: Path) -> Path:
+def build(out: Path | None, rootfs_type: str, force: bool, cache: Path, flavour: Flavour = GUEST) -> Path:
     started = time.monotonic()
-    base = DEFAULT_BASE
+    base = flavour.base
     base.mkdir(parents=True, exist_ok=True)
     with (base / ".lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         remove_killed_builds(base)
-        inputs = resolve_inputs(rootfs_type, cache)
+        inputs = resolve_inputs(rootfs_type, cache, flavour)
         destination = out if out is not None else base / inputs.digest
         if not force and manifest_hash(destination) == inputs.digest:
             log(f"up to date: {destination} ({time.monotonic() - started:.2f}s)")
@@ -1010,21 +1047,21 @@ def build(out: Path | None, rootfs_type: str, force: bool, cache: Path) -> Path:
                 point_latest(base, destination)
             return destination
         if destination.exists() and not is_image_dir(destination):
-            raise BuildError(f"{destination} exists and is not a guest image directory")
+            raise BuildError(f"{destination} exists and is not a {flavour.name} image directory")
         log(f"building {inputs.digest} into {destination}")
         try:
             trees = fetch_packages(cache, inputs.packages)
         except BuildError:
             log("fetching failed; apt-get update and resolving again")
             run(["apt-get", "update", "-qq"])
-            inputs = resolve_inputs(rootfs_type, cache)
+            inputs = resolve_inputs(rootfs_type, cache, flavour)
             destination = out if out is not None else base / inputs.digest
             trees = fetch_packages(cache, inputs.packages)
         work = destination.parent / f".{destination.name}.tmp"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         try:
-            Build(inputs, trees, work, destination).run(started)
+            flavour.build(inputs, trees, work, destination).run(started)
             if destination.exists():
                 shutil.rmtree(destination)
             work.rename(destination)
@@ -1037,10 +1074,11 @@ def build(out: Path | None, rootfs_type: str, force: bool, cache: Path) -> Path:
         return destination
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="guest-image/build", description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, flavour: Flavour = GUEST, description: str = "") -> int:
+    prog = f"{flavour.name}-image/build"
+    parser = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n\n")[0])
     parser.add_argument(
-        "--out", type=Path, help="output directory (default: .work/guest-image/<inputs-hash>)"
+        "--out", type=Path, help=f"output directory (default: .work/{flavour.name}-image/<inputs-hash>)"
     )
     parser.add_argument(
         "--rootfs-type",
@@ -1055,27 +1093,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--print-hash", action="store_true", help="print the inputs hash and exit")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
-        print("guest-image/build: run as root (chroot, depmod and ldconfig -r need it)", file=sys.stderr)
+        print(f"{prog}: run as root (chroot, depmod and ldconfig -r need it)", file=sys.stderr)
         return 2
     if f"{sys.version_info.major}.{sys.version_info.minor}" != PYTHON:
-        print(
-            f"guest-image/build: needs Python {PYTHON} (the guest's); this is {sys.version}", file=sys.stderr
-        )
+        print(f"{prog}: needs Python {PYTHON} (the image's); this is {sys.version}", file=sys.stderr)
         return 2
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _raise_interrupted)
     try:
         if args.print_hash:
-            print(resolve_inputs(args.rootfs_type, args.cache.resolve()).digest)
+            print(resolve_inputs(args.rootfs_type, args.cache.resolve(), flavour).digest)
             return 0
         out = args.out.resolve() if args.out else None
-        print(build(out, args.rootfs_type, args.force, args.cache.resolve()))
+        print(build(out, args.rootfs_type, args.force, args.cache.resolve(), flavour))
     except BuildError as exc:
-        print(f"guest-image/build: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, Interrupted) as exc:
         signum = signal.Signals(exc.signum if isinstance(exc, Interrupted) else signal.SIGINT)
-        print(f"guest-image/build: interrupted ({signum.name}): nothing built", file=sys.stderr)
+        print(f"{prog}: interrupted ({signum.name}): nothing built", file=sys.stderr)
         return 128 + signum.value
     return 0
 

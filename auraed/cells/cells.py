@@ -268,20 +268,45 @@ class Cells:
 
     def recover(self) -> None:
         """Reload cells from the store, checked against the kernel; clean what is half-made or gone."""
-        for record in self._store.load(KIND, CellRecord.from_doc):
+        records = sorted(self._store.load(KIND, CellRecord.from_doc), key=lambda r: r.spec.name.count("/"))
+        for record in records:
             name = record.spec.name
-            if record.state != "ready":
-                log.warning("cell %s was being allocated when auraed stopped; removing it", name)
+            parent = name.rpartition("/")[0]
+            if record.state != "ready" or (parent and parent not in self._cells):
+                log.warning(
+                    "cell %s was being allocated when auraed stopped, or its parent is gone; removing it",
+                    name,
+                )
                 self._unmake_quietly(record)
                 self._store.delete(KIND, name)
             elif not self._cgroups.exists(name):
-                log.warning("cell %s is gone from the kernel (reboot?); forgetting it", name)
-                self._unmake_quietly(record)
-                self._store.delete(KIND, name)
+                # A reboot (a host booted from the host image keeps its store on its data disk):
+                # the cell is an allocation the caller made, so its cgroup is made again. Its
+                # executables' processes ended with the machine.
+                if self._remake(record):
+                    self._cells[name] = record
+                else:
+                    self._store.delete(KIND, name)
             else:
                 self._cells[name] = record
         self.executables.recover(lambda cell: cell in self._cells)
         log.info("recovered %d cells and %d executables", len(self._cells), len(self.executables.running()))
+
+    def _remake(self, record: CellRecord) -> bool:
+        name = record.spec.name
+        self._unmake_quietly(record)
+        record.netns_path = None
+        try:
+            self._make(record)
+            self._save(record)
+        except (CellError, OSError) as exc:
+            log.warning(
+                "cell %s is gone from the kernel and cannot be made again (%s); forgetting it", name, exc
+            )
+            self._unmake_quietly(record)
+            return False
+        log.warning("cell %s was gone from the kernel (a reboot?): made it again", name)
+        return True
 
     def _unmake_quietly(self, record: CellRecord) -> None:
         try:

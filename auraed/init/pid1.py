@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from typing import Protocol
 
     from auraed.config import DaemonConfig
+    from auraed.init.host import HostBoot
     from auraed.init.powerbutton import PowerButtonWatcher
     from auraed.init.reaper import ChildRegistry, Reaper
 
@@ -79,6 +80,7 @@ log = logging.getLogger("auraed.pid1")
 
 INITIAL_PID_NS_INODE = 0xEFFFFFFC  # PROC_PID_INIT_INO: the initial pid namespace's nsfs inode
 RB_POWER_OFF = 0x4321FEDC  # LINUX_REBOOT_CMD_POWER_OFF (glibc's reboot() adds the magic numbers)
+RB_AUTOBOOT = 0x01234567  # LINUX_REBOOT_CMD_RESTART
 RB_DISABLE_CAD = 0  # LINUX_REBOOT_CMD_CAD_OFF: Ctrl-Alt-Del sends SIGINT to PID 1
 
 MS_RDONLY = 0x1
@@ -109,7 +111,7 @@ BOOT_LOG_LIMIT = 1000
 # SIGPWR (what container managers such as LXC send an init to shut it down). Names, not numbers:
 # this module imports no signal at load time.
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGPWR")
-_ACTIONS = {"poweroff": "powering off", "exit": "exiting", "halt": "halting"}
+_ACTIONS = {"poweroff": "powering off", "reboot": "rebooting", "exit": "exiting", "halt": "halting"}
 CONSOLE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the daemon's console format
 
 
@@ -199,6 +201,9 @@ class Pid1:
         # Power buttons opened at boot: evdev hands a reader only the events after its open, so a
         # press while auraed is still starting (seconds under TCG) would otherwise be lost.
         self._buttons: list[tuple[str, int]] | None = None
+        # A machine booted from the host image (auraed/init/host.py): its boot, and what ends it.
+        self.host: HostBoot | None = None
+        self.action = "poweroff"
 
     # ----- 1. boot ---------------------------------------------------------------------------
 
@@ -222,6 +227,8 @@ class Pid1:
             log.info("PID 1 of a child pid namespace: the mounts are left to whoever made it")
         self._step("console", self.ensure_console)
         self._step("kernel command line", self.read_cmdline)
+        if machine and not self.args.guest:
+            self._step("host image", self.load_host)
         if machine:
             if self.final_action() == "poweroff":
                 self._step("Ctrl-Alt-Del", lambda: _reboot(RB_DISABLE_CAD))
@@ -229,8 +236,15 @@ class Pid1:
             step = time.monotonic()
             self._step("config disk", self.mount_config_disk)
             self.timings["config disk"] = time.monotonic() - step
+            host = self.host
+            if host is not None:
+                step = time.monotonic()
+                self._step("data disk", host.data_disk)
+                self.timings["data disk"] = time.monotonic() - step
             step = time.monotonic()
             self._step("network", self.configure_network)
+            if host is not None and not self.args.ip:
+                self._step("network (ip=)", lambda: host.configure_network(bool(self.args.hostname)))
             self.timings["network"] = time.monotonic() - step
             self._step("shared directory", self.mount_share)
             if not self.layout.power_buttons:
@@ -333,6 +347,16 @@ class Pid1:
 
             if self._mount(self.args.share, SHARE_MOUNT.lstrip("/"), "virtiofs", 0, None):
                 log.info("shared directory %s at %s", self.args.share, SHARE_MOUNT)
+
+    def load_host(self) -> None:
+        """The host image's profile: this machine runs as a bare-metal host (auraed/init/host.py)."""
+        from auraed.init.host import HostBoot, HostProfile
+
+        profile = HostProfile.load(self.layout.root)
+        if profile is not None:
+            with open(self.layout.cmdline) as handle:
+                self.host = HostBoot(profile, handle.read())
+            log.info("host image: auraed serves as this machine's host")
 
     def set_hostname(self) -> None:
         if self.args.hostname:
@@ -461,7 +485,7 @@ class Pid1:
                 watcher.close()
             self.reaper.stop()
 
-    def power_off(self, reason: str) -> str:
+    def power_off(self, reason: str, reboot: bool = False) -> str:
         """Stop auraed gracefully, then end the machine as :meth:`final_action` says, which it
         returns (for a Shutdown/PowerOff RPC).
 
@@ -475,6 +499,10 @@ class Pid1:
 
         if self._daemon is None:
             raise AuraeError.precondition("power off: this PID 1 is not serving auraed")
+        if reboot and self.host is None:
+            raise AuraeError.precondition("reboot: only a machine booted from the host image reboots")
+        if self.host is not None:
+            return self.request_action("reboot" if reboot else "poweroff", reason)
         action = self.final_action()
         if action == "halt":
             raise AuraeError.precondition(
@@ -482,6 +510,13 @@ class Pid1:
             )
         self.request_power_off(reason)
         return action
+
+    def request_action(self, action: str, reason: str) -> str:
+        """Stop auraed, then ``action`` ("poweroff" or "reboot"): a host image's machine."""
+        if not self.reason:
+            self.action = action
+        self.request_power_off(reason)
+        return self.action
 
     def request_power_off(self, reason: str) -> None:
         if self.reason:
@@ -495,7 +530,11 @@ class Pid1:
     def _on_signal(self, sig: int) -> None:
         import signal
 
-        self.request_power_off(f"received {signal.Signals(sig).name}")
+        name = signal.Signals(sig).name
+        if self.host is not None:  # Ctrl-Alt-Del reboots, as on any init; the others power off
+            self.request_action("reboot" if name == "SIGINT" else "poweroff", f"received {name}")
+            return
+        self.request_power_off(f"received {name}")
 
     def _replay_boot_log(self) -> None:
         from auraed.observe.events import DaemonLogHandler
@@ -540,6 +579,8 @@ class Pid1:
             return "halt"
         if not machine:
             return "exit"
+        if self.host is not None:
+            return self.action
         if self.args.guest or self.args.poweroff:
             return "poweroff"
         return "halt"
@@ -568,7 +609,9 @@ class Pid1:
         except BaseException as exc:  # nothing may keep PID 1 from the end
             _console(f"auraed: PID 1 shutdown: {exc!r}")
         if action == "poweroff":
-            _power_off_machine(self.args)
+            _power_off_machine(self.args, self.host is not None)
+        if action == "reboot" and self.host is not None:
+            _reboot_machine()
         if action == "exit":
             os._exit(status & 0xFF)
         _halt_forever()
@@ -754,8 +797,15 @@ def _reboot(command: int) -> None:
     _libc_reboot(command)
 
 
-def _power_off_machine(args: BootArgs) -> None:
-    if not (is_machine_init() and (args.guest or args.poweroff)):
+def _reboot_machine() -> None:
+    try:
+        _reboot(RB_AUTOBOOT)
+    except OSError as exc:
+        _console(f"auraed: reboot failed: {exc}")
+
+
+def _power_off_machine(args: BootArgs, host: bool = False) -> None:
+    if not (is_machine_init() and (args.guest or args.poweroff or host)):
         _console("auraed: power off refused: not the machine's init, or not enabled")
         return
     try:
@@ -795,7 +845,15 @@ def main(argv: Sequence[str], make_daemon: DaemonFactory) -> NoReturn:
         except SystemExit as exc:  # argparse: --help, or a bad flag
             init.finish(exc.code if isinstance(exc.code, int) else 2, "command line")
         init.grace = min(config.stop_grace_period, TERMINATE_GRACE)
-        status = init.run(make_daemon(config, init))
+        if init.host is not None:  # the daemon as a child of PID 1, restarted should it die
+            from auraed.init.host import DaemonSupervisor
+
+            supervisor = DaemonSupervisor(
+                argv, init.host, init.request_action, stop_grace=config.stop_grace_period
+            )
+            status = init.run(supervisor)
+        else:
+            status = init.run(make_daemon(config, init))
         if not init.reason:
             reason = f"the daemon returned {status}"
     except BaseException as exc:  # PID 1 must reach finish()

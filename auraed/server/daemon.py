@@ -47,6 +47,7 @@ from auraed.server.system_service import SERVICE_NAME as SYSTEM
 from auraed.server.system_service import Machine, SystemServicer
 from auraed.state.store import Store
 from auraed.system.cgroupfs import Cgroupfs
+from auraed.system.sdnotify import notify
 from auraed.system.supervisor import Supervisor
 
 if TYPE_CHECKING:
@@ -258,6 +259,7 @@ class Daemon:
         await self._serve_metrics()
         log.info("serving on unix:%s", config.socket)
         await self._set_health([*services, ""], serving=True)
+        notify("READY=1\nSTATUS=serving")  # systemd's Type=notify; PID 1 of the host image
         # After serving, not before: in a guest under emulation its start-up costs ~0.3 s of the
         # one vCPU, which boot-to-ready should not wait for.
         supervisor.start()
@@ -471,6 +473,7 @@ class Daemon:
     async def _shutdown(self) -> None:
         # First of all: no call may start anything while, and after, the subsystems stop.
         self._gate.close("auraed is shutting down")
+        notify("STOPPING=1")
         with contextlib.suppress(Exception):
             await self._set_health([*self.services(), ""], serving=False)
         await self._stop_node_agent()

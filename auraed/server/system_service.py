@@ -29,9 +29,9 @@ class Machine(Protocol):
     """The machine, where auraed is its PID 1 (auraed/init/pid1.py Pid1, handed over by
     auraed/__main__.py)."""
 
-    def power_off(self, reason: str) -> str:
-        """Stop auraed, then power off (or exit, PID 1 of a pid namespace): what follows the stop.
-        Raises FAILED_PRECONDITION where it could only halt the machine."""
+    def power_off(self, reason: str, reboot: bool = False) -> str:
+        """Stop auraed, then power off or reboot (or exit, PID 1 of a pid namespace): what follows
+        the stop. Raises FAILED_PRECONDITION where it could only halt the machine, or cannot reboot."""
         ...
 
 
@@ -50,9 +50,11 @@ class SystemServicer:
         caller = ",".join(peer_identities(context)) or "an unidentified client"
         why = f"Shutdown called by {caller}" + (f": {reason}" if reason else "")
         if self._machine is None:
+            if request.reboot:
+                raise AuraeError.precondition("reboot: auraed is not this machine's init")
             log.info("%s: stopping", why)
             self._request_stop()
             return pb.SystemServiceShutdownResponse(then="exit")
         # PID 1 stops the daemon, then powers off (or exits, PID 1 of a pid namespace); refused
         # with FAILED_PRECONDITION where it could only halt the machine.
-        return pb.SystemServiceShutdownResponse(then=self._machine.power_off(why))
+        return pb.SystemServiceShutdownResponse(then=self._machine.power_off(why, request.reboot))

@@ -12,8 +12,13 @@ from auraed.client.cli.output import report
 
 
 def cmd_system_shutdown(args: argparse.Namespace) -> int:
-    reply = call(args, SYSTEM, "Shutdown", system_pb.SystemServiceShutdownRequest(reason=args.reason))
-    then = {"poweroff": "then powers the machine off", "exit": "then exits"}.get(reply.then, reply.then)
+    request = system_pb.SystemServiceShutdownRequest(reason=args.reason, reboot=args.reboot)
+    reply = call(args, SYSTEM, "Shutdown", request)
+    then = {
+        "poweroff": "then powers the machine off",
+        "reboot": "then reboots the machine",
+        "exit": "then exits",
+    }.get(reply.then, reply.then)
     report(args, reply, f"auraed is shutting down; it {then}")
     return 0
 
@@ -27,3 +32,8 @@ def add_commands(subparsers: Any) -> None:
         "stop auraed gracefully, as SIGTERM does; where it is PID 1, the machine then powers off",
     )
     shutdown.add_argument("--reason", default="", metavar="TEXT", help="why, for the daemon's log")
+    shutdown.add_argument(
+        "--reboot",
+        action="store_true",
+        help="reboot the machine instead (a machine booted from the host image)",
+    )

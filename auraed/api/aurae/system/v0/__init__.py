@@ -32,6 +32,11 @@ class SystemServiceShutdownRequest(betterproto2.Message):
     Why, for the daemon's log: printable text, at most 256 characters; may be empty.
     """
 
+    reboot: "bool" = betterproto2.field(2, betterproto2.TYPE_BOOL)
+    """
+    Reboot the machine instead of powering it off (a machine booted from the host image).
+    """
+
 
 default_message_pool.register_message(
     "aurae.system.v0", "SystemServiceShutdownRequest", SystemServiceShutdownRequest
@@ -48,7 +53,7 @@ class SystemServiceShutdownResponse(betterproto2.Message):
     then: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
     """
     What follows once auraed has stopped: "exit" (the process ends; so does PID 1 of a pid
-    namespace) or "poweroff" (PID 1 of the machine).
+    namespace), "poweroff" or "reboot" (PID 1 of the machine).
     """
 
 
@@ -58,5 +63,5 @@ default_message_pool.register_message(
 
 
 V0_SYSTEM_SYSTEM_PROTO_DESCRIPTOR = default_google_proto_descriptor_pool.AddSerializedFile(
-    b'\n\x16v0/system/system.proto\x12\x0faurae.system.v0"6\n\x1cSystemServiceShutdownRequest\x12\x16\n\x06reason\x18\x01 \x01(\tR\x06reason"3\n\x1dSystemServiceShutdownResponse\x12\x12\n\x04then\x18\x01 \x01(\tR\x04then2z\n\rSystemService\x12i\n\x08Shutdown\x12-.aurae.system.v0.SystemServiceShutdownRequest\x1a..aurae.system.v0.SystemServiceShutdownResponseb\x06proto3'
+    b'\n\x16v0/system/system.proto\x12\x0faurae.system.v0"N\n\x1cSystemServiceShutdownRequest\x12\x16\n\x06reason\x18\x01 \x01(\tR\x06reason\x12\x16\n\x06reboot\x18\x02 \x01(\x08R\x06reboot"3\n\x1dSystemServiceShutdownResponse\x12\x12\n\x04then\x18\x01 \x01(\tR\x04then2z\n\rSystemService\x12i\n\x08Shutdown\x12-.aurae.system.v0.SystemServiceShutdownRequest\x1a..aurae.system.v0.SystemServiceShutdownResponseb\x06proto3'
 )

@@ -1,0 +1,123 @@
+"""Build the auraed host image: a machine whose PID 1 is auraed in the host role (bare metal).
+
+Run through ``host-image/build [--out DIR]``: prints the output directory (and nothing else on stdout).
+It is guest-image/mkimage.py's build with more in the root: the same kernel, initramfs and Python
+(cached by the same kind of inputs hash, sharing its downloaded .debs), plus what a host needs:
+runc, iproute2, the standard CNI plugins, e2fsprogs (the data disk is formatted on first boot),
+busybox's udhcpc with our lease script, ``/etc/aurae/auraed.toml`` and
+``/usr/lib/aurae/host.json`` (the profile PID 1 reads: the data disk, the API port, where the PKI
+goes; auraed/init/host.py). The default output is ``<repo>/.work/host-image/<inputs-hash>/``.
+
+Not in it yet: QEMU and the guest image (a host booted from this image serves cells, containers
+and the CRI; VMs need qemu-system-x86 and guest-image/build's output added to the root).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "guest-image"))
+
+import mkimage as guest  # noqa: E402 (the guest's builder, beside this directory)
+
+FILES = HERE / "files"
+BASE = guest.REPO / ".work" / "host-image"
+
+# Besides the guest's: programs a host runs, and the libraries they link.
+HOST_PROGRAMS = ("runc", "iproute2", "containernetworking-plugins", "e2fsprogs")
+HOST_LIBRARIES = (
+    "libbpf1", "libelf1", "libmnl0", "libselinux1", "libpcre2-8-0", "libtirpc3",
+    "libgssapi-krb5-2", "libkrb5-3", "libk5crypto3", "libcom-err2", "libkrb5support0",
+    "libkeyutils1", "libext2fs2", "libblkid1", "libbsd0", "libmd0", "libxtables12",
+)  # fmt: skip
+LIBRARY_PACKAGES = (*guest.LIBRARY_PACKAGES, *HOST_LIBRARIES)
+PACKAGES = (*guest.PACKAGES, *HOST_PROGRAMS, *HOST_LIBRARIES)
+# The CNI plugins auraed's pod networking uses (auraed/cni/): the reference set a conflist names.
+CNI_PLUGINS = (
+    "bridge", "host-local", "loopback", "portmap", "firewall", "bandwidth", "tuning", "ptp", "static",
+)  # fmt: skip
+# Loaded on demand by PID 1 and the daemon: containers' and pods' networking.
+EXTRA_MODULES = (*guest.ROOTFS_EXTRA_MODULES, "nf_conntrack", "nf_nat", "xt_MASQUERADE")
+
+DATA_LABEL = "AURAE-DATA"  # the data disk's ext4 label; a blank disk with DATA_SERIAL gets it
+DATA_SERIAL = "aurae-data"
+STATE_DIR = "/var/lib/aurae"
+API_PORT = 8443
+PROFILE = {
+    "flavour": "host",
+    "data_disk": {"label": DATA_LABEL, "serial": DATA_SERIAL, "fstype": "ext4", "mount": STATE_DIR},
+    "api_port": API_PORT,
+    "tls_dir": f"{STATE_DIR}/tls",
+    "client_dir": f"{STATE_DIR}/client",
+    "dhcp_script": "/usr/share/aurae/udhcpc.script",
+}
+DAEMON_CONFIG = f"""# auraed on a machine booted from the host image (host-image/mkhost.py writes this file).
+# A config disk (auraed.config_disk=<device> on the kernel command line) mounted on /etc/aurae
+# replaces it. The state, the PKI among it, lives on the data disk mounted on {STATE_DIR}.
+tcp_listen = "[::]:{API_PORT}"
+state_dir = "{STATE_DIR}"
+ca_crt = "{STATE_DIR}/tls/ca.crt"
+ca_key = "{STATE_DIR}/tls/ca.key"
+server_crt = "{STATE_DIR}/tls/server.crt"
+server_key = "{STATE_DIR}/tls/server.key"
+stop_containers_on_shutdown = true
+"""
+
+
+class HostBuild(guest.Build):
+    library_packages = LIBRARY_PACKAGES
+    rootfs_extra_modules = EXTRA_MODULES
+    identity = ("host", "aurae-host")
+
+    def customize(self) -> None:
+        s = self.stage
+        trees = self.trees
+        self.replace(trees["runc"] / "usr/sbin/runc", "usr/sbin/runc")
+        for name in ("ip", "ss"):
+            self.replace(trees["iproute2"] / "bin" / name, f"usr/bin/{name}")
+        for name in ("bridge", "tc"):
+            self.replace(trees["iproute2"] / "sbin" / name, f"usr/sbin/{name}")
+        shutil.copytree(trees["iproute2"] / "etc/iproute2", s / "etc/iproute2", dirs_exist_ok=True)
+        for name in ("mke2fs", "e2fsck", "tune2fs", "dumpe2fs"):
+            self.replace(trees["e2fsprogs"] / "sbin" / name, f"usr/sbin/{name}")
+        for alias in ("mkfs.ext4", "fsck.ext4"):
+            self.replace(None, f"usr/sbin/{alias}", link="mke2fs" if alias.startswith("mkfs") else "e2fsck")
+        shutil.copy(trees["e2fsprogs"] / "etc/mke2fs.conf", s / "etc/mke2fs.conf")
+        cni = s / "usr/lib/cni"
+        cni.mkdir(parents=True, exist_ok=True)
+        for plugin in CNI_PLUGINS:
+            shutil.copy2(trees["containernetworking-plugins"] / "usr/lib/cni" / plugin, cni / plugin)
+        (s / "etc/cni/net.d").mkdir(parents=True, exist_ok=True)
+        self.used_packages |= set(HOST_PROGRAMS)
+        share = s / "usr/share/aurae"
+        share.mkdir(parents=True, exist_ok=True)
+        shutil.copy(FILES / "udhcpc.script", share / "udhcpc.script")
+        (share / "udhcpc.script").chmod(0o755)
+        (s / "etc/aurae/auraed.toml").write_text(DAEMON_CONFIG)
+        (s / "usr/lib/aurae/host.json").write_text(json.dumps(PROFILE, indent=2) + "\n")
+        (s / "var/lib/aurae").mkdir(parents=True, exist_ok=True)
+        (s / "var/lib/aurae").chmod(0o700)
+        (s / "etc/resolv.conf").write_text("")
+
+    def replace(self, source: Path | None, relative: str, link: str = "") -> None:
+        """Put ``source`` (or a symlink to ``link``) at ``relative``, in place of busybox's applet."""
+        target = self.stage / relative
+        if target.is_symlink() or target.exists():
+            target.unlink()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if link:
+            target.symlink_to(link)
+        else:
+            assert source is not None
+            shutil.copy2(source, target)
+
+
+HOST = guest.Flavour("host", BASE, PACKAGES, (guest.HERE, HERE), HostBuild)
+
+
+if __name__ == "__main__":
+    sys.exit(guest.main(flavour=HOST, description=__doc__.split("\n\n")[0]))

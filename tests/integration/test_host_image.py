@@ -1,0 +1,177 @@
+"""A machine booted from the host image: auraed as its PID 1 in the host role, for real (QEMU TCG).
+
+One machine for the whole module, booted once (tests/support/hostvm.py: kernel + initramfs, the
+root image, a blank data disk, a tap of ours with the address on the kernel command line as
+``ip=``, no ``auraed.role``). The tests run in order on it, as an operator would: take the client
+config off the console, reach the host over mTLS on TCP, run a cell and a container, see the
+daemon killed and restarted with the machine up, reboot through SystemService (the same QEMU
+process: a reset) and find the same records, image and CA, then power it off and see QEMU end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from auraed.api.aurae.cells import v0 as cells_pb
+from auraed.api.aurae.containers import v0 as containers_pb
+from auraed.api.aurae.discovery import v0 as discovery_pb
+from auraed.api.aurae.system import v0 as system_pb
+from auraed.client import AuraeClient, ClientConfig
+from auraed.images.content import LocalStore
+from auraed.images.images import Images
+from auraed.init.host import ca_fingerprint
+from auraed.init.hostpki import BEGIN
+from auraed.state.store import Store
+from auraed.vms.placement import send_image
+from tests.integration import containers_helpers as containers
+from tests.integration.test_cells import allocate, output, start, wait_exited
+from tests.support.hostvm import READY_MARKER, HostMachine, build_host_image
+from tests.support.images import BuiltImage
+
+pytestmark = pytest.mark.slow
+
+BOOT_TIMEOUT = 240.0
+CELLS = "aurae.cells.v0.CellService"
+SYSTEM = "aurae.system.v0.SystemService"
+DISCOVERY = "aurae.discovery.v0.DiscoveryService"
+IMAGE = "localhost/busybox:host"
+FINGERPRINT = re.compile(r"CA SHA-256  ([0-9A-F:]{95})")
+
+
+class Booted:
+    def __init__(self, machine: HostMachine, config: ClientConfig, first_ready: float) -> None:
+        self.machine = machine
+        self.config = config
+        self.first_ready = first_ready
+
+    def client(self) -> AuraeClient:
+        return AuraeClient.connect(self.config)
+
+
+@pytest.fixture(scope="module")
+def booted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Booted]:
+    machine = HostMachine(build_host_image())
+    try:
+        machine.start()
+        seconds = machine.wait_for(READY_MARKER, BOOT_TIMEOUT)
+        print(f"host image: boot to SERVING {seconds:.1f} s after QEMU started (TCG)")
+        config = machine.client_config(tmp_path_factory.mktemp("host-client"))
+        yield Booted(machine, config, seconds)
+    finally:
+        machine.close()
+
+
+@pytest.fixture
+async def client(booted: Booted) -> AsyncIterator[AuraeClient]:
+    async with booted.client() as c:
+        yield c
+
+
+async def health(client: AuraeClient) -> int:
+    from grpc_health.v1 import health_pb2
+
+    call = client.channel.unary_unary(
+        "/grpc.health.v1.Health/Check",
+        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString,
+    )
+    reply = await call(health_pb2.HealthCheckRequest(service=""), timeout=30)
+    return int(reply.status)
+
+
+async def test_first_boot_serves_mtls_on_tcp(booted: Booted, client: AuraeClient) -> None:
+    from grpc_health.v1 import health_pb2
+
+    console = booted.machine.console
+    assert "auraed.role" not in console.split("Command line:", 1)[-1].split("\n", 1)[0]
+    assert booted.config.address == f"{booted.machine.address}:8443"
+    assert await health(client) == health_pb2.HealthCheckResponse.SERVING
+    reply = await client.call(DISCOVERY, "Discover", discovery_pb.DiscoveryServiceDiscoverRequest())
+    assert reply.role == "host"
+    # The screen's fingerprint is the CA's the client config carries; the disk was blank.
+    shown = FINGERPRINT.findall(console)
+    assert shown == [ca_fingerprint(booted.config.ca_crt.read_bytes())]
+    assert "formatted this boot" in console
+    assert "PID 1 is auraed (host role)" in console
+
+
+async def test_a_cell_and_a_container_run(
+    booted: Booted, client: AuraeClient, busybox_layout: BuiltImage, tmp_path: Path
+) -> None:
+    await allocate(client, "web", pids=cells_pb.PidsController(max=50))
+    await start(client, "web", "hello", "echo hello from $(cat /proc/1/comm)")
+    assert (await wait_exited(client, "web", "hello", timeout=60)).exit_code == 0
+    assert await output(client, "web", "hello") == ["hello from python3"]
+    # The image goes over the API as the host sends guests theirs: no registry.
+    store = Store(tmp_path / "images.db")
+    local = LocalStore(tmp_path / "images")
+    images = Images(store, local, local, registry_factory=lambda: None)  # type: ignore[arg-type,return-value]
+    try:
+        record = await images.import_layout(busybox_layout.layout, "latest", IMAGE)
+        assert await send_image(client.channel, record, local, IMAGE) > 0
+    finally:
+        images.close()
+        store.close()
+    done = await containers.run(client, "hello", IMAGE, command=["echo", "hi"])
+    assert done.exit_code == 0
+    assert await containers.logs(client, "hello") == ["hi"]
+
+
+async def test_a_killed_daemon_is_restarted_with_the_machine_up(booted: Booted, client: AuraeClient) -> None:
+    machine = booted.machine
+    mark = machine.mark()
+    pid = int(re.findall(r"SERVING \(daemon pid (\d+)", machine.console)[-1])
+    await allocate(client, "killer")
+    await start(client, "killer", "kill", f"sleep 1; kill -9 {pid}")
+    machine.wait_for("the daemon ended (killed by SIGKILL)", 60, since=mark)
+    machine.wait_for(READY_MARKER, BOOT_TIMEOUT, since=mark)
+    assert ", 1 restarts)" in machine.console[mark:]
+    async with booted.client() as again:
+        assert (await status_of(again, "web", "hello")).exit_code == 0  # recovered
+
+
+async def status_of(client: AuraeClient, cell: str, name: str) -> cells_pb.ExecutableStatus:
+    from tests.integration.test_cells import status
+
+    return await status(client, cell, name)
+
+
+async def test_reboot_keeps_state_and_pki(booted: Booted, client: AuraeClient) -> None:
+    machine = booted.machine
+    mark = machine.mark()
+    request = system_pb.SystemServiceShutdownRequest(reason="test reboot", reboot=True)
+    assert (await client.call(SYSTEM, "Shutdown", request)).then == "reboot"
+    machine.wait_for("rebooting", 60, since=mark)
+    machine.wait_for(READY_MARKER, BOOT_TIMEOUT, since=mark)
+    after = machine.console[mark:]
+    assert BEGIN not in after  # shown once, at first boot
+    assert "formatted this boot" not in after
+    assert FINGERPRINT.findall(after) == [ca_fingerprint(booted.config.ca_crt.read_bytes())]
+    assert machine.process is not None and machine.process.poll() is None  # the same QEMU
+    async with booted.client() as again:  # the first boot's client config: the same CA
+        listed = await again.call(CELLS, "List", cells_pb.CellServiceListRequest())
+        assert {"web", "killer"} <= {node.cell.name for node in listed.cells}
+        assert (await status_of(again, "web", "hello")).exit_code == 0
+        assert [c.name for c in await list_containers(again)] == ["hello"]
+        listed_images = await again.call(
+            containers.CONTAINERS, "ListImages", containers_pb.ContainerServiceListImagesRequest()
+        )
+        assert any(IMAGE in image.references for image in listed_images.images)
+        assert (await containers.run(again, "after", IMAGE, command=["true"])).exit_code == 0
+
+
+async def list_containers(client: AuraeClient) -> list[containers_pb.ContainerStatus]:
+    reply = await client.call(containers.CONTAINERS, "List", containers_pb.ContainerServiceListRequest())
+    return list(reply.containers)
+
+
+async def test_power_off_ends_qemu(booted: Booted, client: AuraeClient) -> None:
+    request = system_pb.SystemServiceShutdownRequest(reason="test power-off")
+    assert (await client.call(SYSTEM, "Shutdown", request)).then == "poweroff"
+    assert await asyncio.to_thread(booted.machine.wait_exit, 90) == 0
+    assert "powering off" in booted.machine.console
