@@ -13,6 +13,10 @@ from typing import NamedTuple
 # found by its virtio serial, not by its place (/dev/vdb is the first extra disk).
 GUEST_CONFIG_SERIAL = "config"
 GUEST_CONFIG_DISK = f"serial={GUEST_CONFIG_SERIAL}"
+# A template guest (``auraed.template=1``) has no config disk and no network on its command line:
+# it does its imports, says so on this virtio-serial port, and waits there for the identity each
+# of its clones is given (auraed/init/identity.py in the guest, auraed/vms/templates.py on the host).
+IDENTITY_PORT = "org.aurae.identity"
 
 
 class BootArgs(NamedTuple):
@@ -25,6 +29,7 @@ class BootArgs(NamedTuple):
     iface: str = "eth0"
     config_disk: str = ""
     poweroff: bool = False
+    template: bool = False
 
     @classmethod
     def parse(cls, cmdline: str) -> BootArgs:
@@ -42,9 +47,14 @@ class BootArgs(NamedTuple):
             gateway=values.get("gateway", ""),
             iface=values.get("iface", "") or "eth0",
             config_disk=values.get("config_disk", ""),
-            poweroff=values.get("poweroff", "").lower() in ("1", "yes", "on", "true"),
+            poweroff=_flag(values.get("poweroff", "")),
+            template=_flag(values.get("template", "")),
         )
 
     @property
     def guest(self) -> bool:
         return self.role == "guest"
+
+
+def _flag(value: str) -> bool:
+    return value.lower() in ("1", "yes", "on", "true")

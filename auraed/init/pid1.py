@@ -99,6 +99,7 @@ MOUNTS: tuple[tuple[str, str, str, int, str | None], ...] = (
     ("cgroup2", "sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, None),
 )
 CONFIG_DIR = "etc/aurae"
+VIRTIO_CONSOLE_MODULE = "kernel/drivers/char/virtio_console.ko"  # virtio-serial (a template's identity port)
 CONFIG_DISK_FSTYPES = ("squashfs", "erofs")
 DEVICE_WAIT = 5.0  # seconds for the config disk's node to appear
 INTERFACE_WAIT = 10.0  # seconds for eth0 to appear (virtio_net may still be probing)
@@ -222,9 +223,12 @@ class Pid1:
             log.info("PID 1 of a child pid namespace: the mounts are left to whoever made it")
         self._step("console", self.ensure_console)
         self._step("kernel command line", self.read_cmdline)
-        if machine:
-            if self.final_action() == "poweroff":
-                self._step("Ctrl-Alt-Del", lambda: _reboot(RB_DISABLE_CAD))
+        if machine and self.final_action() == "poweroff":
+            self._step("Ctrl-Alt-Del", lambda: _reboot(RB_DISABLE_CAD))
+        if machine and self.args.template:
+            # Hostname, config and network come with each clone's identity (auraed/init/identity.py).
+            self._step("identity port", self.prepare_template)
+        elif machine:
             self._step("hostname", self.set_hostname)
             step = time.monotonic()
             self._step("config disk", self.mount_config_disk)
@@ -232,8 +236,8 @@ class Pid1:
             step = time.monotonic()
             self._step("network", self.configure_network)
             self.timings["network"] = time.monotonic() - step
-            if not self.layout.power_buttons:
-                self._step("power button modules", self.load_power_button_modules)
+        if machine and not self.layout.power_buttons:
+            self._step("power button modules", self.load_power_button_modules)
         self._step("power button", self.open_power_buttons)
         self.timings["boot"] = time.monotonic() - started
         log.info(
@@ -383,6 +387,14 @@ class Pid1:
         if gateway:
             netconf.add_default_route(gateway, iface)
         log.info("network: %s %s/%d up, default via %s", iface, address, prefix, gateway or "(none)")
+
+    def prepare_template(self) -> None:
+        """A template: lo up, and the virtio-serial driver its identity port needs."""
+        from auraed.init import powerbutton
+        from auraed.system.namespaces import bring_loopback_up
+
+        bring_loopback_up()
+        powerbutton.load_modules(modules=(VIRTIO_CONSOLE_MODULE,))
 
     def open_power_buttons(self) -> None:
         """Open the power buttons now, to be watched once the loop runs (see ``self._buttons``)."""
@@ -765,15 +777,27 @@ def _halt_forever() -> NoReturn:
             time.sleep(1)
 
 
-def main(argv: Sequence[str], make_daemon: DaemonFactory) -> NoReturn:
+def main(
+    argv: Sequence[str], make_daemon: DaemonFactory, prepare: Callable[[], object] | None = None
+) -> NoReturn:
     """PID 1: boot, load the configuration, serve what ``make_daemon`` builds, finish. Never
     returns. ``make_daemon`` is called only after the boot: the Daemon's imports (seconds under
-    emulation) come after the mounts, and a stop signal meanwhile is not lost."""
+    emulation) come after the mounts, and a stop signal meanwhile is not lost. A template guest
+    (``auraed.template=1``) first runs ``prepare`` (the Daemon's imports) and waits for its
+    identity (auraed/init/identity.py); one that gets none serves nothing."""
     init = Pid1(Pid1Layout.from_env())
     status = 1
     reason = ""
     try:
         init.boot()
+        if init.args.template and is_machine_init():
+            from auraed.init.identity import IdentityError, become_clone
+
+            try:
+                become_clone(prepare, init.layout.root)
+            except IdentityError as exc:
+                log.error("auraed: no identity, not serving: %s", exc)
+                init.finish(1, "no identity")
         from auraed.config import load_config
         from auraed.errors import ConfigError
 

@@ -1,0 +1,187 @@
+"""A template guest's side of cloning: do the imports, say so, wait for an identity, apply it.
+
+A guest booted with ``auraed.template=1`` (auraed/vms/templates.py on the host) has no config
+disk and no network on its command line. PID 1 boots as usual, then imports what the Daemon needs
+(the seconds a cold boot spends there under TCG), writes ``{"template": "ready"}`` on the
+host-only virtio-serial port named ``org.aurae.identity`` and blocks reading it. The host then
+saves the guest (its RAM is a file; QEMU's migration keeps the device state) and ends it.
+
+Each clone resumes inside that read. The host sends one JSON line, its identity::
+
+    {"identity": 1, "name": ..., "hostname": ..., "entropy": <base64, 32..4096 bytes>,
+     "time_ns": <host CLOCK_REALTIME>, "net": {"iface", "ip" (addr/prefix), "gateway", "mac"},
+     "files": {"auraed.toml": ..., "pki/ca.crt": ..., "pki/server.crt": ..., "pki/server.key": ...}}
+
+and the guest applies it in this order, before anything serves or makes a key: the entropy
+(written to /dev/random, credited, the CRNG reseeded: auraed.system.reseed), the wall clock, the
+hostname, the NIC's own MAC, its address and default route, the config files on a tmpfs at
+/etc/aurae (where a cold boot mounts its config disk: the template never holds a serving key).
+It answers ``{"identity": "applied", "boot_id": ...}`` (the boot id is made at its first read,
+which comes after the reseed), or ``{"identity": "failed", "error": ...}`` and then serves
+nothing: PID 1 ends the machine. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from auraed.bootargs import IDENTITY_PORT
+
+log = logging.getLogger("auraed.pid1")
+
+PORT_WAIT = 20.0  # seconds for the identity port to appear (its name comes over the control queue)
+RETRY = 0.02  # seconds between reads while the host's end is closed
+MAX_LINE = 1024 * 1024
+CONFIG_DIR = "etc/aurae"
+SECRET_FILES = ("pki/server.key",)
+
+
+class IdentityError(Exception):
+    """The identity could not be received or applied: this guest must not serve."""
+
+
+def find_port(name: str = IDENTITY_PORT, sys_dir: str = "/sys", dev_dir: str = "/dev") -> str:
+    """The device node of the virtio-serial port called ``name``; "" while there is none."""
+    base = f"{sys_dir}/class/virtio-ports"
+    try:
+        ports = sorted(os.listdir(base))
+    except OSError:
+        return ""
+    for port in ports:
+        try:
+            with open(f"{base}/{port}/name") as handle:
+                if handle.read().strip() == name:
+                    return f"{dev_dir}/{port}"
+        except OSError:
+            continue
+    return ""
+
+
+def wait_for_port(timeout: float = PORT_WAIT, sys_dir: str = "/sys", dev_dir: str = "/dev") -> str:
+    deadline = time.monotonic() + timeout
+    while not (path := find_port(IDENTITY_PORT, sys_dir, dev_dir)) or not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise IdentityError(f"no virtio-serial port {IDENTITY_PORT!r} within {timeout:g} s")
+        time.sleep(RETRY)
+    return path
+
+
+def send(fd: int, message: dict[str, Any]) -> None:
+    data = json.dumps(message).encode() + b"\n"
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def read_line(fd: int) -> bytes:
+    """One line from the port; while the host's end is closed (a read gives EOF), wait for it."""
+    buffer = b""
+    while b"\n" not in buffer:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            time.sleep(RETRY)
+            continue
+        buffer += chunk
+        if len(buffer) > MAX_LINE:
+            raise IdentityError(f"identity longer than {MAX_LINE} bytes")
+    return buffer.split(b"\n", 1)[0]
+
+
+def parse(line: bytes) -> dict[str, Any]:
+    try:
+        message = json.loads(line)
+    except ValueError as exc:
+        raise IdentityError(f"identity is not JSON: {exc}") from None
+    if not isinstance(message, dict) or message.get("identity") != 1:
+        raise IdentityError("not an identity message")
+    for key, kind in (("name", str), ("hostname", str), ("entropy", str), ("time_ns", int), ("files", dict)):
+        if not isinstance(message.get(key), kind):
+            raise IdentityError(f"identity: {key} missing or not a {kind.__name__}")
+    return message
+
+
+def apply(message: dict[str, Any], root: str = "/") -> dict[str, Any]:
+    """Apply an identity (the order matters: randomness first); what the host is told."""
+    from auraed.system import reseed
+
+    steps: dict[str, float] = {}
+    started = time.monotonic()
+    reseed.reseed_random(base64.b64decode(message["entropy"]))
+    steps["entropy"] = time.monotonic() - started
+    reseed.set_wall_clock(int(message["time_ns"]))
+    from auraed.system.namespaces import sethostname
+
+    sethostname(message["hostname"])
+    net = message.get("net")
+    if isinstance(net, dict) and net.get("ip"):
+        step = time.monotonic()
+        configure_network(net)
+        steps["network"] = time.monotonic() - step
+    write_config(message["files"], os.path.join(root, CONFIG_DIR))
+    steps["all"] = time.monotonic() - started
+    log.info(
+        "identity of %s applied in %.0f ms (hostname %s; %s)",
+        message["name"],
+        steps["all"] * 1000,
+        message["hostname"],
+        ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in steps.items() if k != "all"),
+    )
+    return {"identity": "applied", "boot_id": reseed.boot_id(), "applied_ms": round(steps["all"] * 1000, 1)}
+
+
+def configure_network(net: dict[str, Any]) -> None:
+    from auraed.init import netconf
+
+    iface = str(net.get("iface") or "eth0")
+    address, prefix = netconf.parse_cidr(str(net["ip"]))
+    if not netconf.wait_for_interface(iface, 10.0):
+        raise IdentityError(f"{iface} is missing")
+    if net.get("mac"):
+        netconf.set_mac(iface, str(net["mac"]))
+    netconf.configure_interface(iface, address, prefix)
+    if net.get("gateway"):
+        netconf.add_default_route(netconf.check_address(str(net["gateway"])), iface)
+
+
+def write_config(files: dict[str, Any], target: str) -> None:
+    """The config files on a tmpfs at ``target`` (owner-only), as the config disk would hold them."""
+    from auraed.system.namespaces import mount
+
+    os.makedirs(target, mode=0o755, exist_ok=True)
+    if not os.path.ismount(target):
+        mount("tmpfs", target, "tmpfs", 0x2 | 0x4 | 0x8, "mode=0700,size=1m")  # nosuid,nodev,noexec
+    for relative, content in files.items():
+        if not isinstance(content, str) or relative.startswith("/") or ".." in relative.split("/"):
+            raise IdentityError(f"identity: bad file {relative!r}")
+        path = os.path.join(target, relative)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        mode = 0o600 if relative in SECRET_FILES else 0o644
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+        with open(fd, "w") as handle:
+            handle.write(content)
+
+
+def become_clone(prepare: Callable[[], object] | None, root: str = "/") -> None:
+    """The template's part (imports, ready, wait), then the clone's (apply). Raises IdentityError
+    when this guest must not serve; the host has been told why when it could be."""
+    started = time.monotonic()
+    if prepare is not None:
+        prepare()
+    imported = time.monotonic() - started
+    path = wait_for_port()
+    # Kept open for the machine's life: a close could drop the last answer before the host read it.
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    send(fd, {"template": "ready", "imports_s": round(imported, 3)})
+    log.info("template ready (imports %.1f s): waiting for an identity on %s", imported, path)
+    line = read_line(fd)
+    try:
+        reply = apply(parse(line), root)
+    except Exception as exc:
+        send(fd, {"identity": "failed", "error": str(exc)[:2000]})
+        raise IdentityError(str(exc)) from exc
+    send(fd, reply)
