@@ -24,22 +24,12 @@ def build_daemon(config: DaemonConfig, machine: Machine | None = None) -> Daemon
     return Daemon(config, machine)
 
 
-def import_daemon() -> None:
-    """What a template guest imports before it waits for its identity (auraed/init/identity.py):
-    everything building and running a guest's Daemon needs, so that none of it is left to a clone."""
-    import auraed.config
-    import auraed.containers.servicer
-    import auraed.containers.setup
-    import auraed.images.setup
-    import auraed.server.daemon  # noqa: F401
-
-
 def main() -> None:
     if os.getpid() == 1:  # PID 1 (guest VM, bare metal, pid namespace): auraed/init/pid1.py
         from auraed.init import pid1
 
         # mounts, config disk, network, reaping, power off; never returns
-        pid1.main(sys.argv[1:], build_daemon, import_daemon)
+        pid1.main(sys.argv[1:], build_daemon)
     from auraed.config import load_config
 
     try:

@@ -1,10 +1,13 @@
 """A template guest's side of cloning: do the imports, say so, wait for an identity, apply it.
 
 A guest booted with ``auraed.template=1`` (auraed/vms/templates.py on the host) has no config
-disk and no network on its command line. PID 1 boots as usual, then imports what the Daemon needs
-(the seconds a cold boot spends there under TCG), writes ``{"template": "ready"}`` on the
-host-only virtio-serial port named ``org.aurae.identity`` and blocks reading it. The host then
-saves the guest (its RAM is a file; QEMU's migration keeps the device state) and ends it.
+disk and no network on its command line. PID 1 boots as usual, says ``{"template": "booted"}`` on
+the host-only virtio-serial port named ``org.aurae.identity``, and the host answers with the
+guests' config (``{"template_config": {"auraed.toml": ...}}``: no address, no certificate). With it
+the Daemon is built and started up to its listeners (the imports, the store, cgroups, recovery,
+the capabilities, every handler: the seconds a cold boot spends there under TCG); there it writes
+``{"template": "ready"}`` and blocks reading the port (``Daemon.before_listening``). The host
+then saves the guest (its RAM is a file; QEMU's migration keeps the device state) and ends it.
 
 Each clone resumes inside that read. The host sends one JSON line, its identity::
 
@@ -18,7 +21,8 @@ hostname, the NIC's own MAC, its address and default route, the config files on 
 /etc/aurae (where a cold boot mounts its config disk: the template never holds a serving key).
 It answers ``{"identity": "applied", "boot_id": ...}`` (the boot id is made at its first read,
 which comes after the reseed), or ``{"identity": "failed", "error": ...}`` and then serves
-nothing: PID 1 ends the machine. Stdlib only.
+nothing: the Daemon's start fails and PID 1 ends the machine. The Daemon then loads the clone's
+config and adds its listeners. Stdlib only.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 from auraed.bootargs import IDENTITY_PORT
@@ -155,6 +158,11 @@ def write_config(files: dict[str, Any], target: str) -> None:
     os.makedirs(target, mode=0o755, exist_ok=True)
     if not os.path.ismount(target):
         mount("tmpfs", target, "tmpfs", 0x2 | 0x4 | 0x8, "mode=0700,size=1m")  # nosuid,nodev,noexec
+    write_files(files, target)
+
+
+def write_files(files: dict[str, Any], target: str) -> None:
+    os.makedirs(target, mode=0o700, exist_ok=True)
     for relative, content in files.items():
         if not isinstance(content, str) or relative.startswith("/") or ".." in relative.split("/"):
             raise IdentityError(f"identity: bad file {relative!r}")
@@ -166,22 +174,51 @@ def write_config(files: dict[str, Any], target: str) -> None:
             handle.write(content)
 
 
-def become_clone(prepare: Callable[[], object] | None, root: str = "/") -> None:
-    """The template's part (imports, ready, wait), then the clone's (apply). Raises IdentityError
-    when this guest must not serve; the host has been told why when it could be."""
-    started = time.monotonic()
-    if prepare is not None:
-        prepare()
-    imported = time.monotonic() - started
-    path = wait_for_port()
-    # Kept open for the machine's life: a close could drop the last answer before the host read it.
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    send(fd, {"template": "ready", "imports_s": round(imported, 3)})
-    log.info("template ready (imports %.1f s): waiting for an identity on %s", imported, path)
-    line = read_line(fd)
-    try:
-        reply = apply(parse(line), root)
-    except Exception as exc:
-        send(fd, {"identity": "failed", "error": str(exc)[:2000]})
-        raise IdentityError(str(exc)) from exc
-    send(fd, reply)
+class TemplateGuest:
+    """The guest's end of the identity port, from the template's boot to the clone's identity."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    @classmethod
+    def open(cls) -> TemplateGuest:
+        # Kept open for the machine's life: a close could drop the last answer before the host read it.
+        return cls(os.open(wait_for_port(), os.O_RDWR | os.O_CLOEXEC))
+
+    def template_config(self, directory: str) -> str:
+        """Say the template booted; write the config the host answers with (the guests' own, no
+        address or key of anyone's) in ``directory``; its auraed.toml's path."""
+        send(self.fd, {"template": "booted"})
+        try:
+            message = json.loads(read_line(self.fd))
+            files = message["template_config"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise IdentityError(f"no template config from the host: {exc!r}") from None
+        if not isinstance(files, dict) or "auraed.toml" not in files:
+            raise IdentityError("the host's template config has no auraed.toml")
+        write_files(files, directory)
+        return os.path.join(directory, "auraed.toml")
+
+    def ready(self, started: float) -> None:
+        """The Daemon has done all it can without an identity: the host saves the template now."""
+        import gc
+
+        # What the template made stays as it is: the collector no longer walks (and so writes to)
+        # those objects in each clone, which then keeps sharing their pages with the template.
+        gc.collect()
+        gc.freeze()
+        took = time.monotonic() - started
+        send(self.fd, {"template": "ready", "imports_s": round(took, 3)})
+        log.info("template ready in %.1f s: waiting for an identity", took)
+
+    def take_identity(self, root: str = "/") -> dict[str, Any]:
+        """Block until the host sends this clone its identity, apply it, answer; IdentityError
+        (the host told why) when it cannot be applied."""
+        line = read_line(self.fd)
+        try:
+            reply = apply(parse(line), root)
+        except Exception as exc:
+            send(self.fd, {"identity": "failed", "error": str(exc)[:2000]})
+            raise IdentityError(str(exc)) from exc
+        send(self.fd, reply)
+        return reply

@@ -50,7 +50,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 from auraed.bootargs import GUEST_CONFIG_DISK, BootArgs
@@ -60,11 +60,14 @@ if TYPE_CHECKING:
     from typing import Protocol
 
     from auraed.config import DaemonConfig
+    from auraed.init.identity import TemplateGuest
     from auraed.init.powerbutton import PowerButtonWatcher
     from auraed.init.reaper import ChildRegistry, Reaper
 
     class Stoppable(Protocol):
         """What PID 1 needs of the Daemon."""
+
+        before_listening: Callable[[], Awaitable[DaemonConfig]] | None
 
         async def run(self) -> int: ...
 
@@ -99,6 +102,7 @@ MOUNTS: tuple[tuple[str, str, str, int, str | None], ...] = (
     ("cgroup2", "sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, None),
 )
 CONFIG_DIR = "etc/aurae"
+TEMPLATE_CONFIG_DIR = "run/aurae-template"  # a template's config, until a clone has its own
 VIRTIO_CONSOLE_MODULE = "kernel/drivers/char/virtio_console.ko"  # virtio-serial (a template's identity port)
 CONFIG_DISK_FSTYPES = ("squashfs", "erofs")
 DEVICE_WAIT = 5.0  # seconds for the config disk's node to appear
@@ -711,6 +715,24 @@ def _reap_any() -> bool:
     return pid > 0
 
 
+def _clone_config(
+    template: TemplateGuest, argv: list[str], root: str, started: float
+) -> Callable[[], Awaitable[DaemonConfig]]:
+    """What a template's Daemon awaits before its listeners: ready, then a clone's identity, then
+    the clone's own config (written with its identity where a cold boot's config disk is)."""
+
+    async def wait() -> DaemonConfig:
+        import asyncio
+
+        from auraed.config import load_config
+
+        template.ready(started)
+        await asyncio.to_thread(template.take_identity, root)
+        return load_config(argv)
+
+    return wait
+
+
 def _cancel_remaining(loop: asyncio.AbstractEventLoop) -> None:
     import asyncio
 
@@ -777,39 +799,45 @@ def _halt_forever() -> NoReturn:
             time.sleep(1)
 
 
-def main(
-    argv: Sequence[str], make_daemon: DaemonFactory, prepare: Callable[[], object] | None = None
-) -> NoReturn:
+def main(argv: Sequence[str], make_daemon: DaemonFactory) -> NoReturn:
     """PID 1: boot, load the configuration, serve what ``make_daemon`` builds, finish. Never
     returns. ``make_daemon`` is called only after the boot: the Daemon's imports (seconds under
     emulation) come after the mounts, and a stop signal meanwhile is not lost. A template guest
-    (``auraed.template=1``) first runs ``prepare`` (the Daemon's imports) and waits for its
-    identity (auraed/init/identity.py); one that gets none serves nothing."""
+    (``auraed.template=1``) starts its Daemon with the host's template config and holds it before
+    its listeners until a clone's identity comes (auraed/init/identity.py); one that gets none
+    serves nothing."""
+    started = time.monotonic()
     init = Pid1(Pid1Layout.from_env())
     status = 1
     reason = ""
     try:
         init.boot()
-        if init.args.template and is_machine_init():
-            from auraed.init.identity import IdentityError, become_clone
-
-            try:
-                become_clone(prepare, init.layout.root)
-            except IdentityError as exc:
-                log.error("auraed: no identity, not serving: %s", exc)
-                init.finish(1, "no identity")
         from auraed.config import load_config
         from auraed.errors import ConfigError
 
+        template = None
+        config_argv = list(argv)
+        if init.args.template and is_machine_init():
+            from auraed.init.identity import IdentityError, TemplateGuest
+
+            try:
+                template = TemplateGuest.open()
+                config_argv += ["--config", template.template_config(init.layout.path(TEMPLATE_CONFIG_DIR))]
+            except IdentityError as exc:
+                log.error("auraed: a template without its config: %s", exc)
+                init.finish(1, "no template config")
         try:
-            config = load_config(list(argv))
+            config = load_config(config_argv)
         except ConfigError as exc:
             log.error("auraed: %s", exc.message)
             init.finish(2, "configuration error")
         except SystemExit as exc:  # argparse: --help, or a bad flag
             init.finish(exc.code if isinstance(exc.code, int) else 2, "command line")
         init.grace = min(config.stop_grace_period, TERMINATE_GRACE)
-        status = init.run(make_daemon(config, init))
+        daemon = make_daemon(config, init)
+        if template is not None:
+            daemon.before_listening = _clone_config(template, list(argv), init.layout.root, started)
+        status = init.run(daemon)
         if not init.reason:
             reason = f"the daemon returned {status}"
     except BaseException as exc:  # PID 1 must reach finish()

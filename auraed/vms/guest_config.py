@@ -82,6 +82,15 @@ def config_files(identity: GuestIdentity, ca: CertificateAuthority, host_identit
     }
 
 
+def template_config(port: int, host_identity: str) -> dict[str, str]:
+    """A template guest's config (vms/templates.py): every guest's, with no address of anyone's
+    and no certificate; a clone's own replaces it with its identity."""
+    text = GUEST_CONFIG.format(
+        hostname="a template", address="0.0.0.0", port=port, host_identity=host_identity
+    )
+    return {"auraed.toml": text}
+
+
 def build_config_disk(
     output: Path, identity: GuestIdentity, ca: CertificateAuthority, host_identity: str
 ) -> Path:

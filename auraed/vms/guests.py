@@ -31,7 +31,7 @@ from auraed.pki import (
 )
 from auraed.system.tasks import run_to_end
 from auraed.vms.errors import VmError
-from auraed.vms.guest_config import GuestIdentity, build_config_disk, config_files
+from auraed.vms.guest_config import GuestIdentity, build_config_disk, config_files, template_config
 from auraed.vms.model import (
     GUEST_ROLE,
     DiskSpec,
@@ -238,7 +238,13 @@ class Guests:
         self.trust = trust
         self._image_dir = image_dir
         self._ready_timeout = ready_timeout
-        self.templates = Templates(vms.store, vms.backends, vms.templates_dir, ready_timeout)
+        self.templates = Templates(
+            vms.store,
+            vms.backends,
+            vms.templates_dir,
+            ready_timeout,
+            lambda: template_config(vms.guest_port, HOST_IDENTITY),
+        )
         vms.when_ended(self._vm_ended)
 
     @staticmethod

@@ -33,6 +33,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -171,8 +172,10 @@ class Templates:
         backends: dict[str, Backend],
         templates_dir: Path,
         ready_timeout: float,
+        template_config: Callable[[], dict[str, str]],
     ) -> None:
         self._store = store
+        self._template_config = template_config
         self._backends = backends
         self._dir = templates_dir
         self._ready_timeout = ready_timeout
@@ -353,17 +356,26 @@ class Templates:
         )
 
     async def _wait_ready(self, record: TemplateRecord, handle: VmHandle) -> dict[str, Any]:
-        """The guest's "ready" line, once its imports are done; its console tail if it ends first."""
+        """The guest booted: it is given the guests' config; then its "ready" line, once its
+        Daemon has started as far as it can without an identity. Its console tail if it ends."""
         reader: asyncio.StreamReader = handle.identity[0]
+        writer: asyncio.StreamWriter = handle.identity[1]
+        message: dict[str, Any] = {}
+        line = b""
+        why = f"not ready within {self._ready_timeout:g} s"
         try:
             async with asyncio.timeout(self._ready_timeout):
                 line = await reader.readline()
-        except TimeoutError:
-            line = b""
-            why = f"not ready within {self._ready_timeout:g} s"
-        else:
+                if _json_line(line).get("template") == "booted":
+                    writer.write(json.dumps({"template_config": self._template_config()}).encode() + b"\n")
+                    await writer.drain()
+                    line = await reader.readline()
+            message = _json_line(line)
             why = "its VMM or guest ended before it was ready"
-        message = _json_line(line)
+        except TimeoutError:
+            pass
+        except OSError as exc:
+            why = f"its identity port failed: {exc}"
         if message.get("template") != "ready":
             tail = common.vmm_log_tail(record.build_dir) if not handle.alive else ""
             console = _console_tail(handle.console_path)

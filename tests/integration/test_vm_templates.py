@@ -34,6 +34,7 @@ from auraed.errors import AuraeError, ErrorKind
 from auraed.pki import PkiPaths, ensure_dev_pki
 from auraed.vms.guests import Guests, GuestTrust
 from auraed.vms.model import State, VmSpec, parse_vm
+from auraed.vms.servicer import VmServicer, status_message
 from auraed.vms.templates import AUTO_PREFIX, MEMORY_FILE, TemplateState
 from auraed.vms.vms import Vms
 from tests.integration.test_vms import VmEnv
@@ -134,8 +135,17 @@ async def test_three_clones_of_the_auto_template_serve_each_with_its_own_identit
         assert b.record.template == template.name
         assert b.record.restore_ms is not None and b.record.restore_ms < 1000, b.record.restore_ms
         assert b.ready is not None
+    # What VmService says of them.
+    servicer = VmServicer(vms, guests)
+    listing = await servicer.list_templates(pb.VmServiceListTemplatesRequest(), None)
+    (status,) = listing.templates
+    assert status.template is not None
+    assert (status.template.name, status.state, sorted(status.clones)) == (template.name, "ready", names)
+    assert status.memory_resident_bytes > 0 and status.build_ms > 0 and status.save_ms > 0
+    clone = status_message(await vms.view(vms.get("c1")))
+    assert clone.template == template.name and clone.restore_ms is not None
     with pytest.raises(AuraeError) as refused:
-        await guests.remove_template(template.name)
+        await servicer.remove_template(pb.VmServiceRemoveTemplateRequest(name=template.name), None)
     assert refused.value.kind == ErrorKind.FAILED_PRECONDITION and "c1" in refused.value.message
 
     # Each at its own address, with its own certificate (issued for it now) and key.
@@ -174,7 +184,7 @@ async def test_three_clones_of_the_auto_template_serve_each_with_its_own_identit
 
     for name in names:
         await guests.free(name, 0.0)
-    await guests.remove_template(template.name)
+    await servicer.remove_template(pb.VmServiceRemoveTemplateRequest(name=template.name), None)
     assert not guests.templates.all()
     assert not (Path(template.run_dir)).exists()
     await guests.trust.close()
