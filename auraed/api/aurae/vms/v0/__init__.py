@@ -325,7 +325,8 @@ class VirtualMachine(betterproto2.Message):
     template of the VM's shape (vCPUs, memory, files, kernel_args but auraed.hostname=), made at
     the first Start that needs it and rebuilt when its files change; or a template's name (its
     shape must be the VM's). Empty: booted cold. Where the backend cannot restore (cloud-hypervisor
-    for now) or the VM has extra disks, the guest is booted cold and VmStatus.reason says why.
+    for now), the VM has extra disks or Start waits for a console marker, the guest is booted
+    cold and the daemon's log says why.
     """
 
 
