@@ -17,6 +17,10 @@ GUEST_CONFIG_DISK = f"serial={GUEST_CONFIG_SERIAL}"
 # ``auraed.share=``, and where the guest's PID 1 mounts it.
 SHARE_TAG = "aurae-share"
 SHARE_MOUNT = "/run/aurae/share"
+# A template guest (``auraed.template=1``) has no config disk and no network on its command line:
+# it does its imports, says so on this virtio-serial port, and waits there for the identity each
+# of its clones is given (auraed/init/identity.py in the guest, auraed/vms/templates.py on the host).
+IDENTITY_PORT = "org.aurae.identity"
 
 
 class BootArgs(NamedTuple):
@@ -30,6 +34,7 @@ class BootArgs(NamedTuple):
     config_disk: str = ""
     poweroff: bool = False
     share: str = ""  # a virtio-fs tag to mount at SHARE_MOUNT
+    template: bool = False
 
     @classmethod
     def parse(cls, cmdline: str) -> BootArgs:
@@ -47,10 +52,15 @@ class BootArgs(NamedTuple):
             gateway=values.get("gateway", ""),
             iface=values.get("iface", "") or "eth0",
             config_disk=values.get("config_disk", ""),
-            poweroff=values.get("poweroff", "").lower() in ("1", "yes", "on", "true"),
+            poweroff=_flag(values.get("poweroff", "")),
+            template=_flag(values.get("template", "")),
             share=values.get("share", ""),
         )
 
     @property
     def guest(self) -> bool:
         return self.role == "guest"
+
+
+def _flag(value: str) -> bool:
+    return value.lower() in ("1", "yes", "on", "true")

@@ -111,7 +111,7 @@ CELLS = "aurae.cells.v0.CellService"
 OBSERVE = "aurae.observe.v0.ObserveService"
 DISCOVERY = "aurae.discovery.v0.DiscoveryService"
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ("boot", "memory", "containers")
+PARTS = ("boot", "clone", "memory", "containers")
 BENCH_RANGE = ipaddress.IPv4Network("10.213.128.0/18")  # the tests take 10.213.192.0/18
 BARE_MARKER = "AURAE-BARE-BOOT-OK"
 IMAGE = "bench/busybox:1"
@@ -119,6 +119,9 @@ LINE = "ready"
 TARGET_BOOT_RATIO = 1.5
 TARGET_RSS_ANON_KIB = 11 * 1024
 TARGET_CONTAINER_RATIO = 1.3
+TARGET_CLONE_RATIO = 0.2  # clone to SERVING against a bare boot of the same kernel and VMM
+TARGET_CLONE_MEMORY = 0.25  # an idle clone's QEMU private memory against a cold guest's
+CLONE_TEMPLATE = "bench"
 START_TIMEOUT_S = 300
 CALL_TIMEOUT = 120.0
 CONSOLE_POLL = 0.01
@@ -142,6 +145,10 @@ GUEST_MARKERS = {
     "pid1_first_line": " auraed.pid1: ",
     "pid1_done": "PID 1 boot done in ",
     "daemon_starting": " auraed: auraed starting as ",
+    "serving": " auraed: serving on unix:",
+}
+CLONE_MARKERS = {  # the daemon started in the template: a clone applies its identity and listens
+    "identity": " auraed.pid1: identity of ",
     "serving": " auraed: serving on unix:",
 }
 BARE_MARKERS = {
@@ -458,14 +465,15 @@ def image_facts(image: Path) -> dict[str, Any]:
 
 
 def free_pool() -> ipaddress.IPv4Network:
-    """A /28 of BENCH_RANGE that no host address or route touches (random: runs may overlap)."""
+    """A /26 of BENCH_RANGE (16 VMs: ``clone``'s idle clones) that no host address or route
+    touches (random: runs may overlap)."""
     host = network.host_networks()
-    candidates = list(BENCH_RANGE.subnets(new_prefix=28))
+    candidates = list(BENCH_RANGE.subnets(new_prefix=26))
     random.shuffle(candidates)
     for pool in candidates:
         if not network.conflicts(pool, host):
             return pool
-    raise RuntimeError(f"no free /28 in {BENCH_RANGE} on this host")
+    raise RuntimeError(f"no free /26 in {BENCH_RANGE} on this host")
 
 
 def loadavg() -> float:
@@ -547,6 +555,8 @@ class Booted:
     arrivals: dict[str, float]  # marker -> seconds after Start was sent (host clock)
     lines: dict[str, str]
     console: str
+    restore_ms: float | None = None  # a clone: its device state loaded and resumed
+    pid: int = 0
 
 
 async def boot(
@@ -579,6 +589,8 @@ async def boot(
         arrivals={key: when - t1 for key, (when, _) in watch.seen.items()},
         lines={key: line for key, (_, line) in watch.seen.items()},
         console=console,
+        restore_ms=reply.status.restore_ms if reply.status else None,
+        pid=reply.status.pid if reply.status else 0,
     )
 
 
@@ -808,6 +820,199 @@ async def run_boot(args: argparse.Namespace, client: AuraeClient, image: Path, m
             "result": verdict(boot_ratio <= TARGET_BOOT_RATIO),
         },
     }
+
+
+# ------------------------------------------------------------------------------ clone
+
+
+def clone_vm(name: str, memory_mib: int, template: str = CLONE_TEMPLATE) -> vms_pb.VirtualMachine:
+    return vms_pb.VirtualMachine(name=name, role="guest", memory_mib=memory_mib, template=template)
+
+
+def clone_phases(b: Booted) -> dict[str, float]:
+    a = b.arrivals
+    missing = [k for k in ("identity", "serving") if k not in a]
+    if missing:
+        raise RuntimeError(f"clone {b.name}: markers {missing} not seen on the console:\n{b.console[-2000:]}")
+    return {
+        "total_start_rpc": b.start_wall_s,
+        "restore_reported": (b.restore_ms or 0.0) / 1000,
+        "until_identity_applied": a["identity"],
+        "config_and_listeners_until_serving": a["serving"] - a["identity"],
+        "host_sees_serving": b.start_wall_s - a["serving"],
+    }
+
+
+def private_resident_kib(pid: int) -> dict[str, int]:
+    """A process's resident memory by kind (smaps_rollup): what it holds alone (private) and what
+    it shares (a clone: the template's pages it has not written)."""
+    values: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        key, _, rest = line.partition(":")
+        if rest.strip().endswith("kB"):
+            values[key] = int(rest.split()[0])
+    return {
+        "rss": values.get("Rss", 0),
+        "pss": values.get("Pss", 0),
+        "private": values.get("Private_Clean", 0) + values.get("Private_Dirty", 0),
+        "shared": values.get("Shared_Clean", 0) + values.get("Shared_Dirty", 0),
+    }
+
+
+async def run_clone(args: argparse.Namespace, client: AuraeClient, image: Path, made: Made) -> dict[str, Any]:
+    """A template made once, then clones to SERVING against bare boots of the same kernel and VMM
+    (and cold guest boots), alternating; then ``--clones`` idle clones' QEMU private memory against
+    one cold guest's."""
+    load_start = loadavg()
+    t0 = time.monotonic()
+    request = vms_pb.VmServiceCreateTemplateRequest(
+        template=vms_pb.Template(name=CLONE_TEMPLATE, memory_mib=args.memory_mib)
+    )
+    created = (await client.call(VMS, "CreateTemplate", request, timeout=START_TIMEOUT_S)).status
+    template_wall = time.monotonic() - t0
+    series: dict[str, list[Booted]] = {"clone": [], "bare": [], "guest": []}
+    kinds = list(series)
+    for i in range(args.boots):
+        for kind in kinds[i % 3 :] + kinds[: i % 3]:
+            await asyncio.sleep(args.gap_ms / 1000)
+            name = f"clone-{kind}-{i}"
+            if kind == "clone":
+                booted = await boot(client, clone_vm(name, args.memory_mib), CLONE_MARKERS, made)
+            elif kind == "guest":
+                booted = await boot(client, guest_vm(name, args.memory_mib), GUEST_MARKERS, made)
+            else:
+                booted = await boot(
+                    client, bare_vm(name, image, args.memory_mib), BARE_MARKERS, made, BARE_MARKER
+                )
+                await wait_ended(client, name)
+            series[kind].append(booted)
+            await free_vm(client, name, made)
+            if not args.json_only:
+                print(f"  clone round {i}: {kind} {booted.start_wall_s:.2f} s", file=sys.stderr)
+    clone_stats = {
+        k: summarize([p[k] for p in map(clone_phases, series["clone"])])
+        for k in clone_phases(series["clone"][0])
+    }
+    bare_total = summarize([b.start_wall_s for b in series["bare"]])
+    guest_total = summarize([b.start_wall_s for b in series["guest"]])
+    clone_ratio = ratio(clone_stats["total_start_rpc"]["p50_ms"], bare_total["p50_ms"])
+    memory = await clone_memory(args, client, made)
+    return {
+        "boots_each": args.boots,
+        "memory_mib": args.memory_mib,
+        "loadavg_1m": {"start": load_start, "end": loadavg()},
+        "template": {
+            "create_wall_ms": round(template_wall * 1000),
+            "build_ms": created.build_ms,
+            "imports_ms": created.imports_ms,
+            "save_ms": created.save_ms,
+            "memory_resident_mib": created.memory_resident_bytes >> 20,
+        },
+        "clone": clone_stats,
+        "clone_restore_ms": [b.restore_ms for b in series["clone"]],
+        "bare": bare_total,
+        "guest_cold": guest_total,
+        "ratio_p50_clone_over_bare": clone_ratio,
+        "ratio_p50_clone_over_cold_guest": ratio(
+            clone_stats["total_start_rpc"]["p50_ms"], guest_total["p50_ms"]
+        ),
+        "daemon_log_steps_ms_last_clone": clone_log_steps(series["clone"][-1].console),
+        "idle_memory": memory,
+        "target": {
+            "ratio_p50_at_most": TARGET_CLONE_RATIO,
+            "private_memory_ratio_at_most": TARGET_CLONE_MEMORY,
+            "result": verdict(
+                clone_ratio <= TARGET_CLONE_RATIO
+                and memory["ratio_private_clone_over_cold"] <= TARGET_CLONE_MEMORY
+            ),
+        },
+    }
+
+
+def clone_log_steps(console: str) -> list[list[Any]]:
+    """The clone's log lines from its identity to "serving on unix:" (guest clock, ms apart)."""
+    steps: list[list[Any]] = []
+    previous: float | None = None
+    for raw in console.splitlines():
+        when = guest_log_time(raw.rstrip("\r"))
+        text = GUEST_LOG.match(raw.rstrip("\r"))
+        if when is None or text is None:
+            continue
+        steps.append(
+            [f"{text.group(3)}: {text.group(4)}"[:90], round((when - previous) * 1000) if previous else 0]
+        )
+        previous = when
+        if "serving on unix:" in raw:
+            break
+    return steps
+
+
+async def clone_memory(args: argparse.Namespace, client: AuraeClient, made: Made) -> dict[str, Any]:
+    """``--clones`` clones started together and left idle, against one cold guest of the same size."""
+    names = [f"idle-clone-{i}" for i in range(args.clones)]
+    t0 = time.monotonic()
+    clones = await asyncio.gather(*(boot(client, clone_vm(n, args.memory_mib), {}, made) for n in names))
+    together = time.monotonic() - t0
+    cold = await boot(client, guest_vm("idle-cold", args.memory_mib), {}, made)
+    await asyncio.sleep(args.settle)
+    per_clone = [private_resident_kib(b.pid) for b in clones]
+    cold_kib = private_resident_kib(cold.pid)
+    for name in [*names, "idle-cold"]:
+        await free_vm(client, name, made)
+    private = summarize([c["private"] / 1000 for c in per_clone])  # summarize takes seconds: kB/1000
+    return {
+        "clones": args.clones,
+        "clones_started_together_wall_ms": round(together * 1000),
+        "settle_s": args.settle,
+        "clone_qemu_kib": per_clone,
+        "cold_qemu_kib": cold_kib,
+        "clone_private_kib_p50": round(private["p50_ms"]),
+        "ratio_private_clone_over_cold": ratio(private["p50_ms"], cold_kib["private"]),
+    }
+
+
+def print_clone(result: dict[str, Any]) -> None:
+    rows: list[list[object]] = []
+    for key, stats in result["clone"].items():
+        rows.append([f"clone: {key}", stats["p50_ms"], stats["mean_ms"], stats["min_ms"], stats["max_ms"]])
+    for series in ("bare", "guest_cold"):
+        stats = result[series]
+        rows.append(
+            [
+                f"{series}: total_start_rpc",
+                stats["p50_ms"],
+                stats["mean_ms"],
+                stats["min_ms"],
+                stats["max_ms"],
+            ]
+        )
+    print_table(
+        f"Clone to ready (ms), {result['boots_each']} each, alternating with bare and cold guest boots",
+        ["series: phase", "p50", "mean", "min", "max"],
+        rows,
+    )
+    print_table(
+        "Clone start-up, last clone (guest clock, ms since the previous line)",
+        ["log line", "ms"],
+        result["daemon_log_steps_ms_last_clone"],
+    )
+    memory = result["idle_memory"]
+    template = result["template"]
+    print_lines(
+        [
+            f"template: made in {template['create_wall_ms']} ms (imports {template['imports_ms']} ms, "
+            f"saved in {template['save_ms']} ms, {template['memory_resident_mib']} MiB resident)",
+            f"clone: restore {result['clone_restore_ms']} ms; clone/bare (p50 of Start) "
+            f"{result['ratio_p50_clone_over_bare']}x, clone/cold guest "
+            f"{result['ratio_p50_clone_over_cold_guest']}x; target <= {TARGET_CLONE_RATIO}x",
+            f"idle memory: {memory['clones']} clones (started together in "
+            f"{memory['clones_started_together_wall_ms']} ms), "
+            f"each QEMU's private resident p50 {memory['clone_private_kib_p50']} KiB vs a cold guest's "
+            f"{memory['cold_qemu_kib']['private']} KiB: {memory['ratio_private_clone_over_cold']}x; "
+            f"target <= {TARGET_CLONE_MEMORY}x",
+            f"clone target: {result['target']['result']}",
+        ]
+    )
 
 
 def print_boot(result: dict[str, Any]) -> None:
@@ -1203,6 +1408,8 @@ async def run(
         try:
             if "boot" in args.parts:
                 result["boot"] = await run_boot(args, client, image, made)
+            if "clone" in args.parts:
+                result["clone"] = await run_clone(args, client, image, made)
             if "memory" in args.parts or "containers" in args.parts:
                 if "containers" in args.parts:
                     await import_image(client, root)
@@ -1283,6 +1490,8 @@ def report(
     if not args.json_only:
         if "boot" in result:
             print_boot(result["boot"])
+        if "clone" in result:
+            print_clone(result["clone"])
         if "memory" in result:
             print_memory(result["memory"])
         if "containers" in result:
@@ -1296,6 +1505,7 @@ def main() -> None:
     )
     parser.add_argument("parts", nargs="*", metavar="PART", help=f"of {', '.join(PARTS)} (default: all)")
     parser.add_argument("--boots", type=int, default=3, help="boots of each kind (default 3)")
+    parser.add_argument("--clones", type=int, default=10, help="idle clones for their memory (default 10)")
     parser.add_argument("--iterations", type=int, default=5, help="containers per series (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up containers per series (default 1)")
     parser.add_argument("--settle", type=float, default=10.0, help="idle seconds before memory (default 10)")

@@ -74,7 +74,7 @@ INITRAMFS_MODULES = (
 # and what container networking may want.
 ROOTFS_EXTRA_MODULES = (
     "button", "evdev", "veth", "bridge", "tun", "br_netfilter", "nf_tables", "vsock",
-    "vmw_vsock_virtio_transport",
+    "vmw_vsock_virtio_transport", "virtio_console",
 )  # fmt: skip
 
 STDLIB_DROP = {

@@ -50,7 +50,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 from auraed.bootargs import GUEST_CONFIG_DISK, BootArgs
@@ -61,19 +61,26 @@ if TYPE_CHECKING:
 
     from auraed.config import DaemonConfig
     from auraed.init.host import HostBoot
+    from auraed.init.identity import TemplateGuest
     from auraed.init.powerbutton import PowerButtonWatcher
     from auraed.init.reaper import ChildRegistry, Reaper
 
     class Stoppable(Protocol):
-        """What PID 1 needs of the Daemon."""
+        """What PID 1 needs of what it runs: the Daemon, or the supervisor of its child."""
 
         async def run(self) -> int: ...
 
         def request_stop(self) -> None: ...
 
+    class Serving(Stoppable, Protocol):
+        """The Daemon in PID 1's own process: a template's is handed its clone's config before
+        it listens."""
+
+        before_listening: Callable[[], Awaitable[DaemonConfig]] | None
+
     # What auraed/__main__.py hands over: the Daemon to serve, built once the configuration is
     # read and given this Pid1 (its Shutdown call powers the machine off through it).
-    DaemonFactory = Callable[[DaemonConfig, "Pid1"], Stoppable]
+    DaemonFactory = Callable[[DaemonConfig, "Pid1"], Serving]
 
 
 log = logging.getLogger("auraed.pid1")
@@ -101,6 +108,8 @@ MOUNTS: tuple[tuple[str, str, str, int, str | None], ...] = (
     ("cgroup2", "sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, None),
 )
 CONFIG_DIR = "etc/aurae"
+TEMPLATE_CONFIG_DIR = "run/aurae-template"  # a template's config, until a clone has its own
+VIRTIO_CONSOLE_MODULE = "kernel/drivers/char/virtio_console.ko"  # virtio-serial (a template's identity port)
 CONFIG_DISK_FSTYPES = ("squashfs", "erofs")
 DEVICE_WAIT = 5.0  # seconds for the config disk's node to appear
 INTERFACE_WAIT = 10.0  # seconds for eth0 to appear (virtio_net may still be probing)
@@ -229,9 +238,12 @@ class Pid1:
         self._step("kernel command line", self.read_cmdline)
         if machine and not self.args.guest:
             self._step("host image", self.load_host)
-        if machine:
-            if self.final_action() == "poweroff":
-                self._step("Ctrl-Alt-Del", lambda: _reboot(RB_DISABLE_CAD))
+        if machine and self.final_action() == "poweroff":
+            self._step("Ctrl-Alt-Del", lambda: _reboot(RB_DISABLE_CAD))
+        if machine and self.args.template:
+            # Hostname, config and network come with each clone's identity (auraed/init/identity.py).
+            self._step("identity port", self.prepare_template)
+        elif machine:
             self._step("hostname", self.set_hostname)
             step = time.monotonic()
             self._step("config disk", self.mount_config_disk)
@@ -247,8 +259,8 @@ class Pid1:
                 self._step("network (ip=)", lambda: host.configure_network(bool(self.args.hostname)))
             self.timings["network"] = time.monotonic() - step
             self._step("shared directory", self.mount_share)
-            if not self.layout.power_buttons:
-                self._step("power button modules", self.load_power_button_modules)
+        if machine and not self.layout.power_buttons:
+            self._step("power button modules", self.load_power_button_modules)
         self._step("power button", self.open_power_buttons)
         self.timings["boot"] = time.monotonic() - started
         log.info(
@@ -417,6 +429,14 @@ class Pid1:
         if gateway:
             netconf.add_default_route(gateway, iface)
         log.info("network: %s %s/%d up, default via %s", iface, address, prefix, gateway or "(none)")
+
+    def prepare_template(self) -> None:
+        """A template: lo up, and the virtio-serial driver its identity port needs."""
+        from auraed.init import powerbutton
+        from auraed.system.namespaces import bring_loopback_up
+
+        bring_loopback_up()
+        powerbutton.load_modules(modules=(VIRTIO_CONSOLE_MODULE,))
 
     def open_power_buttons(self) -> None:
         """Open the power buttons now, to be watched once the loop runs (see ``self._buttons``)."""
@@ -752,6 +772,24 @@ def _reap_any() -> bool:
     return pid > 0
 
 
+def _clone_config(
+    template: TemplateGuest, argv: list[str], root: str, started: float
+) -> Callable[[], Awaitable[DaemonConfig]]:
+    """What a template's Daemon awaits before its listeners: ready, then a clone's identity, then
+    the clone's own config (written with its identity where a cold boot's config disk is)."""
+
+    async def wait() -> DaemonConfig:
+        import asyncio
+
+        from auraed.config import load_config
+
+        template.ready(started)
+        await asyncio.to_thread(template.take_identity, root)
+        return load_config(argv)
+
+    return wait
+
+
 def _cancel_remaining(loop: asyncio.AbstractEventLoop) -> None:
     import asyncio
 
@@ -828,7 +866,11 @@ def _halt_forever() -> NoReturn:
 def main(argv: Sequence[str], make_daemon: DaemonFactory) -> NoReturn:
     """PID 1: boot, load the configuration, serve what ``make_daemon`` builds, finish. Never
     returns. ``make_daemon`` is called only after the boot: the Daemon's imports (seconds under
-    emulation) come after the mounts, and a stop signal meanwhile is not lost."""
+    emulation) come after the mounts, and a stop signal meanwhile is not lost. A template guest
+    (``auraed.template=1``) starts its Daemon with the host's template config and holds it before
+    its listeners until a clone's identity comes (auraed/init/identity.py); one that gets none
+    serves nothing."""
+    started = time.monotonic()
     init = Pid1(Pid1Layout.from_env())
     status = 1
     reason = ""
@@ -837,8 +879,19 @@ def main(argv: Sequence[str], make_daemon: DaemonFactory) -> NoReturn:
         from auraed.config import load_config
         from auraed.errors import ConfigError
 
+        template = None
+        config_argv = list(argv)
+        if init.args.template and is_machine_init():
+            from auraed.init.identity import IdentityError, TemplateGuest
+
+            try:
+                template = TemplateGuest.open()
+                config_argv += ["--config", template.template_config(init.layout.path(TEMPLATE_CONFIG_DIR))]
+            except IdentityError as exc:
+                log.error("auraed: a template without its config: %s", exc)
+                init.finish(1, "no template config")
         try:
-            config = load_config(list(argv))
+            config = load_config(config_argv)
         except ConfigError as exc:
             log.error("auraed: %s", exc.message)
             init.finish(2, "configuration error")
@@ -853,7 +906,10 @@ def main(argv: Sequence[str], make_daemon: DaemonFactory) -> NoReturn:
             )
             status = init.run(supervisor)
         else:
-            status = init.run(make_daemon(config, init))
+            daemon = make_daemon(config, init)
+            if template is not None:
+                daemon.before_listening = _clone_config(template, list(argv), init.layout.root, started)
+            status = init.run(daemon)
         if not init.reason:
             reason = f"the daemon returned {status}"
     except BaseException as exc:  # PID 1 must reach finish()

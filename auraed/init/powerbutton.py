@@ -72,8 +72,11 @@ def find_power_buttons(sys_dir: str = "/sys", dev_dir: str = "/dev") -> list[str
     return found
 
 
-def load_modules(modules_dirs: tuple[str, ...] | None = None) -> list[str]:
-    """finit_module(2) the evdev and ACPI button modules found under [/usr]/lib/modules/<release>.
+def load_modules(
+    modules_dirs: tuple[str, ...] | None = None, modules: tuple[str, ...] = MODULES
+) -> list[str]:
+    """finit_module(2) the ``modules`` (paths under [/usr]/lib/modules/<release>; the evdev and
+    ACPI button modules by default).
 
     Already loaded (EEXIST) or built in (no file): nothing to do. Returns the files loaded; raises
     OSError for a module file that exists and fails to load.
@@ -88,7 +91,7 @@ def load_modules(modules_dirs: tuple[str, ...] | None = None) -> list[str]:
     directories = modules_dirs or (f"/lib/modules/{uname.release}", f"/usr/lib/modules/{uname.release}")
     libc = ctypes.CDLL(None, use_errno=True)
     loaded = []
-    for module in MODULES:
+    for module in modules:
         fd, path = _open_module(directories, module)
         if fd < 0:
             continue

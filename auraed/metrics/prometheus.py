@@ -115,6 +115,12 @@ class DaemonMetrics(MetricsSink):
             buckets=BOOT_BUCKETS,
             registry=self.registry,
         )
+        self._clones = Histogram(
+            "auraed_vm_clone_seconds",
+            "Seconds from launching a cloned guest's VMM (restoring it from its template) until it served",
+            buckets=BOOT_BUCKETS,
+            registry=self.registry,
+        )
         self._states = _States()
         self.registry.register(self._states)
         self.registry.register(_Node())
@@ -140,6 +146,9 @@ class DaemonMetrics(MetricsSink):
 
     def vm_booted(self, seconds: float) -> None:
         self._boots.observe(seconds)
+
+    def vm_cloned(self, seconds: float) -> None:
+        self._clones.observe(seconds)
 
 
 def _code(context: Context, otherwise: grpc.StatusCode) -> grpc.StatusCode:

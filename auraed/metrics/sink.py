@@ -21,5 +21,8 @@ class MetricsSink:
     def vm_booted(self, seconds: float) -> None:
         """A VM started: ``seconds`` from launching its VMM until it was ready (a guest: serving)."""
 
+    def vm_cloned(self, seconds: float) -> None:
+        """A guest was cloned from a template: ``seconds`` from launching its VMM until it served."""
+
 
 NO_METRICS = MetricsSink()

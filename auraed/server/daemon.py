@@ -7,6 +7,7 @@ import contextlib
 import logging
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -125,6 +126,9 @@ class Daemon:
         self._state_lock: int | None = None
         # Only a socket we bound is ours to remove: a refused start must not unlink a live one.
         self._socket_bound = False
+        # A template guest's (auraed/init/identity.py): the start stops before the listeners until
+        # this returns the clone's own configuration (its address, certificate and key).
+        self.before_listening: Callable[[], Awaitable[DaemonConfig]] | None = None
 
     def services(self) -> list[str]:
         """The aurae services this role serves (the design's table)."""
@@ -193,9 +197,11 @@ class Daemon:
 
     async def _start(self) -> None:
         config = self.config
+        held = self.before_listening
         # Before anything else: bad credentials would otherwise pass for a bind failure, or be
-        # served, every client then refused.
-        credentials = server_credentials(config.ca_crt, config.server_crt, config.server_key)
+        # served, every client then refused. (A template has none yet: checked once it has.)
+        if held is None:
+            credentials = server_credentials(config.ca_crt, config.server_crt, config.server_key)
         private_directory(config.state_dir, "state directory")
         private_directory(config.runtime_dir, "runtime directory")
         # Before touching any state: two daemons on one state dir would fight over every record.
@@ -243,6 +249,8 @@ class Daemon:
         server.add_generic_rpc_handlers(
             self._metered(AuthorizedHandlers(config.authorization, handlers, self._gate))
         )
+        if held is not None:
+            config, credentials = await self._clone_config(held, supervisor)
         add_unix_listener(server, config.socket, credentials)
         self._socket_bound = True
         if config.tcp_listen:
@@ -263,6 +271,17 @@ class Daemon:
         # After serving, not before: in a guest under emulation its start-up costs ~0.3 s of the
         # one vCPU, which boot-to-ready should not wait for.
         supervisor.start()
+
+    async def _clone_config(
+        self, held: Callable[[], Awaitable[DaemonConfig]], supervisor: Supervisor
+    ) -> tuple[DaemonConfig, grpc.ServerCredentials]:
+        """A template's start, all done but the listeners (and saved): they wait for the clone's
+        identity, which brings its own config (the template's but its address) and key. The
+        monitors' launcher starts first, so that no clone pays for it. Nothing before may make a
+        TLS object: a TLS library's random state made in the template would be every clone's."""
+        supervisor.start()
+        self.config = config = await held()
+        return config, server_credentials(config.ca_crt, config.server_crt, config.server_key)
 
     async def _handlers(
         self, cells: Cells, services: list[str], capabilities: Capabilities

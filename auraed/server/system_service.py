@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -47,8 +49,7 @@ class SystemServicer:
         self, request: pb.SystemServiceShutdownRequest, context: Context
     ) -> pb.SystemServiceShutdownResponse:
         reason = _reason(request.reason)
-        caller = ",".join(peer_identities(context)) or "an unidentified client"
-        why = f"Shutdown called by {caller}" + (f": {reason}" if reason else "")
+        why = f"Shutdown called by {_caller(context)}" + (f": {reason}" if reason else "")
         if self._machine is None:
             if request.reboot:
                 raise AuraeError.precondition("reboot: auraed is not this machine's init")
@@ -58,3 +59,45 @@ class SystemServicer:
         # PID 1 stops the daemon, then powers off (or exits, PID 1 of a pid namespace); refused
         # with FAILED_PRECONDITION where it could only halt the machine.
         return pb.SystemServiceShutdownResponse(then=self._machine.power_off(why, request.reboot))
+
+    def _machine_init(self, what: str) -> None:
+        from auraed.init.pid1 import is_machine_init
+
+        if self._machine is None or not is_machine_init():
+            raise AuraeError.precondition(
+                f"{what}: only where auraed is the machine's init (a guest VM, bare metal), not on a "
+                "machine it merely runs on"
+            )
+
+    async def reseed_random(
+        self, request: pb.SystemServiceReseedRandomRequest, context: Context
+    ) -> pb.SystemServiceReseedRandomResponse:
+        from auraed.system import reseed
+
+        entropy = bytes(request.entropy)
+        if not reseed.MIN_ENTROPY <= len(entropy) <= reseed.MAX_ENTROPY:
+            raise AuraeError.invalid(
+                "entropy", f"{len(entropy)} bytes; {reseed.MIN_ENTROPY} to {reseed.MAX_ENTROPY} are taken"
+            )
+        self._machine_init("ReseedRandom")
+        await asyncio.to_thread(reseed.reseed_random, entropy)
+        log.info("random: %d bytes of entropy from %s, CRNG reseeded", len(entropy), _caller(context))
+        return pb.SystemServiceReseedRandomResponse(boot_id=await asyncio.to_thread(reseed.boot_id))
+
+    async def set_time(
+        self, request: pb.SystemServiceSetTimeRequest, context: Context
+    ) -> pb.SystemServiceSetTimeResponse:
+        from auraed.system import reseed
+
+        if request.unix_ns <= 0:
+            raise AuraeError.invalid("unix_ns", "must be a time after the epoch")
+        self._machine_init("SetTime")
+        before = time.time_ns()
+        reseed.set_wall_clock(request.unix_ns)
+        adjusted = request.unix_ns - before
+        log.info("clock set by %s (%+.3f s)", _caller(context), adjusted / 1e9)
+        return pb.SystemServiceSetTimeResponse(adjusted_ns=adjusted)
+
+
+def _caller(context: Context) -> str:
+    return ",".join(peer_identities(context)) or "an unidentified client"

@@ -28,6 +28,7 @@ from auraed.system import processes
 from auraed.vms.model import RunInfo
 
 CONSOLE_LOG = "console.log"
+IDENTITY_SOCKET = "identity.sock"  # the host's end of a template's or a clone's identity port
 VMM_LOG = "vmm.log"
 KILL_WAIT = 10.0  # seconds to wait for a SIGKILLed VMM to be gone
 
@@ -50,6 +51,22 @@ class LaunchNet:
 
 
 @dataclasses.dataclass(frozen=True)
+class MemoryImage:
+    """A guest kept as files: its RAM (``memory_path``, a file-backed memory object) and its device
+    state (``state_path``, a migration stream without the RAM).
+
+    ``clone`` False: the template is being made (the RAM *is* the file, shared; the backend's
+    ``save`` writes the state); True: a clone is restored from it (the file mapped private,
+    copy-on-write, the state loaded before the guest resumes). Either way the VM has the
+    host-only identity port, whose host end is ``identity.sock`` in the run directory.
+    """
+
+    memory_path: str
+    state_path: str
+    clone: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class LaunchSpec:
     """Everything a backend needs to boot a VM; paths are checked by the caller."""
 
@@ -65,6 +82,7 @@ class LaunchSpec:
     run_dir: Path
     timeout: float = 30.0  # for the VMM to come up and report the guest running
     shared_dir: str = ""  # shared with the guest over virtio-fs (its tag: SHARE_TAG)
+    image: MemoryImage | None = None  # a template being made, or a clone to restore
 
 
 @dataclasses.dataclass
@@ -80,6 +98,9 @@ class VmHandle:
     # Our child when this auraed started it (then its exit status can be collected).
     process: subprocess.Popen[bytes] | None = None
     client: Any = None
+    # A template's or a clone's identity port, connected: (asyncio StreamReader, StreamWriter).
+    identity: Any = None
+    restored_in: float | None = None  # a clone: seconds its device state took to load and resume
 
     def run_info(self) -> RunInfo:
         return RunInfo(
@@ -122,6 +143,15 @@ class Backend(Protocol):
         ...
 
     def console_log_path(self, run_dir: Path) -> Path: ...
+
+    def template_problem(self) -> str | None:
+        """Why this backend cannot make templates or restore clones here; None when it can."""
+        ...
+
+    async def save(self, handle: VmHandle, state_path: Path) -> float:
+        """Pause a template's guest and write its device state (not its RAM, which is its memory
+        file) to ``state_path``; the seconds it took. The VMM is left paused."""
+        ...
 
     async def start(self, spec: LaunchSpec) -> VmHandle: ...
 

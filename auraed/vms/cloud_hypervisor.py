@@ -157,6 +157,12 @@ class CloudHypervisorBackend:
     def kernel_args(self) -> list[str]:
         return ["console=ttyS0"]
 
+    def template_problem(self) -> str | None:
+        return "guest templates are made with QEMU only (cloud-hypervisor's snapshot/restore is not used yet)"
+
+    async def save(self, handle: VmHandle, state_path: Path) -> float:
+        raise VmError.precondition(self.template_problem() or "")
+
     def console_log_path(self, run_dir: Path) -> Path:
         return run_dir / common.CONSOLE_LOG
 

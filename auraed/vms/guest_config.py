@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from auraed.errors import AuraeError, ErrorKind
-from auraed.pki import CertificateAuthority, certificate_pem, issue_server_cert, write_pem_files
+from auraed.pki import CertificateAuthority, certificate_pem, issue_server_cert, private_key_pem
 
 GUEST_PORT = 8443
 GUEST_CONFIG = """# Written by the host auraed for guest {hostname}.
@@ -63,26 +63,45 @@ class GuestIdentity:
         return f"{self.hostname}.guest.aurae"
 
 
+def config_files(identity: GuestIdentity, ca: CertificateAuthority, host_identity: str) -> dict[str, str]:
+    """What a guest's config holds, by path under /etc/aurae: its daemon config, the host CA and
+    its own server certificate and key, issued now."""
+    cert, key = issue_server_cert(
+        ca, identity.server_name, dns_names=[identity.server_name], ip_addresses=[str(identity.address.ip)]
+    )
+    return {
+        "auraed.toml": GUEST_CONFIG.format(
+            hostname=identity.hostname,
+            address=identity.address.ip,
+            port=identity.port,
+            host_identity=host_identity,
+        ),
+        "pki/ca.crt": certificate_pem(ca.cert).decode(),
+        "pki/server.crt": certificate_pem(cert).decode(),
+        "pki/server.key": private_key_pem(key).decode(),
+    }
+
+
+def template_config(port: int, host_identity: str) -> dict[str, str]:
+    """A template guest's config (vms/templates.py): every guest's, with no address of anyone's
+    and no certificate; a clone's own replaces it with its identity."""
+    text = GUEST_CONFIG.format(
+        hostname="a template", address="0.0.0.0", port=port, host_identity=host_identity
+    )
+    return {"auraed.toml": text}
+
+
 def build_config_disk(
     output: Path, identity: GuestIdentity, ca: CertificateAuthority, host_identity: str
 ) -> Path:
     """Write the guest's config disk to ``output`` (a squashfs image) and return it."""
-    cert, key = issue_server_cert(
-        ca, identity.server_name, dns_names=[identity.server_name], ip_addresses=[str(identity.address.ip)]
-    )
     with tempfile.TemporaryDirectory(prefix="aurae-guest-config-") as work:
         root = Path(work)
-        pki = root / "pki"
-        write_pem_files(pki, "server", cert, key)
-        (pki / "ca.crt").write_bytes(certificate_pem(ca.cert))
-        (root / "auraed.toml").write_text(
-            GUEST_CONFIG.format(
-                hostname=identity.hostname,
-                address=identity.address.ip,
-                port=identity.port,
-                host_identity=host_identity,
-            )
-        )
+        for relative, content in config_files(identity, ca, host_identity).items():
+            path = root / relative
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            path.touch(mode=0o600)
+            path.write_text(content)
         # Created owner-only (the disk holds the guest's key), filled, then renamed over the old disk:
         # a VMM launched meanwhile opens a whole disk, never one another Start is writing.
         fd, staging = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.")

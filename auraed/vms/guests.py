@@ -31,7 +31,7 @@ from auraed.pki import (
 )
 from auraed.system.tasks import run_to_end
 from auraed.vms.errors import VmError
-from auraed.vms.guest_config import GuestIdentity, build_config_disk
+from auraed.vms.guest_config import GuestIdentity, build_config_disk, config_files, template_config
 from auraed.vms.model import (
     GUEST_ROLE,
     DiskSpec,
@@ -44,12 +44,20 @@ from auraed.vms.model import (
     parse_path,
 )
 from auraed.vms.placement import GuestEndpoint
-from auraed.vms.vms import DEFAULT_START_TIMEOUT, Vms
+from auraed.vms.templates import (
+    TemplateRecord,
+    Templates,
+    TemplateShape,
+    identity_message,
+    send_identity,
+)
+from auraed.vms.vms import DEFAULT_START_TIMEOUT, Vms, choose_backend
 from auraed.wire.channel import channel_options
 
 log = logging.getLogger(__name__)
 
 HOST_IDENTITY = "aurae-host"
+SYSTEM = "aurae.system.v0.SystemService"
 
 
 @dataclasses.dataclass
@@ -97,6 +105,10 @@ class GuestTrust:
 
     def config_disk(self, output: Path, identity: GuestIdentity) -> Path:
         return build_config_disk(output, identity, self.ca(), HOST_IDENTITY)
+
+    def config_files(self, identity: GuestIdentity) -> dict[str, str]:
+        """What a clone is given in place of a config disk (its own certificate and key, issued now)."""
+        return config_files(identity, self.ca(), HOST_IDENTITY)
 
     def endpoint(self, name: str, identity: GuestIdentity, booted_at: float) -> GuestEndpoint:
         link = self._links.get(name)
@@ -175,6 +187,12 @@ def identity_for(name: str, guest_address: str, host_address: str, port: int) ->
     )
 
 
+def hostname_of(spec: VmSpec) -> str:
+    """The guest's hostname: the last ``auraed.hostname=`` of its kernel arguments, else its name."""
+    names = [a.removeprefix("auraed.hostname=") for a in spec.kernel_args if a.startswith("auraed.hostname=")]
+    return names[-1] if names else spec.name
+
+
 GUEST_BASE_MIB = 256
 """Memory a guest's own kernel and auraed take before any container (added to what it runs)."""
 CONFIG_DISK = "config.img"
@@ -199,6 +217,12 @@ class Guests:
     guest's address is known only once allocated), boots, and returns once the guest's auraed
     answers health SERVING over mTLS — or stops the VM and reports its console. VMs of other roles
     go through the same operations, as plain VMs.
+
+    A guest whose spec names a template (``VmSpec.template``: "auto" or a template's name) is
+    cloned from it instead (``templates``, vms/templates.py): restored, given its identity over its
+    identity port (entropy, clock, hostname, network, its own certificate and key), then waited
+    for like any guest. Where it cannot be cloned (a backend that cannot restore, extra disks, a
+    console marker to wait for) it boots cold, and the log says why.
     """
 
     def __init__(
@@ -214,6 +238,13 @@ class Guests:
         self.trust = trust
         self._image_dir = image_dir
         self._ready_timeout = ready_timeout
+        self.templates = Templates(
+            vms.store,
+            vms.backends,
+            vms.templates_dir,
+            ready_timeout,
+            lambda: template_config(vms.guest_port, HOST_IDENTITY),
+        )
         vms.when_ended(self._vm_ended)
 
     @staticmethod
@@ -222,8 +253,14 @@ class Guests:
 
     async def allocate(self, spec: VmSpec, net: NetInfo | None = None) -> VmRecord:
         """Allocate the VM of ``spec`` (parse_vm's), a guest completed with its image and config
-        disk; ``net``: a network the caller made for it (Vms.allocate's)."""
-        return await self.vms.allocate(self.with_config_disk(self.complete(spec)), net)
+        disk; ``net``: a network the caller made for it (Vms.allocate's). A guest naming a
+        template and no backend runs on QEMU, the backend that restores clones."""
+        if spec.template and not spec.backend:
+            spec = dataclasses.replace(spec, backend="qemu")
+        spec = self.with_config_disk(self.complete(spec))
+        if spec.template and spec.template != "auto":
+            self.templates.check_shape(spec)  # named: it must exist and be of this VM's shape
+        return await self.vms.allocate(spec, net)
 
     def complete(self, spec: VmSpec) -> VmSpec:
         """Defaults for a guest: the guest image's files where the spec names none, a network.
@@ -296,6 +333,11 @@ class Guests:
         the VmError; a boot cancelled by its caller is undone.
         """
         record = self.vms.get(name)
+        if self.is_guest(record.spec) and record.spec.template:
+            why_cold = self._why_cold(record, wait_for_console)
+            if why_cold is None:
+                return await self._clone(name, timeout)
+            log.info("VM %s boots cold instead of from template %s: %s", name, record.spec.template, why_cold)
         if self.is_guest(record.spec):
             output = self.vms.run_dir(name) / CONFIG_DISK
             await asyncio.to_thread(self.trust.config_disk, output, self.identity(record))
@@ -306,6 +348,127 @@ class Guests:
         if ready is not None:
             self._metrics.vm_booted(ready)
         return Booted(record, ready)
+
+    # -- clones ------------------------------------------------------------------------------
+
+    def _why_cold(self, record: VmRecord, wait_for_console: str) -> str | None:
+        """Why this guest cannot be cloned from a template (None: it can)."""
+        problem = self.templates.problem(record.backend)
+        if problem:
+            return problem
+        if any(d.serial != GUEST_CONFIG_SERIAL for d in record.spec.extra_disks):
+            return "it has extra disks (a template has none)"
+        if wait_for_console:
+            return "a console marker was asked for (a clone prints no boot)"
+        if record.spec.shared_dir:
+            return "it has a shared directory (virtio-fs maps the guest's RAM shared; a clone's is private)"
+        return None
+
+    async def _clone(self, name: str, timeout: float) -> Booted:
+        """Restore the guest from its template, give it its identity, wait until it serves."""
+        record = self.vms.get(name)
+        template = await self.templates.for_clone(record.spec, record.backend)
+        identity = self.identity(record)
+        files = await asyncio.to_thread(self.trust.config_files, identity)
+        net = record.net
+        assert net is not None  # identity() has checked
+        message = identity_message(
+            name,
+            hostname_of(record.spec),
+            {
+                "iface": "eth0",
+                "ip": f"{net.guest_ip}/{net.prefixlen}",
+                "gateway": net.host_ip,
+                "mac": net.mac,
+            },
+            files,
+        )
+        record, _ = await self.vms.start(
+            name,
+            timeout=timeout,
+            image=template.image(),
+            without_disks=(GUEST_CONFIG_SERIAL,),
+            template=template.name,
+        )
+        handle = self.vms.handle(name)
+        try:
+            if handle is None:
+                raise VmError.precondition(f"VM {name} ended as it was restored")
+            reply = await send_identity(handle, message)
+        except VmError as exc:
+            tail = self.vms.console_tail(name)
+            await self.vms.stop_boot(name, handle, f"no identity: {exc.message}")
+            raise VmError(
+                exc.kind, f"VM {name}: {exc.message}; stopped it. Console tail:\n" + "\n".join(tail)
+            ) from None
+        except asyncio.CancelledError:
+            await run_to_end(self.vms.stop_boot(name, handle, "the Start was cancelled"))
+            raise
+        log.info(
+            "VM %s cloned from template %s: restored in %.0f ms, identity applied in %s ms (boot id %s)",
+            name,
+            template.name,
+            record.restore_ms or 0.0,
+            reply.get("applied_ms", "?"),
+            reply.get("boot_id", "?"),
+        )
+        ready = await self._wait_serving(name)
+        if ready is not None:
+            self._metrics.vm_cloned(ready)
+        return Booted(record, ready)
+
+    async def create_template(
+        self,
+        name: str,
+        *,
+        vcpus: int,
+        memory_mib: int,
+        kernel: str = "",
+        initramfs: str = "",
+        root_disk: str = "",
+        kernel_args: tuple[str, ...] = (),
+    ) -> TemplateRecord:
+        """Make (or rebuild, when its files changed) template ``name``; files default to the
+        guest image's. Returns once it is ready."""
+        spec = self.complete(
+            VmSpec(
+                name=name,
+                vcpus=vcpus,
+                memory_mib=memory_mib,
+                kernel=kernel,
+                initramfs=initramfs,
+                root_disk=root_disk,
+                extra_disks=(),
+                kernel_args=kernel_args,
+                network=True,
+                backend="qemu",
+                role=GUEST_ROLE,
+            )
+        )
+        backend = choose_backend("qemu", self.vms.backends)
+        return await self.templates.ensure(name, TemplateShape.of(spec), backend, auto=False)
+
+    async def remove_template(self, name: str) -> None:
+        await self.templates.remove(name, self.vms.all())
+
+    def template_users(self, name: str) -> list[str]:
+        return self.templates.users(name, self.vms.all())
+
+    async def refresh(self, name: str, timeout: float = 30.0) -> tuple[str, int]:
+        """Fresh entropy and the host's time for a running guest, through its SystemService
+        (ReseedRandom, SetTime): (its boot id, how far its clock was off in ns)."""
+        import os
+
+        from auraed.api.aurae.system import v0 as system_pb
+        from auraed.wire import codec
+
+        channel = (await self.lookup(name)).channel
+        request = codec.encode(system_pb.SystemServiceReseedRandomRequest(entropy=os.urandom(64)))
+        reply = await channel.unary_unary(f"/{SYSTEM}/ReseedRandom")(request, timeout=timeout)
+        boot_id = codec.decode(system_pb.SystemServiceReseedRandomResponse, reply).boot_id
+        request = codec.encode(system_pb.SystemServiceSetTimeRequest(unix_ns=time.time_ns()))
+        reply = await channel.unary_unary(f"/{SYSTEM}/SetTime")(request, timeout=timeout)
+        return boot_id, codec.decode(system_pb.SystemServiceSetTimeResponse, reply).adjusted_ns
 
     async def _wait_serving(self, name: str) -> float | None:
         """Seconds from launching the VMM until the guest serves (None without a launch time)."""

@@ -71,6 +71,9 @@ class VmSpec:
     # A host directory the guest mounts at auraed.bootargs.SHARE_MOUNT (virtio-fs): a pod's
     # volumes. "": none.
     shared_dir: str = ""
+    # A guest cloned from a template: "" boots cold, "auto" the host's template of its shape, or a
+    # template's name (vms/templates.py).
+    template: str = ""
 
     def files(self) -> list[tuple[str, str]]:
         """(field, path) of every file the VM boots from."""
@@ -113,6 +116,7 @@ class VmSpec:
             network=self.network,
             backend=self.backend,
             role=self.role,
+            template=self.template,
         )
 
 
@@ -177,6 +181,8 @@ class VmRecord:
     signal: int | None = None
     reason: str = ""
     console_tail: list[str] = dataclasses.field(default_factory=list)
+    template: str = ""  # the template this run was cloned from ("": booted cold)
+    restore_ms: float | None = None  # a clone: loading its state and resuming it took this long
 
     @property
     def name(self) -> str:
@@ -327,8 +333,16 @@ def parse_vm(message: pb.VirtualMachine | None, *, memory_limit_mib: int | None 
         network=bool(message.network),
         backend=backend,
         role=role,
+        template=_template(message.template, role),
     )
     for field, path in spec.files():
         if path:  # a guest's kernel left out: the guest image's, checked as it is filled in
             check_file(field, path)
     return spec
+
+
+def _template(value: str, role: str) -> str:
+    template = value if value in ("", "auto") else validate_label(value, "vm.template")
+    if template and role != GUEST_ROLE:
+        raise VmError.invalid("vm.template", f"only a guest (role {GUEST_ROLE!r}) is cloned from a template")
+    return template

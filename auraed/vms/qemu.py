@@ -29,13 +29,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from auraed.bootargs import SHARE_TAG
+from auraed.bootargs import IDENTITY_PORT, SHARE_TAG
 from auraed.errors import ErrorKind
 from auraed.system import processes
 from auraed.system.tasks import run_to_end
 from auraed.vms import backend as common
 from auraed.vms import network
-from auraed.vms.backend import ExitInfo, LaunchSpec, VmHandle
+from auraed.vms.backend import ExitInfo, LaunchSpec, MemoryImage, VmHandle
 from auraed.vms.errors import VmError
 from auraed.vms.model import RunInfo
 from auraed.vms.qmp import QmpClient, QmpError
@@ -51,6 +51,9 @@ VIRTIOFSD_LOG = "virtiofsd.log"
 VIRTIOFSD_START = 10.0
 """Seconds virtiofsd has to open its socket."""
 MICROVM = "microvm,x-option-roms=off,isa-serial=on,rtc=on"
+MEMORY_ID = "ram0"
+MIGRATION_POLL = 0.005
+MIGRATION_TIMEOUT = 60.0
 
 
 def host_tsc_khz(cpuinfo: Path = Path("/proc/cpuinfo")) -> int | None:
@@ -83,13 +86,15 @@ def build_command(
     blk = "virtio-blk-device" if mmio else "virtio-blk-pci"
     nic = "virtio-net-device" if mmio else "virtio-net-pci"
     rng = "virtio-rng-device" if mmio else "virtio-rng-pci"
-    machine_option = MICROVM if mmio else "q35"
-    if spec.shared_dir:
-        machine_option += ",memory-backend=ram0"  # shared with virtiofsd (vhost-user maps it)
+    image = spec.image
+    machine_arg = MICROVM if mmio else "q35"
+    if image is not None or spec.shared_dir:
+        # A template's RAM file, or a shared memfd virtiofsd maps (vhost-user).
+        machine_arg += f",memory-backend={MEMORY_ID}"
     argv = [
         binary,
         "-name", f"{spec.name},debug-threads=on",
-        "-M", machine_option,
+        "-M", machine_arg,
         "-accel", accelerator,
         "-cpu", "host" if accelerator == "kvm" else "max",
         "-smp", str(spec.vcpus),
@@ -123,13 +128,40 @@ def build_command(
             "-drive", f"id=disk{index},file={disk.path},format=raw,if=none,readonly={readonly}",
             "-device", f"{blk},drive=disk{index},serial={disk.serial}",
         ]  # fmt: skip
-    if spec.net is not None:
+    if spec.net is not None and not spec.net.tap:
+        # A template's NIC has no peer: it is never on a network (its clones' are, the same device).
+        argv += ["-device", f"{nic},mac={spec.net.mac}"]
+    elif spec.net is not None:
         # A tap in a namespace (a pod's) is handed over open: QEMU would look its name up in its own.
         tap = f"fd={tap_fd}" if tap_fd >= 0 else f"ifname={spec.net.tap},script=no,downscript=no"
         argv += [
             "-netdev", f"tap,id=net0,{tap}",
             "-device", f"{nic},netdev=net0,mac={spec.net.mac}",
         ]  # fmt: skip
+    if image is not None:
+        argv += image_arguments(spec, image, mmio)
+    return argv
+
+
+def image_arguments(spec: LaunchSpec, image: MemoryImage, mmio: bool) -> list[str]:
+    """A template's or a clone's own arguments, after the devices they share with every guest.
+
+    The RAM is a file-backed memory object: shared while the template is made (the file is its
+    RAM), private for a clone (copy-on-write: clones share every page they have not written). The
+    host-only identity port is a virtio-serial port on a unix socket QEMU listens on. A clone
+    waits for its device state (``-incoming defer``; the host loads it with migrate-incoming).
+    """
+    share = "off" if image.clone else "on"
+    serial = "virtio-serial-device" if mmio else "virtio-serial-pci"
+    argv = [
+        "-object",
+        f"memory-backend-file,id={MEMORY_ID},size={spec.memory_mib}M,mem-path={image.memory_path},share={share}",
+        "-device", f"{serial},id=identity-bus",
+        "-chardev", f"socket,id=identity,path={spec.run_dir / common.IDENTITY_SOCKET},server=on,wait=off",
+        "-device", f"virtserialport,bus=identity-bus.0,chardev=identity,name={IDENTITY_PORT}",
+    ]  # fmt: skip
+    if image.clone:
+        argv += ["-incoming", "defer"]
     return argv
 
 
@@ -181,11 +213,20 @@ class QemuBackend:
         common.remove_quietly(qmp_socket)
         cmdline = " ".join([*self.kernel_args(), spec.cmdline]).strip()
         accelerator = self.accelerator
-        tap_fd = -1
+        tap_fd = state_fd = -1
         if spec.shared_dir:
             await self._start_virtiofsd(spec)
+        if spec.image is not None:
+            common.remove_quietly(run_dir / common.IDENTITY_SOCKET)
+            if spec.image.clone:
+                state_fd = os.open(spec.image.state_path, os.O_RDONLY | os.O_CLOEXEC)
         if spec.net is not None and spec.net.netns:
-            tap_fd = await asyncio.to_thread(network.open_tap_in, spec.net.netns, spec.net.tap)
+            try:
+                tap_fd = await asyncio.to_thread(network.open_tap_in, spec.net.netns, spec.net.tap)
+            except BaseException:
+                if state_fd >= 0:
+                    os.close(state_fd)
+                raise
         try:
             argv = build_command(
                 spec,
@@ -199,11 +240,12 @@ class QemuBackend:
             )
             log.debug("starting VM %s: %s", spec.name, " ".join(argv))
             # To completion: a QEMU spawned by a thread its caller stopped waiting for would run on.
-            fds = (tap_fd,) if tap_fd >= 0 else ()
+            fds = tuple(fd for fd in (tap_fd, state_fd) if fd >= 0)
             process = await run_to_end(asyncio.to_thread(common.spawn, argv, run_dir, fds))
         finally:
-            if tap_fd >= 0:
-                os.close(tap_fd)  # QEMU has its own
+            for fd in (tap_fd, state_fd):
+                if fd >= 0:
+                    os.close(fd)  # QEMU has its own
         handle = VmHandle(
             backend=self.name,
             pid=process.pid,
@@ -216,10 +258,18 @@ class QemuBackend:
         )
         try:
             await self._connect(handle, spec.timeout)
+            if spec.image is not None:
+                # Connected before the guest runs (a clone: before its state is loaded), so the
+                # port is open on the host's side all along, in the template as in its clones.
+                handle.identity = await asyncio.open_unix_connection(run_dir / common.IDENTITY_SOCKET)
+            if spec.image is not None and spec.image.clone:
+                handle.restored_in = await self._restore(handle, state_fd)
             status = await self.status(handle)
             if status not in ("running", "prelaunch"):
                 raise VmError.internal(f"QEMU reports the new VM {status!r}, not running")
         except BaseException:
+            if handle.identity is not None:
+                handle.identity[1].close()
             await run_to_end(self.kill(handle))
             raise
         return handle
@@ -295,6 +345,56 @@ class QemuBackend:
         client = await self._client(handle)
         return await client.execute(command, timeout=STATUS_TIMEOUT)
 
+    def template_problem(self) -> str | None:
+        return self.problem()
+
+    async def save(self, handle: VmHandle, state_path: Path) -> float:
+        started = time.monotonic()
+        client = await self._client(handle)
+        await client.execute("stop", timeout=STATUS_TIMEOUT)
+        await self._ignore_shared(client)
+        # To a descriptor handed over QMP, not exec: (QEMU runs with spawning denied; 7.2 has no file:).
+        fd = os.open(state_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            await client.send_fd("template-state", fd)
+        finally:
+            os.close(fd)
+        await client.execute("migrate", {"uri": "fd:template-state"}, timeout=STATUS_TIMEOUT)
+        await self._migrated(client, "saving the template")
+        return time.monotonic() - started
+
+    async def _restore(self, handle: VmHandle, state_fd: int) -> float:
+        """Load a clone's device state (``-incoming defer``: from the descriptor QEMU inherited)
+        and resume it; the seconds from migrate-incoming to running."""
+        client = await self._client(handle)
+        await self._ignore_shared(client)
+        started = time.monotonic()
+        await client.execute("migrate-incoming", {"uri": f"fd:{state_fd}"}, timeout=STATUS_TIMEOUT)
+        await self._migrated(client, "restoring the clone")
+        await client.execute("cont", timeout=STATUS_TIMEOUT)
+        return time.monotonic() - started
+
+    @staticmethod
+    async def _ignore_shared(client: QmpClient) -> None:
+        # RAM in a shared file is not in the stream: only the device state is (~300 KB).
+        caps = [{"capability": "x-ignore-shared", "state": True}]
+        await client.execute("migrate-set-capabilities", {"capabilities": caps}, timeout=STATUS_TIMEOUT)
+
+    @staticmethod
+    async def _migrated(client: QmpClient, what: str) -> None:
+        deadline = time.monotonic() + MIGRATION_TIMEOUT
+        while True:
+            info = await client.execute("query-migrate", timeout=STATUS_TIMEOUT)
+            status = info.get("status", "") if isinstance(info, dict) else ""
+            if status == "completed":
+                return
+            if status in ("failed", "cancelled"):
+                detail = info.get("error-desc", status) if isinstance(info, dict) else status
+                raise VmError.internal(f"QEMU: {what} failed: {detail}")
+            if time.monotonic() > deadline:
+                raise VmError.deadline(f"QEMU: {what} did not end within {MIGRATION_TIMEOUT:g} s ({status})")
+            await asyncio.sleep(MIGRATION_POLL)
+
     async def shutdown(self, handle: VmHandle, timeout: float) -> bool:
         if timeout > 0:
             try:
@@ -362,6 +462,9 @@ class QemuBackend:
         return common.reattach(self.name, run, QmpClient)
 
     async def close(self, handle: VmHandle) -> None:
+        if handle.identity is not None:
+            handle.identity[1].close()
+            handle.identity = None
         client: QmpClient = handle.client
         await client.close()
 

@@ -13,12 +13,15 @@ host-side kill).
 
 from __future__ import annotations
 
+import array
 import asyncio
 import collections
 import contextlib
 import itertools
 import json
 import logging
+import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +101,36 @@ class QmpClient:
             raise QmpError(f"QMP {command} got no answer within {timeout:g} s") from None
         except OSError as exc:
             raise QmpError(f"QMP {command}: {exc}") from None
+        finally:
+            self._pending.pop(ident, None)
+
+    async def send_fd(self, name: str, fd: int, timeout: float = 10.0) -> None:
+        """Hand QEMU a copy of ``fd`` under ``name`` (QMP ``getfd``: the descriptor travels as
+        SCM_RIGHTS with the command), for commands that take ``fd:NAME`` (``migrate``)."""
+        if self._writer is None or not self.connected:
+            raise QmpError(f"QMP at {self.path} is not connected")
+        await self._writer.drain()  # nothing of ours may sit before the command in the stream
+        transport = self._writer.get_extra_info("socket")
+        ident = f"auraed-{next(self._ids)}"
+        message = json.dumps({"execute": "getfd", "arguments": {"fdname": name}, "id": ident}).encode()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[ident] = future
+        # A second socket object on a copy of the connection's descriptor: asyncio's own wrapper
+        # does not send ancillary data. The line is short: one sendmsg writes it whole.
+        with socket.socket(fileno=os.dup(transport.fileno())) as sock:
+            try:
+                sock.sendmsg(
+                    [message + b"\n"],
+                    [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())],
+                )
+            except OSError as exc:
+                self._pending.pop(ident, None)
+                raise QmpError(f"QMP getfd: {exc}") from None
+        try:
+            async with asyncio.timeout(timeout):
+                await future
+        except TimeoutError:
+            raise QmpError(f"QMP getfd got no answer within {timeout:g} s") from None
         finally:
             self._pending.pop(ident, None)
 

@@ -8,7 +8,18 @@ from auraed.api.aurae.vms import v0 as pb
 from auraed.names import seconds_from_ms, validate_label
 from auraed.vms.errors import VmError
 from auraed.vms.guests import Guests
-from auraed.vms.model import State, parse_vm
+from auraed.vms.model import (
+    DEFAULT_MEMORY_MIB,
+    DEFAULT_VCPUS,
+    MAX_VCPUS,
+    MIN_MEMORY_MIB,
+    State,
+    host_memory_mib,
+    parse_kernel_args,
+    parse_path,
+    parse_vm,
+)
+from auraed.vms.templates import AUTO_PREFIX, TemplateRecord
 from auraed.vms.vms import DEFAULT_START_TIMEOUT, TAIL_LINE_MAX, Vms, VmView
 from auraed.wire.handlers import Context
 
@@ -59,6 +70,36 @@ def status_message(view: VmView) -> pb.VmStatus:
         reason=record.reason,
         # Cut here too: records saved before tails were cut may hold lines of any length.
         console_tail=[line[:TAIL_LINE_MAX] for line in record.console_tail],
+        template=record.template,
+        restore_ms=record.restore_ms,
+    )
+
+
+def template_message(record: TemplateRecord, clones: list[str]) -> pb.TemplateStatus:
+    shape = record.shape
+    return pb.TemplateStatus(
+        template=pb.Template(
+            name=record.name,
+            vcpus=shape.vcpus,
+            memory_mib=shape.memory_mib,
+            kernel=shape.kernel,
+            initramfs=shape.initramfs,
+            root_disk=shape.root_disk,
+            kernel_args=list(shape.kernel_args),
+        ),
+        state=record.state,
+        reason=record.reason,
+        backend=record.backend,
+        machine=record.machine,
+        accelerator=record.accelerator,
+        digest=record.digest,
+        auto=record.auto,
+        created_at=record.created_at,
+        build_ms=round(record.build_seconds * 1000),
+        imports_ms=round(record.imports_seconds * 1000),
+        save_ms=round(record.save_seconds * 1000),
+        memory_resident_bytes=record.memory_resident_bytes(),
+        clones=clones,
     )
 
 
@@ -114,3 +155,49 @@ class VmServicer:
             raise VmError.invalid("tail", f"at most {MAX_TAIL}")
         async for line in self._vms.console(name, request.tail, request.follow):
             yield pb.VmServiceGetConsoleResponse(line=line)
+
+    async def create_template(
+        self, request: pb.VmServiceCreateTemplateRequest, context: Context
+    ) -> pb.VmServiceCreateTemplateResponse:
+        template = request.template
+        if template is None:
+            raise VmError.invalid("template", "is required")
+        name = validate_label(template.name, "template.name")
+        if name.startswith(AUTO_PREFIX) or name == "auto":
+            raise VmError.invalid("template.name", f"{name!r}: auto and auto-* are the host's own templates")
+        vcpus = template.vcpus or DEFAULT_VCPUS
+        if not 1 <= vcpus <= MAX_VCPUS:
+            raise VmError.invalid("template.vcpus", f"{vcpus} is out of range 1..{MAX_VCPUS}")
+        memory = template.memory_mib or DEFAULT_MEMORY_MIB
+        limit = host_memory_mib()
+        if memory < MIN_MEMORY_MIB or (limit and memory > limit):
+            raise VmError.invalid(
+                "template.memory_mib", f"{memory} MiB is out of range {MIN_MEMORY_MIB}..{limit}"
+            )
+        record = await self._guests.create_template(
+            name,
+            vcpus=vcpus,
+            memory_mib=memory,
+            kernel=parse_path(template.kernel, "template.kernel", False),
+            initramfs=parse_path(template.initramfs, "template.initramfs", False),
+            root_disk=parse_path(template.root_disk, "template.root_disk", False),
+            kernel_args=parse_kernel_args(list(template.kernel_args)),
+        )
+        return pb.VmServiceCreateTemplateResponse(
+            status=template_message(record, self._guests.template_users(name))
+        )
+
+    async def list_templates(
+        self, request: pb.VmServiceListTemplatesRequest, context: Context
+    ) -> pb.VmServiceListTemplatesResponse:
+        templates = self._guests.templates
+        records = [templates.get(validate_label(request.name, "name"))] if request.name else templates.all()
+        return pb.VmServiceListTemplatesResponse(
+            templates=[template_message(r, self._guests.template_users(r.name)) for r in records]
+        )
+
+    async def remove_template(
+        self, request: pb.VmServiceRemoveTemplateRequest, context: Context
+    ) -> pb.VmServiceRemoveTemplateResponse:
+        await self._guests.remove_template(validate_label(request.name, "name"))
+        return pb.VmServiceRemoveTemplateResponse()

@@ -31,7 +31,7 @@ from auraed.state.store import Store
 from auraed.system.tasks import run_to_end
 from auraed.vms import backend as common
 from auraed.vms import console, network
-from auraed.vms.backend import Backend, ExitInfo, LaunchDisk, LaunchNet, LaunchSpec, VmHandle
+from auraed.vms.backend import Backend, ExitInfo, LaunchDisk, LaunchNet, LaunchSpec, MemoryImage, VmHandle
 from auraed.vms.errors import VmError
 from auraed.vms.model import (
     ACTIVE_STATES,
@@ -73,6 +73,15 @@ def tail_of(console_path: Path, lines: int = TAIL_LINES) -> list[str]:
 def tap_owner(record: VmRecord) -> str:
     """The alias marking a VM's tap as this VM's (its run directory is unique on the host)."""
     return f"auraed-vm {record.run_dir}"
+
+
+def _starting(record: VmRecord, template: str) -> None:
+    """A record as a new start begins (cloned from ``template``, or cold when "")."""
+    record.state, record.run = State.STARTING, None
+    record.finished_at = record.exit_code = record.signal = None
+    record.reason, record.console_tail = "", []
+    record.started_at = time.time()
+    record.template, record.restore_ms = template, None
 
 
 class _Live:
@@ -120,8 +129,10 @@ class Vms:
         console_log_limit: int = console.LOG_LIMIT,
     ) -> None:
         self._store = store
+        self.store = store
         self.backends = dict(backends)
         self._vms_dir = runtime_dir / "vms"
+        self.templates_dir = runtime_dir / "templates"
         self.pool = pool
         self.guest_port = guest_port
         self.default_stop_timeout = default_stop_timeout
@@ -242,12 +253,20 @@ class Vms:
 
     # -- start / stop ------------------------------------------------------------------------
 
-    def _launch_spec(self, record: VmRecord, timeout: float) -> LaunchSpec:
+    def _launch_spec(
+        self,
+        record: VmRecord,
+        timeout: float,
+        image: MemoryImage | None = None,
+        without: tuple[str, ...] = (),
+    ) -> LaunchSpec:
         spec = record.spec
         disks = []
         if spec.root_disk:
             disks.append(LaunchDisk(spec.root_disk, False, ROOT_SERIAL))
-        disks += [LaunchDisk(d.path, d.writable, d.serial) for d in spec.extra_disks]
+        disks += [
+            LaunchDisk(d.path, d.writable, d.serial) for d in spec.extra_disks if d.serial not in without
+        ]
         # The guest boot contract (auraed/bootargs.py BootArgs, guest-image/files/init).
         # The root disk is the first virtio disk (/dev/vda), extra disks follow (/dev/vdb, ...).
         args = [f"auraed.hostname={spec.name}"]
@@ -273,13 +292,23 @@ class Vms:
             run_dir=Path(record.run_dir),
             timeout=timeout,
             shared_dir=spec.shared_dir,
+            image=image,
         )
 
     async def start(
-        self, name: str, *, wait_for_console: str = "", timeout: float = DEFAULT_START_TIMEOUT
+        self,
+        name: str,
+        *,
+        wait_for_console: str = "",
+        timeout: float = DEFAULT_START_TIMEOUT,
+        image: MemoryImage | None = None,
+        without_disks: tuple[str, ...] = (),
+        template: str = "",
     ) -> tuple[VmRecord, float | None]:
         """Boot the VM; with ``wait_for_console``, return once that text is on its console.
 
+        ``image``: restore it as a clone of that template (``template``, its name) instead, the
+        disks whose serials are in ``without_disks`` left out (the template had none there).
         Returns the record and the seconds from launch to the marker (None when not waited for).
         """
         async with self._vm_lock(name):
@@ -287,17 +316,16 @@ class Vms:
             if record.state not in STARTABLE_STATES or self._running(name):
                 raise VmError.precondition(f"VM {name} is {record.state}: it cannot be started")
             backend = self.backends[record.backend]
+            left_out = {d.path for d in record.spec.extra_disks if d.serial in without_disks}
             for field, path in record.spec.files():
-                check_file(field, path)
+                if path not in left_out:
+                    check_file(field, path)
             await asyncio.to_thread(self._prepare_run, record)
             launched = time.monotonic()
-            record.state, record.run = State.STARTING, None
-            record.finished_at = record.exit_code = record.signal = None
-            record.reason, record.console_tail = "", []
-            record.started_at = time.time()
+            _starting(record, template if image is not None else "")
             self._save(record)
             try:
-                handle = await backend.start(self._launch_spec(record, timeout))
+                handle = await backend.start(self._launch_spec(record, timeout, image, without_disks))
             except BaseException as exc:
                 # A cancelled start may have left a VMM the backend never returned (spawned in a
                 # thread, or killed by a cleanup cancelled in turn): none may outlive the start.
@@ -311,6 +339,8 @@ class Vms:
                 raise
             record.run = handle.run_info()
             record.accelerator = handle.accelerator
+            if handle.restored_in is not None:
+                record.restore_ms = round(handle.restored_in * 1000, 1)
             record.state = State.RUNNING
             self._save(record)
             self._watch(record, handle)

@@ -316,6 +316,22 @@ async def test_the_shutdown_rpc_stops_the_daemon_gracefully(daemon: DaemonProces
     assert not daemon.socket.exists()
 
 
+async def test_a_daemon_that_is_not_the_machine_s_init_neither_reseeds_nor_sets_the_clock(
+    daemon: DaemonProcess,
+) -> None:
+    async with daemon.client() as client:
+        with pytest.raises(ClientError) as error:
+            await client.call(SYSTEM, "ReseedRandom", system.SystemServiceReseedRandomRequest(entropy=b"x"))
+        assert error.value.code == "INVALID_ARGUMENT" and "entropy" in error.value.message
+        for method, request in (
+            ("ReseedRandom", system.SystemServiceReseedRandomRequest(entropy=bytes(64))),
+            ("SetTime", system.SystemServiceSetTimeRequest(unix_ns=1)),
+        ):
+            with pytest.raises(ClientError) as error:
+                await client.call(SYSTEM, method, request)
+            assert error.value.code == "FAILED_PRECONDITION" and "machine's init" in error.value.message
+
+
 def test_aer_system_shutdown(daemon: DaemonProcess) -> None:
     assert daemon.process is not None
     config = daemon.client_config()

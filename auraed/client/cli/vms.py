@@ -34,7 +34,8 @@ def cmd_vm_allocate(args: argparse.Namespace) -> int:
         root_disk=_absolute(args.root_disk),
         kernel_args=args.kernel_arg or [],
         network=args.network or args.guest,
-        role="guest" if args.guest else (args.role or ""),
+        role="guest" if args.guest or args.template else (args.role or ""),
+        template=args.template or "",
     )
     reply = call(args, VMS, "Allocate", vms_pb.VmServiceAllocateRequest(vm=vm))
     report(args, reply, f"allocated {_vm_line(reply.status)}")
@@ -103,6 +104,77 @@ def cmd_vm_console(args: argparse.Namespace) -> int:
     return 0
 
 
+def _template_line(status: Any) -> str:
+    shape = status.template
+    clones = f", clones: {', '.join(status.clones)}" if status.clones else ""
+    reason = f" ({status.reason})" if status.reason else ""
+    return (
+        f"{shape.name}: {status.state}{reason}, {shape.vcpus} vCPU, {shape.memory_mib} MiB, "
+        f"{status.memory_resident_bytes >> 20} MiB resident{clones}"
+    )
+
+
+def cmd_template_create(args: argparse.Namespace) -> int:
+    template = vms_pb.Template(
+        name=args.name,
+        vcpus=args.vcpus,
+        memory_mib=args.memory,
+        kernel=_absolute(args.kernel),
+        initramfs=_absolute(args.initramfs),
+        root_disk=_absolute(args.root_disk),
+        kernel_args=args.kernel_arg or [],
+    )
+    request = vms_pb.VmServiceCreateTemplateRequest(template=template)
+    waiting = f"making VM template {args.name} (a guest boots once)"
+    reply = call(args, VMS, "CreateTemplate", request, slack_ms=VM_START_SLACK_MS, waiting=waiting)
+    made = f", made in {reply.status.build_ms / 1000:.1f} s" if reply.status.build_ms else ""
+    report(args, reply, f"template {_template_line(reply.status)}{made}")
+    return 0
+
+
+def cmd_template_list(args: argparse.Namespace) -> int:
+    reply = call(args, VMS, "ListTemplates", vms_pb.VmServiceListTemplatesRequest())
+    if args.json:
+        print_json(reply)
+        return 0
+    table = Table("NAME", "STATE", "SHAPE", "RESIDENT", "CLONES", "BUILT IN", box=None, header_style="bold")
+    for status in reply.templates:
+        shape = status.template
+        table.add_row(
+            shape.name,
+            status.state,
+            f"{shape.vcpus} vCPU, {shape.memory_mib} MiB",
+            f"{status.memory_resident_bytes >> 20} MiB",
+            ", ".join(status.clones) or "-",
+            f"{status.build_ms / 1000:.1f} s" if status.build_ms else "-",
+        )
+    console.print(table if reply.templates else "no VM templates")
+    return 0
+
+
+def cmd_template_remove(args: argparse.Namespace) -> int:
+    reply = call(args, VMS, "RemoveTemplate", vms_pb.VmServiceRemoveTemplateRequest(name=args.name))
+    report(args, reply, f"removed VM template {args.name}")
+    return 0
+
+
+def _add_template_commands(vm: Any) -> None:
+    template = add_group(vm, "template", "guest templates: booted once, cloned for each guest naming one")
+    create = add_command(template, "create", cmd_template_create, "make a template (a guest boots once)")
+    create.add_argument("name", metavar="NAME")
+    create.add_argument("--vcpus", type=unsigned(32), default=0, help="virtual CPUs (default 1)")
+    create.add_argument(
+        "--memory", type=unsigned(64), default=0, metavar="MIB", help="memory in MiB (default 512)"
+    )
+    create.add_argument("--kernel", help="kernel image (default: the guest image's)")
+    create.add_argument("--initramfs")
+    create.add_argument("--root-disk")
+    create.add_argument("--kernel-arg", action="append", metavar="ARG", help="extra kernel argument")
+    add_command(template, "ls", cmd_template_list, "the templates and the running VMs cloned from them")
+    remove = add_command(template, "rm", cmd_template_remove, "remove a template no running VM uses")
+    remove.add_argument("name", metavar="NAME")
+
+
 def add_commands(subparsers: Any) -> None:
     vm = add_group(subparsers, "vm", "virtual machines: guests with their own auraed, or any kernel")
     allocate = add_command(vm, "allocate", cmd_vm_allocate, "define a VM (and its tap and addresses)")
@@ -118,6 +190,11 @@ def add_commands(subparsers: Any) -> None:
     allocate.add_argument("--kernel-arg", action="append", metavar="ARG", help="extra kernel argument")
     allocate.add_argument("--network", action="store_true", help="a tap and an address pair")
     allocate.add_argument("--role", help="auraed role passed on the kernel command line")
+    allocate.add_argument(
+        "--template",
+        metavar="NAME",
+        help="a guest cloned from this template (auto: the host's of its shape) instead of booted",
+    )
     start = add_command(vm, "start", cmd_vm_start, "boot a VM; a guest is ready once its auraed serves")
     start.add_argument("name", metavar="NAME")
     start.add_argument("--wait-for-console", metavar="TEXT", help="return once TEXT is on the console")
@@ -136,3 +213,4 @@ def add_commands(subparsers: Any) -> None:
     console_.add_argument("name", metavar="NAME")
     console_.add_argument("-f", "--follow", action="store_true")
     console_.add_argument("--tail", type=unsigned(32), default=None, metavar="N")
+    _add_template_commands(vm)

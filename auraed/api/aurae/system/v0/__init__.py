@@ -4,6 +4,10 @@
 # This file has been @generated
 
 __all__ = (
+    "SystemServiceReseedRandomRequest",
+    "SystemServiceReseedRandomResponse",
+    "SystemServiceSetTimeRequest",
+    "SystemServiceSetTimeResponse",
     "SystemServiceShutdownRequest",
     "SystemServiceShutdownResponse",
 )
@@ -18,6 +22,78 @@ from ....message_pool import default_message_pool
 
 _COMPILER_VERSION = "0.10.1"
 betterproto2.check_compiler_version(_COMPILER_VERSION)
+
+
+@dataclass(eq=False, repr=False)
+class SystemServiceReseedRandomRequest(betterproto2.Message):
+    @betterproto2.staticproperty
+    @staticmethod
+    def DESCRIPTOR() -> Descriptor:
+        return V0_SYSTEM_SYSTEM_PROTO_DESCRIPTOR.message_types_by_name["SystemServiceReseedRandomRequest"]
+
+    entropy: "bytes" = betterproto2.field(1, betterproto2.TYPE_BYTES)
+    """
+    32 to 4096 bytes of entropy.
+    """
+
+
+default_message_pool.register_message(
+    "aurae.system.v0", "SystemServiceReseedRandomRequest", SystemServiceReseedRandomRequest
+)
+
+
+@dataclass(eq=False, repr=False)
+class SystemServiceReseedRandomResponse(betterproto2.Message):
+    @betterproto2.staticproperty
+    @staticmethod
+    def DESCRIPTOR() -> Descriptor:
+        return V0_SYSTEM_SYSTEM_PROTO_DESCRIPTOR.message_types_by_name["SystemServiceReseedRandomResponse"]
+
+    boot_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The kernel's boot id (/proc/sys/kernel/random/boot_id).
+    """
+
+
+default_message_pool.register_message(
+    "aurae.system.v0", "SystemServiceReseedRandomResponse", SystemServiceReseedRandomResponse
+)
+
+
+@dataclass(eq=False, repr=False)
+class SystemServiceSetTimeRequest(betterproto2.Message):
+    @betterproto2.staticproperty
+    @staticmethod
+    def DESCRIPTOR() -> Descriptor:
+        return V0_SYSTEM_SYSTEM_PROTO_DESCRIPTOR.message_types_by_name["SystemServiceSetTimeRequest"]
+
+    unix_ns: "int" = betterproto2.field(1, betterproto2.TYPE_INT64)
+    """
+    Nanoseconds since the Unix epoch.
+    """
+
+
+default_message_pool.register_message(
+    "aurae.system.v0", "SystemServiceSetTimeRequest", SystemServiceSetTimeRequest
+)
+
+
+@dataclass(eq=False, repr=False)
+class SystemServiceSetTimeResponse(betterproto2.Message):
+    @betterproto2.staticproperty
+    @staticmethod
+    def DESCRIPTOR() -> Descriptor:
+        return V0_SYSTEM_SYSTEM_PROTO_DESCRIPTOR.message_types_by_name["SystemServiceSetTimeResponse"]
+
+    adjusted_ns: "int" = betterproto2.field(1, betterproto2.TYPE_INT64)
+    """
+    How far the clock was off, in nanoseconds (the new time minus the old).
+    """
+
+
+default_message_pool.register_message(
+    "aurae.system.v0", "SystemServiceSetTimeResponse", SystemServiceSetTimeResponse
+)
 
 
 @dataclass(eq=False, repr=False)
@@ -63,5 +139,5 @@ default_message_pool.register_message(
 
 
 V0_SYSTEM_SYSTEM_PROTO_DESCRIPTOR = default_google_proto_descriptor_pool.AddSerializedFile(
-    b'\n\x16v0/system/system.proto\x12\x0faurae.system.v0"N\n\x1cSystemServiceShutdownRequest\x12\x16\n\x06reason\x18\x01 \x01(\tR\x06reason\x12\x16\n\x06reboot\x18\x02 \x01(\x08R\x06reboot"3\n\x1dSystemServiceShutdownResponse\x12\x12\n\x04then\x18\x01 \x01(\tR\x04then2z\n\rSystemService\x12i\n\x08Shutdown\x12-.aurae.system.v0.SystemServiceShutdownRequest\x1a..aurae.system.v0.SystemServiceShutdownResponseb\x06proto3'
+    b'\n\x16v0/system/system.proto\x12\x0faurae.system.v0"<\n SystemServiceReseedRandomRequest\x12\x18\n\x07entropy\x18\x01 \x01(\x0cR\x07entropy"<\n!SystemServiceReseedRandomResponse\x12\x17\n\x07boot_id\x18\x01 \x01(\tR\x06bootId"6\n\x1bSystemServiceSetTimeRequest\x12\x17\n\x07unix_ns\x18\x01 \x01(\x03R\x06unixNs"?\n\x1cSystemServiceSetTimeResponse\x12\x1f\n\x0badjusted_ns\x18\x01 \x01(\x03R\nadjustedNs"N\n\x1cSystemServiceShutdownRequest\x12\x16\n\x06reason\x18\x01 \x01(\tR\x06reason\x12\x16\n\x06reboot\x18\x02 \x01(\x08R\x06reboot"3\n\x1dSystemServiceShutdownResponse\x12\x12\n\x04then\x18\x01 \x01(\tR\x04then2\xd9\x02\n\rSystemService\x12i\n\x08Shutdown\x12-.aurae.system.v0.SystemServiceShutdownRequest\x1a..aurae.system.v0.SystemServiceShutdownResponse\x12u\n\x0cReseedRandom\x121.aurae.system.v0.SystemServiceReseedRandomRequest\x1a2.aurae.system.v0.SystemServiceReseedRandomResponse\x12f\n\x07SetTime\x12,.aurae.system.v0.SystemServiceSetTimeRequest\x1a-.aurae.system.v0.SystemServiceSetTimeResponseb\x06proto3'
 )

@@ -1,0 +1,117 @@
+"""Templates and clones without QEMU: their command lines, shapes, and the guest's identity."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from auraed.bootargs import IDENTITY_PORT, BootArgs
+from auraed.init import identity
+from auraed.vms.backend import LaunchNet, MemoryImage
+from auraed.vms.guests import hostname_of
+from auraed.vms.model import VmSpec
+from auraed.vms.templates import TemplateShape, identity_message
+from tests.unit.test_vm_qemu import SPEC, command, option
+
+TEMPLATE = dataclasses.replace(
+    SPEC,
+    net=LaunchNet("", "52:54:00:a0:00:00", "", "", ""),
+    image=MemoryImage("/run/aurae/templates/t/build-1/memory", "/run/aurae/templates/t/build-1/state", False),
+)
+CLONE = dataclasses.replace(
+    SPEC,
+    image=MemoryImage("/run/aurae/templates/t/build-1/memory", "/run/aurae/templates/t/build-1/state", True),
+)
+
+
+@pytest.mark.parametrize("machine", ["microvm", "q35"])
+def test_a_template_and_its_clone_have_the_same_devices_and_differ_in_their_ram_and_network(
+    machine: str,
+) -> None:
+    template, clone = command(machine, spec=TEMPLATE), command(machine, spec=CLONE)
+    assert option(template, "-M")[0].endswith(",memory-backend=ram0")
+    memory = "memory-backend-file,id=ram0,size=384M,mem-path=/run/aurae/templates/t/build-1/memory"
+    assert f"{memory},share=on" in option(template, "-object")
+    assert f"{memory},share=off" in option(clone, "-object")
+    # The template's NIC has no peer; the clone's is on its tap. Same devices, in the same order.
+    assert not option(template, "-netdev") and option(clone, "-netdev")
+    nic = "virtio-net-device" if machine == "microvm" else "virtio-net-pci"
+    strip = [
+        d.replace("netdev=net0,", "").replace(SPEC.net.mac if SPEC.net else "", "M")
+        for d in option(clone, "-device")
+    ]
+    assert strip == [d.replace("52:54:00:a0:00:00", "M") for d in option(template, "-device")]
+    assert any(d.startswith(nic) for d in strip)
+    port = f"virtserialport,bus=identity-bus.0,chardev=identity,name={IDENTITY_PORT}"
+    assert port in option(template, "-device")
+    assert "socket,id=identity,path=/run/aurae/vms/web/identity.sock,server=on,wait=off" in option(
+        clone, "-chardev"
+    )
+    assert option(clone, "-incoming") == ["defer"] and not option(template, "-incoming")
+    assert not option(command(machine), "-incoming") and "-object" in command(machine)
+
+
+def spec(**fields: object) -> VmSpec:
+    values: dict[str, object] = {
+        "name": "pod-vm",
+        "vcpus": 1,
+        "memory_mib": 512,
+        "kernel": "/g/vmlinuz",
+        "initramfs": "/g/initramfs.img",
+        "root_disk": "/g/rootfs.img",
+        "extra_disks": (),
+        "kernel_args": ("transparent_hugepage=madvise", "auraed.hostname=web-0"),
+        "network": True,
+        "backend": "qemu",
+        "role": "guest",
+        "template": "auto",
+    }
+    values.update(fields)
+    return VmSpec(**values)  # type: ignore[arg-type]
+
+
+def test_a_shape_leaves_out_the_identity_and_the_hostname_is_the_last_one_asked_for() -> None:
+    shape = TemplateShape.of(spec())
+    assert shape.kernel_args == ("transparent_hugepage=madvise",)
+    assert TemplateShape.of(spec(name="other", kernel_args=("transparent_hugepage=madvise",))) == shape
+    assert TemplateShape.of(spec(memory_mib=768)).key() != shape.key()
+    assert hostname_of(spec()) == "web-0"
+    assert hostname_of(spec(kernel_args=("auraed.hostname=a", "auraed.hostname=b"))) == "b"
+    assert hostname_of(spec(kernel_args=())) == "pod-vm"
+    assert BootArgs.parse("auraed.role=guest auraed.template=1").template
+    assert not BootArgs.parse("auraed.role=guest").template
+
+
+def test_the_guest_parses_an_identity_and_writes_its_config_owner_only(tmp_path: Path) -> None:
+    message = identity_message("g1", "g1", None, {"auraed.toml": "x = 1\n", "pki/server.key": "KEY"})
+    line = json.dumps(message).encode()
+    assert identity.parse(line)["name"] == "g1"
+    for bad in (b"nope", b"{}", json.dumps({**message, "time_ns": "now"}).encode()):
+        with pytest.raises(identity.IdentityError):
+            identity.parse(bad)
+    target = tmp_path / "etc-aurae"
+    target.mkdir()
+    # A tmpfs is mounted at the target unless one is there: write into a mount point we made.
+    from auraed.system.namespaces import mount, umount
+
+    mount("tmpfs", str(target), "tmpfs", 0, "mode=0700")
+    try:
+        identity.write_config(message["files"], str(target))
+        assert (target / "auraed.toml").read_text() == "x = 1\n"
+        assert (target / "pki" / "server.key").stat().st_mode & 0o777 == 0o600
+        with pytest.raises(identity.IdentityError):
+            identity.write_config({"../escape": "x"}, str(target))
+    finally:
+        umount(str(target))
+
+
+def test_the_identity_port_is_found_by_its_name(tmp_path: Path) -> None:
+    ports = tmp_path / "sys" / "class" / "virtio-ports"
+    for port, name in (("vport0p1", "other"), ("vport3p1", IDENTITY_PORT)):
+        (ports / port).mkdir(parents=True)
+        (ports / port / "name").write_text(name + "\n")
+    assert identity.find_port(IDENTITY_PORT, str(tmp_path / "sys"), "/dev") == "/dev/vport3p1"
+    assert identity.find_port("missing", str(tmp_path / "sys"), "/dev") == ""
