@@ -31,6 +31,8 @@ from auraed.api.aurae.observe import v0 as observe_pb
 from auraed.api.aurae.vms import v0 as pb
 from auraed.client import AuraeClient
 from auraed.errors import AuraeError, ErrorKind
+from auraed.metrics.prometheus import DaemonMetrics
+from auraed.metrics.sink import NO_METRICS, MetricsSink
 from auraed.pki import PkiPaths, ensure_dev_pki
 from auraed.vms.guests import Guests, GuestTrust
 from auraed.vms.model import State, VmSpec, parse_vm
@@ -57,9 +59,12 @@ async def env(guest_image: Path) -> AsyncIterator[VmEnv]:
         await made.cleanup()
 
 
-def guests_over(env: VmEnv, pki: PkiPaths, image: Path) -> tuple[Vms, Guests]:
+def guests_over(
+    env: VmEnv, pki: PkiPaths, image: Path, metrics: MetricsSink = NO_METRICS
+) -> tuple[Vms, Guests]:
     vms = env.vms()
-    guests = Guests(vms, GuestTrust(pki.ca_crt, pki.ca_key, env.root / "pki"), image, READY_TIMEOUT)
+    trust = GuestTrust(pki.ca_crt, pki.ca_key, env.root / "pki")
+    guests = Guests(vms, trust, image, READY_TIMEOUT, metrics=metrics)
     return vms, guests
 
 
@@ -118,7 +123,8 @@ def public_key(cert: x509.Certificate) -> bytes:
 async def test_three_clones_of_the_auto_template_serve_each_with_its_own_identity(
     env: VmEnv, pki: PkiPaths, guest_image: Path
 ) -> None:
-    vms, guests = guests_over(env, pki, guest_image)
+    metrics = DaemonMetrics()
+    vms, guests = guests_over(env, pki, guest_image, metrics)
     names = ["c1", "c2", "c3"]
     for name in names:
         # The last clone takes a pod's hostname, as the CRI's vm handler asks for one.
@@ -129,6 +135,10 @@ async def test_three_clones_of_the_auto_template_serve_each_with_its_own_identit
     # One template, made once for all three, on first use.
     (template,) = guests.templates.all()
     assert template.name.startswith(AUTO_PREFIX) and template.auto
+    # Each clone's time to serving is counted in the clone histogram (orka's NodeStatus reads it).
+    assert metrics.registry.get_sample_value("auraed_vm_clone_seconds_count") == 3
+    clone_total = metrics.registry.get_sample_value("auraed_vm_clone_seconds_sum")
+    assert clone_total is not None and 0 < clone_total < 3 * READY_TIMEOUT
     assert (template.state, template.build) == (TemplateState.READY, 1)
     assert sorted(guests.template_users(template.name)) == names
     for b in booted:
