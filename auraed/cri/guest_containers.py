@@ -429,7 +429,7 @@ class GuestContainers:
         return record
 
     async def stop(self, record: ContainerRecord, timeout: float | None) -> ContainerRecord:
-        """The stop signal, SIGKILL after ``timeout`` seconds (the guest's default when None). A
+        """The stop signal, SIGKILL after ``timeout`` seconds (10 s, the guest's default, when None). A
         container whose guest is gone ended with it."""
         guested = self._guested(record.id)
         if record.state not in (State.RUNNING, State.CREATED):

@@ -730,7 +730,9 @@ async def test_pod_and_container_metrics(node: Node) -> None:
     pods = await pod_metrics(node)
     assert {pod_id, empty} <= set(pods)
     assert pods[empty].container_metrics == []
-    assert value(pods[empty].metrics, "container_memory_usage_bytes") > 0  # its pod cgroup's
+    # Its pod cgroup's (the pod's init is there; what it allocated before it was moved in stays
+    # charged where it was, so its memory may read 0: a cgroup v2 charge never moves).
+    assert value(pods[empty].metrics, "container_memory_usage_bytes") >= 0
     [(labels, processes)] = values(pods[empty].metrics, "container_processes").items()
     assert labels[0] == "" and labels[2:] == ("", "", "critest", "metrics-empty") and processes >= 1
     pod = pods[pod_id]
