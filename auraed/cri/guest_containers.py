@@ -90,7 +90,9 @@ class _Guested:
     log_seen: int = 0  # lines of that microsecond copied
 
     def to_doc(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "record": self.record.to_doc()}
+        # Not dataclasses.asdict: it would deep-copy the record too, on every batch of log lines.
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**fields, "record": self.record.to_doc()}
 
     @classmethod
     def from_doc(cls, doc: dict[str, Any]) -> _Guested:
