@@ -83,6 +83,8 @@ class LaunchSpec:
     timeout: float = 30.0  # for the VMM to come up and report the guest running
     shared_dir: str = ""  # shared with the guest over virtio-fs (its tag: SHARE_TAG)
     image: MemoryImage | None = None  # a template being made, or a clone to restore
+    # The cgroup files (cgroup.procs) the VMM and its helpers join as they start (VmSpec's).
+    cgroup_procs: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -201,11 +203,30 @@ def reattach(backend: str, run: RunInfo, client: Callable[[Path], Any]) -> VmHan
     )
 
 
-def spawn(argv: list[str], run_dir: Path, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
-    """Start a VMM in its own session with output to run_dir/vmm.log (and ``pass_fds`` open)."""
+JOIN_CGROUP = 'for procs in "$@"; do [ "$procs" = -- ] && break; echo 0 > "$procs" || exit 126; done'
+"""A shell that writes itself into each cgroup.procs before ``--``, then becomes the command
+after it (same pid): the process is in its cgroup from its first instruction, so everything it
+allocates is charged there (cgroup v2 never moves charges made before a process moves)."""
+
+
+def in_cgroup(argv: list[str], cgroup_procs: tuple[str, ...]) -> list[str]:
+    """``argv`` started in the cgroup(s) whose ``cgroup.procs`` files are given (none: as it is).
+    Python's subprocess has no CLONE_INTO_CGROUP, and a preexec_fn is unsafe in a threaded
+    daemon; a shell that joins, then execs, is neither."""
+    if not cgroup_procs:
+        return argv
+    script = f'{JOIN_CGROUP}; shift {len(cgroup_procs) + 1}; exec "$@"'
+    return ["/bin/sh", "-c", script, "sh", *cgroup_procs, "--", *argv]
+
+
+def spawn(
+    argv: list[str], run_dir: Path, pass_fds: tuple[int, ...] = (), cgroup_procs: tuple[str, ...] = ()
+) -> subprocess.Popen[bytes]:
+    """Start a VMM in its own session with output to run_dir/vmm.log (and ``pass_fds`` open), in
+    the cgroup(s) of ``cgroup_procs`` when given."""
     with (run_dir / VMM_LOG).open("ab") as log:
         return subprocess.Popen(
-            argv,
+            in_cgroup(argv, cgroup_procs),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,

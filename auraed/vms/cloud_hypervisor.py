@@ -178,7 +178,7 @@ class CloudHypervisorBackend:
         console.write_bytes(b"")
         argv = [self.binary, "--api-socket", f"path={socket}"]
         # To completion: a VMM spawned by a thread its caller stopped waiting for would run on.
-        process = await run_to_end(asyncio.to_thread(common.spawn, argv, run_dir))
+        process = await run_to_end(asyncio.to_thread(common.spawn, argv, run_dir, (), spec.cgroup_procs))
         client = ChClient(socket)
         handle = VmHandle(
             backend=self.name,

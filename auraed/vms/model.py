@@ -74,6 +74,9 @@ class VmSpec:
     # A guest cloned from a template: "" boots cold, "auto" the host's template of its shape, or a
     # template's name (vms/templates.py).
     template: str = ""
+    # The cgroup.procs files the VMM and its helpers (virtiofsd) start in, e.g. a pod's cgroup
+    # (its owner makes and removes the cgroup). (): the daemon's own cgroup.
+    cgroup_procs: tuple[str, ...] = ()
 
     def files(self) -> list[tuple[str, str]]:
         """(field, path) of every file the VM boots from."""
@@ -98,6 +101,7 @@ class VmSpec:
                 **doc,
                 "extra_disks": tuple(DiskSpec(**d) for d in doc["extra_disks"]),
                 "kernel_args": tuple(doc["kernel_args"]),
+                "cgroup_procs": tuple(doc.get("cgroup_procs", ())),
             }
         )
 

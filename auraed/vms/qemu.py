@@ -241,7 +241,7 @@ class QemuBackend:
             log.debug("starting VM %s: %s", spec.name, " ".join(argv))
             # To completion: a QEMU spawned by a thread its caller stopped waiting for would run on.
             fds = tuple(fd for fd in (tap_fd, state_fd) if fd >= 0)
-            process = await run_to_end(asyncio.to_thread(common.spawn, argv, run_dir, fds))
+            process = await run_to_end(asyncio.to_thread(common.spawn, argv, run_dir, fds, spec.cgroup_procs))
         finally:
             for fd in (tap_fd, state_fd):
                 if fd >= 0:
@@ -302,7 +302,8 @@ class QemuBackend:
         ]  # fmt: skip
         with (spec.run_dir / VIRTIOFSD_LOG).open("ab") as output:
             process = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=output, stderr=output, start_new_session=True,
+                common.in_cgroup(argv, spec.cgroup_procs), stdin=subprocess.DEVNULL, stdout=output,
+                stderr=output, start_new_session=True,
                 cwd=spec.run_dir,
             )  # fmt: skip
         threading.Thread(target=process.wait, name=f"virtiofsd {spec.name}", daemon=True).start()

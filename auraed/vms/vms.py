@@ -293,6 +293,7 @@ class Vms:
             timeout=timeout,
             shared_dir=spec.shared_dir,
             image=image,
+            cgroup_procs=spec.cgroup_procs,
         )
 
     async def start(

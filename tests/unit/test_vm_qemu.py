@@ -119,3 +119,21 @@ def test_a_shared_directory_is_virtio_fs_over_shared_memory(machine: str, device
     # Without a share: private RAM and legacy mmio, as every VM had before.
     plain = command(machine)
     assert "memory-backend" not in option(plain, "-M")[0] and option(plain, "-global") == []
+
+
+def test_a_vmm_starts_in_its_cgroup_before_it_runs(tmp_path: Path) -> None:
+    """The shell joins each cgroup (here: files standing in for cgroup.procs), then becomes the
+    command with its arguments intact and its pid unchanged."""
+    import subprocess
+
+    from auraed.vms.backend import in_cgroup
+
+    assert in_cgroup(["qemu", "-x"], ()) == ["qemu", "-x"]
+    procs = (tmp_path / "a.procs", tmp_path / "b.procs")
+    argv = in_cgroup(["sh", "-c", 'echo "$$ $1"', "sh", "two words"], tuple(map(str, procs)))
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    output, _ = process.communicate()
+    assert output.strip() == f"{process.pid} two words"  # the same process: the VMM's pid is ours
+    assert [p.read_text() for p in procs] == ["0\n", "0\n"]
+    failing = in_cgroup(["true"], (str(tmp_path / "missing" / "cgroup.procs"),))
+    assert subprocess.run(failing, capture_output=True, check=False).returncode == 126
