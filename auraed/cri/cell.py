@@ -523,6 +523,23 @@ class CellSandbox:
             else:
                 self._cgroup_call(cgroups.create, path, limits)
 
+    async def make_child_cgroup(self, pod: PodRecord, name: str) -> tuple[str, ...]:
+        """A cgroup below the pod's for what runs the pod beside its containers (a vm pod's
+        VMM), so the pod cgroup counts it; its ``cgroup.procs`` files to start processes in. It
+        goes with the pod cgroup."""
+        layout = self.layout(pod)
+        if layout is None:
+            raise CriError.precondition(f"pod sandbox {pod.id[:13]} is not made")
+        path = f"{layout.cgroup}/{name}"
+
+        def make() -> tuple[str, ...]:
+            with self._cgroup_tree:  # not while the last attempt of the pod removes the parent
+                if not self._cgroups.exists(path):
+                    self._cgroup_call(self._cgroups.create, path, CgroupLimits())
+            return tuple(str(f) for f in self._cgroups.procs_files(path))
+
+        return await run_to_end(asyncio.to_thread(make))
+
     # -- resize ----------------------------------------------------------------------------
 
     async def update_resources(self, pod: PodRecord, overhead: PodResources, resources: PodResources) -> None:
@@ -588,7 +605,7 @@ class CellSandbox:
                 return
             self._cgroup_users.pop(path, None)
             self._cgroup_call(cgroups.kill_all, path)  # nothing of the pod may outlive it
-            self._cgroup_call(cgroups.remove, path)
+            self._cgroup_call(cgroups.remove_tree, path)  # with what ran beside its containers
             for depth in range(len(parts), 0, -1):
                 cgroups.prune("/".join(parts[:depth]))
 

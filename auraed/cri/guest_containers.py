@@ -168,6 +168,29 @@ def guest_name(name: str) -> str:
     return label or "container"
 
 
+def pod_file_mounts(request: ContainerRequest, sandbox: SandboxContext) -> tuple[Mount, ...]:
+    """The pod's /etc/resolv.conf, /etc/hosts and /etc/hostname (host files) as mounts of the
+    container, as a host container of a pod has them: read-only with a read-only rootfs, a mount
+    of the request's own at one of those places winning."""
+    taken = {mount.destination.rstrip("/") for mount in request.mounts}
+    files = (
+        ("/etc/resolv.conf", sandbox.resolv_conf),
+        ("/etc/hosts", sandbox.hosts),
+        ("/etc/hostname", sandbox.hostname_file),
+    )
+    return tuple(
+        Mount(
+            destination=destination,
+            source=str(source),
+            type="bind",
+            options=("rbind", "rprivate"),
+            read_only=request.security.read_only_rootfs,
+        )
+        for destination, source in files
+        if source is not None and destination not in taken
+    )
+
+
 def _mount_message(mount: Mount) -> pb.Mount:
     return pb.Mount(mount.source, mount.destination, mount.type, list(mount.options), mount.read_only)
 
@@ -341,10 +364,11 @@ class GuestContainers:
         placed there first. Its PID namespace is the pod's when the sandbox gives it one."""
         vm = self._vm_of(sandbox.sandbox_id)
         config = config_message(request, image, labels, share_pid=sandbox.namespaces.pid is not None)
-        share = secrets.token_hex(8) if request.mounts else ""
+        host_mounts = (*request.mounts, *pod_file_mounts(request, sandbox))
+        share = secrets.token_hex(8) if host_mounts else ""
         if share:
             mounts = await run_to_end(
-                asyncio.to_thread(self._shares.bind, sandbox.sandbox_id, share, request.mounts)
+                asyncio.to_thread(self._shares.bind, sandbox.sandbox_id, share, host_mounts)
             )
             config.mounts = [_mount_message(m) for m in mounts]
         try:

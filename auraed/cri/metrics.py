@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from auraed.containers.model import State
+from auraed.cri.container_host import CgroupUsage
 from auraed.cri.containers import Container, CriContainers
 from auraed.cri.images import FsUsage
 from auraed.cri.model import PodRecord, PodState
@@ -121,6 +122,31 @@ def sample_cgroup(cgroups: Cgroupfs, path: str) -> CgroupSample | None:
         return None  # removed as it was read (the container ended, the pod went)
 
 
+def guest_sample(usage: CgroupUsage, cgroup_id: str) -> CgroupSample:
+    """A guest container's readings as its guest reports them (auraed.cri.guest_containers): CPU
+    time, memory and processes; what a guest does not report is left out. ``cgroup_id`` names
+    it below its pod's cgroup on the host, where its VM runs."""
+    return CgroupSample(
+        id=cgroup_id,
+        timestamp_ns=usage.timestamp_ns,
+        cpu={"usage_usec": usage.cpu_ns // 1000},
+        cpu_quota_us=None,
+        cpu_period_us=None,
+        cpu_shares=None,
+        memory_usage=usage.memory_usage,
+        memory_working_set=usage.memory_working_set,
+        memory_stat={},
+        memory_peak=None,
+        memory_swap=None,
+        memory_limit=None,
+        oom_kills=None,
+        processes=usage.processes,
+        threads=None,
+        threads_max=None,
+        io={},
+    )
+
+
 class PodMetricsSource:
     """Samples of the READY pods, as ListPodSandboxMetrics reports them."""
 
@@ -132,24 +158,35 @@ class PodMetricsSource:
     async def samples(self) -> list[PodSample]:
         running: dict[str, list[Container]] = {}
         for container in self._containers.all():
-            # Those in a guest have their cgroups there (vm pods' metrics are not sampled yet).
-            if container.host.state == State.RUNNING and self._containers.cgroup(container) is not None:
+            if container.host.state == State.RUNNING:
                 running.setdefault(container.record.pod_id, []).append(container)
         ready = [pod for pod in self._pods.all() if pod.state is PodState.READY]
         return [await self._sample(pod, running.get(pod.id, [])) for pod in ready]
 
     async def _sample(self, pod: PodRecord, running: list[Container]) -> PodSample:
+        """The pod's cgroup on the host (a vm pod's holds its whole VM), its containers' on the
+        host, or as their guest reports them."""
         pod_cgroup = None
         with contextlib.suppress(AuraeError):  # a sandbox the pod lost has no cgroup to read
             pod_cgroup = self._pods.controller(pod).container_sandbox(pod).cgroup_parent
-        paths = [path for container in running if (path := self._containers.cgroup(container)) is not None]
+        on_host = [c for c in running if self._containers.cgroup(c) is not None]
+        paths = [path for c in on_host if (path := self._containers.cgroup(c)) is not None]
         pod_sample, samples = await asyncio.to_thread(self._read, pod_cgroup, paths)
+        in_guest = [c for c in running if self._containers.cgroup(c) is None]
+        samples += [await self._guest_sample(pod_sample, c) for c in in_guest]
         containers = []
-        for container, sample in zip(running, samples, strict=True):
+        for container, sample in zip([*on_host, *in_guest], samples, strict=True):
             if sample is not None:
                 root, writable = await self._containers.writable(container)
                 containers.append(ContainerSample(container, sample, root, writable))
         return PodSample(pod, pod_sample, tuple(containers))
+
+    async def _guest_sample(self, pod: CgroupSample | None, container: Container) -> CgroupSample | None:
+        usage = (await self._containers.usage(container)).cgroup
+        if usage is None:
+            return None  # ended as it was read
+        where = pod.id if pod is not None else ""
+        return guest_sample(usage, f"{where}/guest/{container.host.id}")
 
     def _read(
         self, pod_cgroup: str | None, paths: list[str]

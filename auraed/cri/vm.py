@@ -50,6 +50,9 @@ VM_KEY = "vm"
 """The pod's sandbox entry of this handler: its VM's name and its tap."""
 TAP = "tap0"
 """The guest's tap, beside the CNI interface in the pod's namespace."""
+VMM_CGROUP = "vmm"
+"""The cgroup below the pod's where its guest's QEMU and virtiofsd run: the pod cgroup counts
+the whole VM (its containers and the guest's own overhead), and the kubelet's pod limits bound it."""
 MIB = 1024 * 1024
 POD_PID = Path("/proc/self/ns/pid")
 """What a vm pod's container sandbox names as its PID namespace when the pod shares one: no path
@@ -167,6 +170,7 @@ class VmSandbox:
         save(pod)  # before the tap, the share and the VM: a crash from here on is undone at start
         nic = await run_to_end(asyncio.to_thread(join_tap, netns, DEFAULT_IFNAME, TAP))
         shared = await run_to_end(asyncio.to_thread(self._shares.make, pod.id))
+        cgroup_procs = await self._cell.make_child_cgroup(pod, VMM_CGROUP)
         net = NetInfo(
             index=-1,
             tap=TAP,
@@ -192,6 +196,7 @@ class VmSandbox:
             backend="qemu",
             role=GUEST_ROLE,
             shared_dir=str(shared),
+            cgroup_procs=cgroup_procs,
         )
         await self._guests.allocate(spec, net)
         booted = await self._guests.boot(name)
@@ -245,15 +250,22 @@ class VmSandbox:
 
     def container_sandbox(self, pod: PodRecord) -> SandboxContext:
         """What a container in the pod's guest shares there: the pod's PID namespace when the
-        pod shares one (its network and IPC are the guest's always)."""
+        pod shares one (its network and IPC are the guest's always), the pod's /etc/hosts,
+        /etc/resolv.conf and /etc/hostname (host files the guest is given through the pod's
+        share). ``cgroup_parent`` is the pod cgroup on the host, where the VM runs: what the
+        pod's stats read."""
         if self._vm(pod) is None:
             raise CriError.precondition(f"pod sandbox {pod.id[:13]} has no guest VM")
+        join = self._cell.container_join(pod)
         pid = POD_PID if pod.spec.shared_pid else None
         return SandboxContext(
             sandbox_id=pod.id,
-            cgroup_parent="",
+            cgroup_parent=join.cgroup_parent,
             namespaces=SharedNamespaces(pid=pid),
             hostname=pod.spec.hostname or None,
+            resolv_conf=join.resolv_conf,
+            hosts=join.hosts,
+            hostname_file=join.hostname_file,
         )
 
     async def dial(self, pod: PodRecord, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

@@ -41,7 +41,7 @@ from tests.integration.test_cri_containers import (
 )
 from tests.integration.test_cri_containers import mirror as busybox_mirror
 from tests.integration.test_vms import free_test_pool
-from tests.support.cni import cni_network
+from tests.support.cni import cni_network, free_port, probe
 from tests.support.cri import (
     BUSYBOX_IMAGE,
     cri_client,
@@ -60,6 +60,7 @@ BOOT_TIMEOUT = 300.0
 TIMEOUT = 120.0
 PORT = 8080
 GREETING = "hello from the pod"
+POD_DNS = "10.96.0.10"
 SERVE = ["sh", "-c", f"echo serving; while true; do echo '{GREETING}' | nc -l -p {PORT}; done"]
 REACH = ["sh", "-c", f"until nc 127.0.0.1 {PORT}; do sleep 0.5; done"]
 TICK = ["sh", "-c", "i=0; while true; do echo tick $i; i=$((i+1)); sleep 0.2; done"]
@@ -148,11 +149,20 @@ class VmPod:
 async def test_a_vm_pods_containers_run_in_its_guest(vm_node: Node, tmp_path: Path) -> None:
     logs = vm_node.log_root / "vm-pod"
     logs.mkdir(parents=True, mode=0o777)
-    config = pod_config("vm-pod", namespace="vm-pods", hostname="vm-pod-host")
+    host_port = free_port()
+    config = pod_config(
+        "vm-pod",
+        namespace="vm-pods",
+        hostname="vm-pod-host",
+        dns=cri.DnsConfig(servers=[POD_DNS], searches=["vm-pods.svc.example"], options=["ndots:5"]),
+        port_mappings=[cri.PortMapping(container_port=PORT, host_port=host_port)],
+    )
     config.log_directory = str(logs)
     pod_id = await asyncio.wait_for(run_pod(vm_node.client, config, "vm"), BOOT_TIMEOUT)
     pod = VmPod(vm_node, pod_id, config, logs)
     server = await a_server_and_its_client_share_the_pod_network(pod)
+    await the_pods_files_and_host_port_reach_the_guest(pod, server, host_port)
+    await the_pod_cgroup_holds_its_vm(pod, server)
     await exec_runs_in_the_guest(pod, server)
     await stats_and_port_forward(pod, server)
     await host_paths_reach_the_guest(pod, tmp_path)
@@ -173,6 +183,48 @@ async def a_server_and_its_client_share_the_pod_network(pod: VmPod) -> str:
     assert (await node.status(server)).state == RUNNING
     assert {c.id for c in await node.containers(pod_sandbox_id=pod.pod_id)} == {server, client}
     return server
+
+
+async def the_pods_files_and_host_port_reach_the_guest(pod: VmPod, server: str, host_port: int) -> None:
+    """The pod's /etc/resolv.conf (its DNS config), /etc/hosts and /etc/hostname are the
+    container's in the guest, as a cell pod's containers have them; its hostPort, from the host."""
+    node = pod.node
+    resolv = (await node.exec_sync(server, ["cat", "/etc/resolv.conf"])).stdout.decode().splitlines()
+    assert {f"nameserver {POD_DNS}", "search vm-pods.svc.example", "options ndots:5"} <= set(resolv)
+    hosts = (await node.exec_sync(server, ["cat", "/etc/hosts"])).stdout.decode()
+    assert "127.0.0.1\tlocalhost" in hosts or "127.0.0.1 localhost" in hosts, hosts
+    hostname = await node.exec_sync(server, ["cat", "/etc/hostname"])
+    assert hostname.stdout == b"vm-pod-host\n"
+    assert await asyncio.to_thread(probe, "127.0.0.1", host_port) == f"{GREETING}\n"
+
+
+async def the_pod_cgroup_holds_its_vm(pod: VmPod, server: str) -> None:
+    """QEMU and virtiofsd run in a cgroup below the pod's: the pod's stats on the host are its
+    whole VM's; its containers' metrics come from the guest."""
+    node = pod.node
+    vm = f"pod-{pod.pod_id[:16]}"
+    for pattern in (f"qemu-system.*{vm}", f"virtiofsd.*{pod.pod_id}"):
+        found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True, check=True)
+        for pid in found.stdout.split():
+            # On a hybrid host each hierarchy has its own line; the pod's cgroup is in one.
+            lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+            assert any(line.endswith(f"/{pod.pod_id}/vmm") for line in lines), (pattern, lines)
+    request = cri.PodSandboxStatsRequest(pod_sandbox_id=pod.pod_id)
+    stats = (await node.call("PodSandboxStats", request)).stats
+    assert stats is not None and stats.linux is not None
+    container = next(c for c in stats.linux.containers if c.attributes.id == server)
+    # The VM's memory (its RAM as the guest touched it, QEMU's own) is the pod's: more than any
+    # container in it uses.
+    vm_memory = stats.linux.memory.working_set_bytes.value
+    assert vm_memory > container.memory.working_set_bytes.value > 0
+    assert stats.linux.cpu.usage_core_nano_seconds.value > 0
+
+    metrics = (await node.call("ListPodSandboxMetrics", cri.ListPodSandboxMetricsRequest())).pod_metrics
+    ours = next(m for m in metrics if m.pod_sandbox_id == pod.pod_id)
+    assert any(m.name == "container_memory_working_set_bytes" for m in ours.metrics)
+    of_server = next(c for c in ours.container_metrics if c.container_id == server)
+    names = {m.name: m.value.value for m in of_server.metrics if m.value is not None}
+    assert names["container_memory_working_set_bytes"] > 0 and "container_cpu_usage_seconds_total" in names
 
 
 async def exec_runs_in_the_guest(pod: VmPod, server: str) -> None:
@@ -262,10 +314,11 @@ async def host_paths_reach_the_guest(pod: VmPod, tmp_path: Path) -> None:
     (data / "in.txt").write_text("changed on the host\n")  # as a configMap's update
     assert (await node.exec_sync(volume, ["cat", "/data/in.txt"])).stdout == b"changed on the host\n"
     shares = node.daemon.root / "run" / "pod-shares" / pod.pod_id
-    assert len(list(shares.iterdir())) == 1  # the container's binds, under one key
+    keys = {key.name for key in shares.iterdir()}
+    assert len(keys) == 3  # each container's binds under one key: the server's, the client's, this
     await node.stop(volume)
     await node.remove(volume)
-    assert list(shares.iterdir()) == []
+    assert len(list(shares.iterdir())) == 2
     assert (data / "in.txt").exists() and (locked / "keep.txt").exists()  # released, not removed
 
     refused = await cri_error(pod.create("attached", ["cat"], stdin=True))

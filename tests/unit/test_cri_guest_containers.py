@@ -11,6 +11,7 @@ import pytest
 from auraed.api.aurae.containers import v0 as pb
 from auraed.containers.model import ContainerRecord, State
 from auraed.containers.request import ContainerRequest, Mount, Resources, Security
+from auraed.containers.sandbox import SandboxContext
 from auraed.cri.errors import CriError
 from auraed.cri.guest_containers import (
     GuestContainers,
@@ -18,6 +19,7 @@ from auraed.cri.guest_containers import (
     _Resume,
     config_message,
     mirror,
+    pod_file_mounts,
 )
 from auraed.errors import ErrorKind
 from tests.integration.test_cri_containers import stdout_lines
@@ -94,3 +96,22 @@ def test_the_mirror_follows_the_guests_status(tmp_path: Path) -> None:
         pb.ContainerStatus(id="c1", state=pb.ContainerState.EXITED, exit_code=3, pid=0, reason="Error"),
     )
     assert (record.state, record.exit_code, record.reason) == (State.EXITED, 3, "Error")
+
+
+def test_the_pods_etc_files_are_mounted_unless_the_request_mounts_its_own(tmp_path: Path) -> None:
+    sandbox = SandboxContext(
+        sandbox_id="pod",
+        resolv_conf=tmp_path / "resolv.conf",
+        hosts=tmp_path / "hosts",
+        hostname_file=tmp_path / "hostname",
+    )
+    own = Mount(destination="/etc/hosts", source="/srv/hosts")
+    read_only = Security(read_only_rootfs=True)
+    request = ContainerRequest(name="web", mounts=(own,), security=read_only)
+    mounts = pod_file_mounts(request, sandbox)
+    assert [(m.destination, m.source) for m in mounts] == [
+        ("/etc/resolv.conf", str(tmp_path / "resolv.conf")),
+        ("/etc/hostname", str(tmp_path / "hostname")),
+    ]
+    assert all(m.read_only and m.type == "bind" for m in mounts)  # a read-only rootfs: read-only
+    assert pod_file_mounts(ContainerRequest(name="web"), SandboxContext()) == ()
