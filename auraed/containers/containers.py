@@ -673,7 +673,10 @@ class Containers:
         tail: int | None,
         follow: bool,
         since: float | None,
+        *,
+        start: tuple[int, int] | None = None,
     ) -> AsyncGenerator[list[LogLine], None]:
+        """The log's lines (see stream_line_batches; ``start`` from end_position replaces ``tail``)."""
         return stream_line_batches(
             record.log_path,
             streams,
@@ -682,6 +685,7 @@ class Containers:
             lambda: not record.alive or record.id not in self._records,  # ended, or deleted
             since=since,
             watch=self._log_watch,
+            start=start,
         )
 
     def stats(self, record: ContainerRecord) -> dict[str, int]:

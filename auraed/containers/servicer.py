@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from auraed.api.aurae.containers import v0 as pb
+from auraed.containers.attach import ContainerInput, attach_input
 from auraed.containers.containers import Containers, spec_error
 from auraed.containers.errors import ContainerError
 from auraed.containers.exec import ExecSession
@@ -36,10 +38,15 @@ from auraed.containers.sandbox import HOST_LOCAL, SandboxContext
 from auraed.images.images import Images, PullProgress
 from auraed.images.model import ImageRecord
 from auraed.names import seconds_from_ms, validate_label
+from auraed.observe.logfile import end_position
 from auraed.wire.handlers import Context
+
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = "aurae.containers.v0.ContainerService"
 MAX_TAIL = 1_000_000
+ATTACH_BACKLOG = 16
+"""Replies held for an attached client that reads slowly; then the log follower waits."""
 STREAMS = {
     "": frozenset({"stdout", "stderr"}),
     "stdout": frozenset({"stdout"}),
@@ -114,6 +121,8 @@ def container_request(config: pb.ContainerConfig) -> ContainerRequest:
             hook_list(hooks.poststop),
         ),
         tty=config.tty,
+        stdin=config.stdin,
+        stdin_once=config.stdin_once,
         stop_signal=config.stop_signal,
         host_network=config.host_network,
     )
@@ -408,6 +417,79 @@ class ContainerServicer:
                 await feeder
             await session.close()
 
+    async def attach(
+        self, requests: AsyncIterator[pb.ContainerServiceAttachRequest], context: Context
+    ) -> AsyncIterator[pb.ContainerServiceAttachResponse]:
+        first = await anext(aiter(requests), None)
+        if first is None or first.start is None:
+            raise ContainerError.invalid("start", "the first message must carry start")
+        start = first.start
+        record = self._find(start.container_id)
+        if record.state != State.RUNNING:
+            raise ContainerError.precondition(
+                f"container {record.name} is {record.state}: cannot attach to it"
+            )
+        asked = {"stdout": start.stdout, "stderr": start.stderr}
+        streams = frozenset(name for name, wanted in asked.items() if wanted)
+        # Where the output starts, before any input can reach the container: what it answers
+        # to the client's first line is after this.
+        log_end = await asyncio.to_thread(end_position, record.log_path, streams or STREAMS[""])
+        container_input = attach_input(self._containers, record)
+        detached = asyncio.Event()
+        feeder = asyncio.ensure_future(_feed_attach(container_input, requests, detached))
+        try:
+            async for reply in self._attached(record, streams, log_end, detached):
+                yield reply
+        finally:
+            feeder.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await feeder
+            if container_input is not None:
+                container_input.close()
+
+    async def _attached(
+        self,
+        record: ContainerRecord,
+        streams: frozenset[str],
+        log_end: tuple[int, int],
+        detached: asyncio.Event,
+    ) -> AsyncIterator[pb.ContainerServiceAttachResponse]:
+        """The container's lines from ``log_end`` on, then its exit code; nothing more once the
+        client detaches."""
+        replies: asyncio.Queue[pb.ContainerServiceAttachResponse | None] = asyncio.Queue(ATTACH_BACKLOG)
+
+        async def follow() -> None:
+            try:
+                if streams:
+                    batches = self._containers.logs(record, streams, None, True, None, start=log_end)
+                    async with contextlib.aclosing(batches):
+                        async for batch in batches:
+                            for line in batch:
+                                data = line.content.encode() + b"\n"
+                                await replies.put(
+                                    pb.ContainerServiceAttachResponse(stdout=data)
+                                    if line.stream == "stdout"
+                                    else pb.ContainerServiceAttachResponse(stderr=data)
+                                )
+                ended = await self._containers.wait(record)
+                await replies.put(pb.ContainerServiceAttachResponse(exit_code=ended.exit_code))
+            except ContainerError as exc:  # deleted meanwhile: the call ends, with no exit code
+                log.info("attach to %s ended: %s", record.name, exc)
+            await replies.put(None)
+
+        async def detach() -> None:
+            await detached.wait()
+            await replies.put(None)
+
+        tasks = [asyncio.ensure_future(follow()), asyncio.ensure_future(detach())]
+        try:
+            while (reply := await replies.get()) is not None:
+                yield reply
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     def _exec_process(self, record: ContainerRecord, start: pb.ExecStart) -> dict[str, Any]:
         defaults = self._containers.process_defaults(record)
         try:
@@ -433,3 +515,24 @@ async def _feed(session: ExecSession, requests: AsyncIterator[pb.ContainerServic
         # The client is done sending: the process sees EOF. (On a terminal that would be ^D,
         # which ends an interactive shell: there only an explicit close_stdin sends it.)
         await session.close_stdin()
+
+
+async def _feed_attach(
+    container_input: ContainerInput | None,
+    requests: AsyncIterator[pb.ContainerServiceAttachRequest],
+    detached: asyncio.Event,
+) -> None:
+    """Client -> container: stdin data and terminal resizes (dropped where it has no input open),
+    then the end of input: the client detaches, or with stdin_once the container's stdin closes."""
+    async for message in requests:
+        if container_input is not None:
+            if message.resize is not None:
+                container_input.resize(message.resize.rows, message.resize.columns)
+            if message.stdin:
+                await container_input.write(message.stdin)
+        if message.close_stdin:
+            break
+    if container_input is not None and container_input.closes_stdin:
+        await container_input.end()
+    else:
+        detached.set()

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Protocol
 
+from auraed.containers.attach import attach_input
 from auraed.containers.containers import Containers, spec_error
 from auraed.containers.errors import ContainerError
 from auraed.containers.model import ContainerRecord
@@ -60,6 +61,24 @@ class ProcessHandle(Protocol):
         """Kill the process if it still runs and free what the session holds."""
 
 
+class AttachInput(Protocol):
+    """A running container's input, held for one attach (auraed.containers.attach on the host,
+    the guest's Attach stream for a guest's container)."""
+
+    @property
+    def closes_stdin(self) -> bool:
+        """Whether the end of the input closes the container's stdin (stdin_once)."""
+
+    async def write(self, data: bytes) -> None: ...
+
+    def resize(self, rows: int, cols: int) -> None: ...
+
+    async def end(self) -> None:
+        """The client's input ended (the container's stdin closes where ``closes_stdin``)."""
+
+    def close(self) -> None: ...
+
+
 class ContainerHost(Protocol):
     """What holds the containers of one runtime handler's pods. Errors are AuraeErrors; a
     container the host does not know is ContainerError NOT_FOUND from ``get``."""
@@ -85,6 +104,10 @@ class ContainerHost(Protocol):
     async def exec(
         self, record: ContainerRecord, command: list[str], *, tty: bool, stdin: bool
     ) -> ProcessHandle: ...
+
+    async def attach_input(self, record: ContainerRecord) -> AttachInput | None:
+        """The running container's input for one attach; None when it has none open (created
+        without stdin or a terminal, or a stdin_once attach closed it)."""
 
     async def reopen_log(self, record: ContainerRecord) -> None: ...
 
@@ -159,6 +182,9 @@ class LocalHost:
         except SpecError as exc:
             raise spec_error(exc) from None
         return await self.containers.exec(record, process, tty, stdin=stdin, size=None)
+
+    async def attach_input(self, record: ContainerRecord) -> AttachInput | None:
+        return attach_input(self.containers, record)
 
     async def reopen_log(self, record: ContainerRecord) -> None:
         await self.containers.reopen_log(record)

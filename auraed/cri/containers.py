@@ -30,7 +30,7 @@ from auraed.containers.model import ContainerRecord, State
 from auraed.containers.request import Resources
 from auraed.containers.sandbox import SandboxContext
 from auraed.cri.container_config import ContainerSpec, CriMount, ImageAsked
-from auraed.cri.container_host import CgroupUsage, ContainerHost, ProcessHandle, cgroup_usage
+from auraed.cri.container_host import AttachInput, CgroupUsage, ContainerHost, ProcessHandle, cgroup_usage
 from auraed.cri.errors import CriError
 from auraed.cri.images import FsUsage, FsUsageCache
 from auraed.cri.model import PodRecord, PodState
@@ -408,6 +408,10 @@ class CriContainers:
         (user, env, cwd); the caller closes the session."""
         container = self.running(container_id, "exec")
         return await self._host(container.record).exec(container.host, command, tty=tty, stdin=stdin)
+
+    async def attach_input(self, container: Container) -> AttachInput | None:
+        """The running container's input for one attach; None when it has none open."""
+        return await self._host(container.record).attach_input(container.host)
 
     async def exec_sync(self, container_id: str, command: list[str], timeout: float | None) -> ExecResult:
         """Run ``command`` in the container to its end, or kill it after ``timeout`` seconds

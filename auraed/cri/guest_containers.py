@@ -40,7 +40,7 @@ from auraed.containers.errors import ContainerError
 from auraed.containers.model import ContainerRecord, State
 from auraed.containers.request import ContainerRequest, Mount, Resources
 from auraed.containers.sandbox import SandboxContext
-from auraed.cri.container_host import CgroupUsage, ProcessHandle
+from auraed.cri.container_host import AttachInput, CgroupUsage, ProcessHandle
 from auraed.cri.errors import CriError
 from auraed.cri.pod_share import PodShares
 from auraed.errors import AuraeError, ErrorKind
@@ -122,8 +122,6 @@ def config_message(
         raise _unserved("a privileged container")
     if security.seccomp is not None:
         raise _unserved("a Localhost seccomp profile")
-    if request.stdin:
-        raise _unserved("a container's stdin (attach)")
     resources = request.resources
     return pb.ContainerConfig(
         name=guest_name(request.name),
@@ -150,6 +148,8 @@ def config_message(
         rlimits=[pb.Rlimit(r.type, r.soft, r.hard) for r in request.rlimits],
         sysctls=dict(request.sysctls),
         tty=request.tty,
+        stdin=request.stdin,
+        stdin_once=request.stdin_once,
         labels=labels,
         stop_signal=request.stop_signal,
         host_network=True,
@@ -300,6 +300,53 @@ class GuestExec:
             self._exit.cancel()
 
 
+class GuestInput:
+    """A guest container's input for one attach, over the guest's Attach stream (an
+    AttachInput): the host reads the output from its own copy of the log, so none is asked."""
+
+    def __init__(self, endpoint: GuestEndpoint, container_id: str, closes_stdin: bool) -> None:
+        self.closes_stdin = closes_stdin
+        self._endpoint = endpoint
+        self._requests: asyncio.Queue[pb.ContainerServiceAttachRequest | None] = asyncio.Queue()
+        self._requests.put_nowait(
+            pb.ContainerServiceAttachRequest(start=pb.AttachStart(container_id=container_id))
+        )
+        self._call = endpoint.channel.stream_stream(f"/{CONTAINERS}/Attach")(self._encoded())
+        self._replies = asyncio.get_running_loop().create_task(self._drain(), name="guest attach")
+
+    async def _encoded(self) -> AsyncIterator[bytes]:
+        while (request := await self._requests.get()) is not None:
+            yield codec.encode(request)
+
+    async def _drain(self) -> None:
+        """The guest's replies (its exit code at the end); a refusal is logged: the client's
+        input then goes nowhere, as to a container whose stdin is closed."""
+        try:
+            async for _ in self._call:
+                pass
+        except (grpc.aio.AioRpcError, codec.CodecError) as exc:
+            log.warning(
+                "attach to a container in %s: %s", self._endpoint.name, guest_error(self._endpoint, exc)
+            )
+
+    async def write(self, data: bytes) -> None:
+        if data:
+            self._requests.put_nowait(pb.ContainerServiceAttachRequest(stdin=data))
+
+    def resize(self, rows: int, cols: int) -> None:
+        if rows > 0 and cols > 0:
+            size = pb.TerminalSize(rows=rows, columns=cols)
+            self._requests.put_nowait(pb.ContainerServiceAttachRequest(resize=size))
+
+    async def end(self) -> None:
+        self._requests.put_nowait(pb.ContainerServiceAttachRequest(close_stdin=True))
+
+    def close(self) -> None:
+        self._call.cancel()
+        self._requests.put_nowait(None)
+        self._replies.cancel()
+
+
 class GuestContainers:
     """The ContainerHost of ``vm`` pods (see the module's doc). ``vm_of(pod_id)`` names the pod's
     VM; ``root`` holds a directory per container on the host (its log when the pod names no log
@@ -415,6 +462,8 @@ class GuestContainers:
             directory=str(directory),
             labels=labels,
             tty=request.tty,
+            stdin=request.stdin,
+            stdin_once=request.stdin_once,
             stop_signal=0,
             process={},
             cgroup_parent="",
@@ -549,6 +598,13 @@ class GuestContainers:
         endpoint = await self._endpoint(self._guested(record.id))
         start = pb.ExecStart(container_id=record.id, command=command, tty=tty, stdin=stdin)
         return GuestExec(endpoint, start)
+
+    async def attach_input(self, record: ContainerRecord) -> AttachInput | None:
+        """The guest's Attach stream to the container; None when it was made with no input."""
+        if not (record.stdin or record.tty):
+            return None
+        endpoint = await self._endpoint(self._guested(record.id))
+        return GuestInput(endpoint, record.id, closes_stdin=record.stdin_once and not record.tty)
 
     async def reopen_log(self, record: ContainerRecord) -> None:
         """The host's copy writes to a file it opens for each batch: a new file is made at the

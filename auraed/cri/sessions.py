@@ -4,28 +4,25 @@ auraed.cri.streaming.backend): exec sessions, attaching to a container, connecti
 Exec starts a process in the container (auraed.containers.exec) and splits its output into the
 streams the client asked for. Attach joins the container's own streams: its output is followed
 in its CRI log from the end (the monitor writes every line there, so an attach never takes a line
-from the log), its input is the monitor's descriptor for the container's stdin pipe or terminal,
-borrowed with pidfd_getfd for the session. A line reaches an attached client once it is whole:
-the monitor logs lines, so a prompt with no newline shows with the next newline.
+from the log; a vm pod's container's log is the host's copy), its input is what the container's
+host gives (auraed.containers.attach on the host: the monitor's descriptor for the stdin pipe or
+terminal; the guest's Attach stream for a vm pod's container). A line reaches an attached client
+once it is whole: the monitor logs lines, so a prompt with no newline shows with the next newline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import Awaitable, Callable
 
-from auraed.containers.containers import Containers
-from auraed.containers.exec import write_fd
-from auraed.cri.container_host import ProcessHandle
+from auraed.cri.container_host import AttachInput, ProcessHandle
 from auraed.cri.containers import Container, CriContainers
 from auraed.cri.errors import CriError
 from auraed.cri.model import PodState
 from auraed.cri.pods import Pods
 from auraed.cri.streaming.backend import AttachRequest, ByteSink, ExecRequest, ProcessSession, TerminalSize
 from auraed.observe.logfile import LogWatch, end_position, stream_line_batches
-from auraed.system.pty import set_window_size
 
 OUTPUT_STREAMS = frozenset({"stdout", "stderr"})
 OUTPUT_BACKLOG = 16
@@ -132,13 +129,14 @@ class ExecProcess(_Streams):
 
 class _AttachInput:
     """The client's stdin into the container's: its end detaches, or with stdin_once closes
-    the container's stdin (the monitor lets go of the pipe; a terminal is sent ^D)."""
+    the container's stdin."""
 
-    def __init__(self, process: AttachProcess) -> None:
+    def __init__(self, process: AttachProcess, container_input: AttachInput) -> None:
         self._process = process
+        self._input = container_input
 
     async def write(self, data: bytes) -> None:
-        await write_fd(self._process.input_fd, data)
+        await self._input.write(data)
 
     async def close(self) -> None:
         await self._process.input_ended()
@@ -149,26 +147,26 @@ class AttachProcess(_Streams):
 
     def __init__(
         self,
-        containers: Containers,
         container: Container,
         exited: Callable[[Container], Awaitable[object]],
         request: AttachRequest,
-        input_fd: int,
+        container_input: AttachInput | None,
         *,
         watch: LogWatch | None,
         log_end: tuple[int, int],
     ) -> None:
         host = container.host
-        self._containers = containers
         self._container = container
         self._exited = exited
         self._host = host
-        self.input_fd = input_fd
+        self._input = container_input
         self._outputs = _outputs(request.stdout, request.stderr and not host.tty)
         self._no_stderr = _ended() if request.stderr and host.tty else None
         # Without an input to write to (the container's stdin closed by an earlier stdin_once
         # attach), what the client types is dropped, as containerd does.
-        self._stdin: ByteSink | None = _AttachInput(self) if request.stdin and input_fd >= 0 else None
+        self._stdin: ByteSink | None = (
+            _AttachInput(self, container_input) if request.stdin and container_input is not None else None
+        )
         self._detached = asyncio.Event()
         self._closed = False
         self._follower = asyncio.get_running_loop().create_task(
@@ -197,19 +195,17 @@ class AttachProcess(_Streams):
                 output.end()
 
     async def resize(self, size: TerminalSize) -> None:
-        if self._host.tty and self.input_fd >= 0 and size.width > 0 and size.height > 0:
-            with contextlib.suppress(OSError):
-                set_window_size(self.input_fd, size.height, size.width)
+        if self._input is not None:
+            self._input.resize(size.height, size.width)
 
     async def input_ended(self) -> None:
         """The client's stdin ended: it detaches, and with stdin_once (not on a terminal, as
         containerd) the container's stdin is closed; the session then lasts until it exits."""
-        host = self._host
-        if not host.stdin_once or host.tty:
+        container_input = self._input
+        if container_input is None or not container_input.closes_stdin:
             self._detach()
             return
-        self._close_input()
-        self._containers.release_stdin(host)
+        await container_input.end()
 
     def _detach(self) -> None:
         """The session ends here; the container runs on."""
@@ -232,9 +228,8 @@ class AttachProcess(_Streams):
         return code if code is not None and not self._detached.is_set() else 0
 
     def _close_input(self) -> None:
-        if self.input_fd >= 0:
-            os.close(self.input_fd)
-            self.input_fd = -1
+        if self._input is not None:
+            self._input.close()
 
     async def close(self) -> None:
         if self._closed:
@@ -248,11 +243,8 @@ class AttachProcess(_Streams):
 class CriSessions:
     """The StreamingBackend of the CRI: validated requests become sessions here."""
 
-    def __init__(
-        self, containers: CriContainers, host_containers: Containers, pods: Pods, watch: LogWatch | None
-    ) -> None:
+    def __init__(self, containers: CriContainers, pods: Pods, watch: LogWatch | None) -> None:
         self._containers = containers
-        self._host_containers = host_containers
         self._pods = pods
         self._watch = watch
 
@@ -280,17 +272,15 @@ class CriSessions:
         # Where the output starts, before any input can reach the container: what it answers
         # to the client's first line is after this.
         log_end = await asyncio.to_thread(end_position, host.log_path, OUTPUT_STREAMS)
-        input_fd = -1
-        # A terminal's size is set through it too; none is there for a container whose stdin
-        # an earlier attach closed (stdin_once), or one recorded before attaching existed.
-        if (request.stdin or host.tty) and host.input_fd >= 0:
-            input_fd = self._host_containers.borrow_input(host)
+        # A terminal's size is set through its input too.
+        container_input = (
+            await self._containers.attach_input(container) if request.stdin or host.tty else None
+        )
         return AttachProcess(
-            self._host_containers,
             container,
             self._containers.wait,
             request,
-            input_fd,
+            container_input,
             watch=self._watch,
             log_end=log_end,
         )

@@ -140,7 +140,7 @@ async def build(
     container_rpcs = ContainerRpcs(pod_containers, pods, status_message)
     pod_rpcs = PodRpcs(pods, container_rpcs.container_statuses)
     metric_rpcs = MetricRpcs(PodMetricsSource(pods, pod_containers, cgroups))
-    sessions = CriSessions(pod_containers, containers, pods, log_watch)
+    sessions = CriSessions(pod_containers, pods, log_watch)
     streaming = StreamingServer(sessions, streaming_config(config))
     await streaming.start()
     return Cri(

@@ -139,6 +139,85 @@ async def test_exec_without_and_with_tty(loaded: AuraeClient) -> None:
     assert error.value.code == "NOT_FOUND"
 
 
+class Attached:
+    """One Attach call: what the test sends, what came back."""
+
+    def __init__(self, client: AuraeClient, container: str, **start: bool) -> None:
+        self._inputs: asyncio.Queue[pb.ContainerServiceAttachRequest | None] = asyncio.Queue()
+        self._inputs.put_nowait(
+            pb.ContainerServiceAttachRequest(start=pb.AttachStart(container_id=container, **start))
+        )
+        self._replies = aiter(client.duplex(CONTAINERS, "Attach", self._requests(), timeout=60))
+        self.stdout, self.stderr, self.ended = b"", b"", False
+        self.exit_code: int | None = None
+
+    async def _requests(self) -> Any:
+        while (message := await self._inputs.get()) is not None:
+            yield message
+
+    def send(self, **fields: Any) -> None:
+        self._inputs.put_nowait(pb.ContainerServiceAttachRequest(**fields))
+
+    def detach(self) -> None:
+        self._inputs.put_nowait(None)
+
+    async def read_until(self, done: Any) -> None:
+        async with asyncio.timeout(60):
+            while not done(self):
+                reply = await anext(self._replies, None)
+                if reply is None:
+                    self.ended = True
+                    return
+                self.stdout += reply.stdout
+                self.stderr += reply.stderr
+                if reply.exit_code is not None:
+                    self.exit_code = reply.exit_code
+
+
+async def test_attach_writes_stdin_and_stdin_once_ends_with_the_container(loaded: AuraeClient) -> None:
+    script = "while read line; do echo got $line; echo err-$line >&2; done; echo closed"
+    await create(loaded, "talker", BUSYBOX, command=["sh", "-c", script], stdin=True, stdin_once=True)
+    await start(loaded, "talker")
+    attached = Attached(loaded, "talker", stdout=True, stderr=True)
+    attached.send(stdin=b"one\n")
+    await attached.read_until(lambda a: b"got one\n" in a.stdout and b"err-one\n" in a.stderr)
+    attached.send(close_stdin=True)  # stdin_once: the container reads EOF and exits
+    await attached.read_until(lambda a: a.ended)
+    assert (attached.stdout, attached.stderr, attached.exit_code) == (b"got one\nclosed\n", b"err-one\n", 0)
+    assert (await wait_exit(loaded, "talker")).exit_code == 0
+    await delete(loaded, "talker")
+
+
+async def test_attach_detaches_leaving_stdin_open_and_drops_input_where_there_is_none(
+    loaded: AuraeClient,
+) -> None:
+    await create(
+        loaded, "reader", BUSYBOX, command=["sh", "-c", "while read l; do echo got $l; done"], stdin=True
+    )
+    await start(loaded, "reader")
+    for word in (b"a", b"b"):  # the first attach detached: its stdin still open for the second
+        attached = Attached(loaded, "reader", stdout=True)
+        attached.send(stdin=word + b"\n")
+        await attached.read_until(lambda a, w=word: b"got " + w + b"\n" in a.stdout)
+        attached.detach()
+        await attached.read_until(lambda a: a.ended)
+        assert attached.exit_code is None
+    assert (await status(loaded, "reader")).state == pb.ContainerState.RUNNING
+    await create(loaded, "deaf", BUSYBOX, command=["sh", "-c", "cat; echo read-eof; sleep 300"])
+    await start(loaded, "deaf")
+    await wait_for_line(loaded, "deaf", "read-eof")  # no stdin: /dev/null
+    attached = Attached(loaded, "deaf", stdout=True)
+    attached.send(stdin=b"nobody reads this\n")
+    attached.detach()
+    await attached.read_until(lambda a: a.ended)
+    assert (attached.stdout, attached.exit_code) == (b"", None)
+    with pytest.raises(ClientError) as error:
+        await Attached(loaded, "missing", stdout=True).read_until(lambda a: a.ended)
+    assert error.value.code == "NOT_FOUND"
+    await delete(loaded, "reader")
+    await delete(loaded, "deaf")
+
+
 async def test_exec_into_a_stopped_container_is_refused(loaded: AuraeClient) -> None:
     await run(loaded, "done", BUSYBOX, command=["true"])
     with pytest.raises(ClientError) as error:

@@ -68,13 +68,16 @@ def test_what_a_guest_cannot_be_given_is_refused_by_name() -> None:
             ContainerRequest(name="w_p", security=Security(seccomp={"defaultAction": "SCMP_ACT_ALLOW"})),
             "seccomp",
         ),
-        (ContainerRequest(name="w_p", stdin=True), "stdin"),
         (ContainerRequest(name="w_p", resources=Resources(cpu_shares=512)), "cgroup v1"),
     ):
         with pytest.raises(CriError) as refused:
             config_message(request, "busybox", {}, share_pid=False)
         assert refused.value.kind is ErrorKind.UNIMPLEMENTED and named in refused.value.message
     config = config_message(base, "busybox", {"a": "b"}, share_pid=True)
+    attachable = config_message(
+        ContainerRequest(name="w_p", stdin=True, stdin_once=True), "busybox", {}, False
+    )
+    assert (attachable.stdin, attachable.stdin_once) == (True, True)
     assert (config.name, config.host_network, config.host_ipc, config.shared_pid) == (
         "web-1",
         True,
