@@ -128,6 +128,12 @@ class DaemonConfig:
     free_cells_on_shutdown: bool = field(
         default=False, metadata=_help("free every cell when auraed shuts down")
     )
+    copy_file_max_mib: int = field(
+        default=16,
+        metadata=_help(
+            "largest file ContainerService.CopyFile writes below <state_dir>/files (MiB, 1 to 1024)"
+        ),
+    )
     log_level: str = field(default="INFO", metadata=_help("DEBUG, INFO, WARNING or ERROR"))
     oci_runtime: str = field(
         default="",
@@ -520,6 +526,14 @@ def _validate_cri(config: DaemonConfig) -> None:
     _validate_streaming(config)
 
 
+MAX_COPY_FILE_MIB = 1024
+
+
+def _validate_copy_file(config: DaemonConfig) -> None:
+    if not 1 <= config.copy_file_max_mib <= MAX_COPY_FILE_MIB:
+        raise ConfigError(f"copy_file_max_mib: must be 1 to {MAX_COPY_FILE_MIB}")
+
+
 def _validate_streaming(config: DaemonConfig) -> None:
     try:
         address = ipaddress.ip_address(config.cri_streaming_address)
@@ -563,6 +577,7 @@ def _validate(config: DaemonConfig) -> DaemonConfig:
     if not 1 <= config.vm_guest_port <= MAX_PORT:
         raise ConfigError(f"vm_guest_port: must be a port from 1 to {MAX_PORT}")
     _validate_cri(config)
+    _validate_copy_file(config)
     for name in ("tcp_listen", "metrics_listen", "orka_scheduler", "orka_listen"):
         address = getattr(config, name)
         problem = _tcp_listen_problem(address) if address else ""

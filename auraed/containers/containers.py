@@ -40,6 +40,7 @@ from auraed.state.store import Store, StoreError
 from auraed.system import processes
 from auraed.system.cgroupfs import CgroupError, Cgroupfs
 from auraed.system.monitor_protocol import ExitRecord, MonitorSpec, holds_open, read_exit_record
+from auraed.system.processes import ProcessInfo
 from auraed.system.supervisor import ORPHANED, MonitorStartError, Supervisor
 from auraed.system.tasks import run_to_end
 
@@ -687,6 +688,24 @@ class Containers:
             watch=self._log_watch,
             start=start,
         )
+
+    def processes(self, record: ContainerRecord) -> list[ProcessInfo]:
+        """The running container's processes, by pid: its cgroup's and its children's (runc puts
+        exec'd processes there too)."""
+        if record.state != State.RUNNING:
+            raise ContainerError.precondition(
+                f"container {record.name} is {record.state}: it has no processes"
+            )
+        pids: set[int] = set()
+        pending = [self.cgroup(record)]
+        try:
+            while pending:
+                path = pending.pop()
+                pids.update(self._cgroups.pids(path))
+                pending.extend(f"{path}/{child}" for child in self._cgroups.list_children(path))
+        except CgroupError as exc:
+            raise ContainerError.precondition(f"container {record.name}: {exc}") from None
+        return [info for pid in sorted(pids) if (info := processes.process_info(pid)) is not None]
 
     def stats(self, record: ContainerRecord) -> dict[str, int]:
         if record.state == State.CREATED:  # its cgroup may hold the runtime's init, not yet ours

@@ -20,6 +20,7 @@ from auraed.containers.attach import ContainerInput, attach_input
 from auraed.containers.containers import Containers, spec_error
 from auraed.containers.errors import ContainerError
 from auraed.containers.exec import ExecSession
+from auraed.containers.files import CopiedFiles, PendingFile, file_error, file_spec
 from auraed.containers.model import ContainerRecord, State
 from auraed.containers.oci_spec import exec_process, image_runtime_config, resolve_user
 from auraed.containers.pid_groups import PidGroups
@@ -224,9 +225,10 @@ def _progress_message(event: PullProgress) -> pb.ContainerServicePullImageRespon
 
 
 class ContainerServicer:
-    def __init__(self, images: Images, containers: Containers) -> None:
+    def __init__(self, images: Images, containers: Containers, files: CopiedFiles) -> None:
         self._images = images
         self._containers = containers
+        self._files = files
 
     # -- images ----------------------------------------------------------------------------
 
@@ -490,6 +492,34 @@ class ContainerServicer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def list_processes(
+        self, request: pb.ContainerServiceListProcessesRequest, context: Context
+    ) -> pb.ContainerServiceListProcessesResponse:
+        found = await asyncio.to_thread(self._containers.processes, self._find(request.container_id))
+        return pb.ContainerServiceListProcessesResponse(
+            processes=[pb.Process(pid=p.pid, ppid=p.ppid, args=list(p.args), state=p.state) for p in found]
+        )
+
+    async def copy_file(
+        self, requests: AsyncIterator[pb.ContainerServiceCopyFileRequest], context: Context
+    ) -> pb.ContainerServiceCopyFileResponse:
+        first = await anext(aiter(requests), None)
+        if first is None:
+            raise ContainerError.invalid("path", "the first message must name the file")
+        spec = file_spec(first.path, first.mode, first.uid, first.gid)
+        pending = await asyncio.to_thread(self._files.open, spec)
+        try:
+            await _write_copied(pending, first.data)
+            async for message in requests:
+                if message.path or message.mode or message.uid is not None or message.gid is not None:
+                    raise ContainerError.invalid("path", "only the first message names the file and its mode")
+                await _write_copied(pending, message.data)
+            await asyncio.to_thread(_commit_copied, pending)
+        finally:
+            pending.abort()  # nothing once committed; else the temporary file goes
+        log.info("copied %s (%d bytes)", pending.path, pending.size)
+        return pb.ContainerServiceCopyFileResponse(path=str(pending.path), size=pending.size)
+
     def _exec_process(self, record: ContainerRecord, start: pb.ExecStart) -> dict[str, Any]:
         defaults = self._containers.process_defaults(record)
         try:
@@ -502,8 +532,23 @@ class ContainerServicer:
         return process
 
 
+async def _write_copied(pending: PendingFile, data: bytes) -> None:
+    if data:
+        try:
+            await asyncio.to_thread(pending.write, data)
+        except OSError as exc:
+            raise file_error(exc, pending.path) from None
+
+
+def _commit_copied(pending: PendingFile) -> None:
+    try:
+        pending.commit()
+    except OSError as exc:
+        raise file_error(exc, pending.path) from None
+
+
 async def _feed(session: ExecSession, requests: AsyncIterator[pb.ContainerServiceExecRequest]) -> None:
-    """Client -> process: stdin data, terminal resizes and the end of stdin."""
+    """Client -> process: stdin data, terminal resizes, the end of stdin and signals."""
     async for message in requests:
         if message.resize is not None:
             session.resize(message.resize.rows, message.resize.columns)
@@ -511,6 +556,8 @@ async def _feed(session: ExecSession, requests: AsyncIterator[pb.ContainerServic
             await session.write_stdin(message.stdin)
         if message.close_stdin:
             await session.close_stdin()
+        if message.signal:
+            await session.kill(_signal(message.signal))
     if not session.tty:
         # The client is done sending: the process sees EOF. (On a terminal that would be ^D,
         # which ends an interactive shell: there only an explicit close_stdin sends it.)

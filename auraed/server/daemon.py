@@ -289,9 +289,12 @@ class Daemon:
         """Every service this daemon serves, health and reflection included, in lookup order."""
         handlers: list[grpc.GenericRpcHandler] = []
         if self.containers is not None and self.images is not None:
+            from auraed.containers.files import CopiedFiles
             from auraed.containers.servicer import ContainerServicer
 
-            handlers.append(generic_handler(CONTAINERS, ContainerServicer(self.images, self.containers)))
+            files = CopiedFiles(self.config.state_dir / "files", self.config.copy_file_max_mib << 20)
+            servicer = ContainerServicer(self.images, self.containers, files)
+            handlers.append(generic_handler(CONTAINERS, servicer))
         if self.role is Role.HOST and self.images is not None:
             handlers.append(await self._vm_service(capabilities))
         handlers += [

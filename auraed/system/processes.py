@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal as signals
 from pathlib import Path
@@ -24,6 +25,28 @@ def start_ticks(pid: int) -> int | None:
     if fields[0] == "Z":  # a zombie has already exited
         return None
     return int(fields[19])
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessInfo:
+    """A process as /proc shows it."""
+
+    pid: int
+    ppid: int
+    state: str  # the one letter of /proc/<pid>/stat: R, S, D, Z, T, ...
+    args: tuple[str, ...]  # its command line; empty for a zombie
+
+
+def process_info(pid: int) -> ProcessInfo | None:
+    """What /proc says of ``pid``; None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after comm, which may hold spaces
+    args = tuple(arg.decode(errors="replace") for arg in cmdline.split(b"\0")[:-1])
+    return ProcessInfo(pid, int(fields[1]), fields[0], args)
 
 
 def is_alive(pid: int, ticks: int | None) -> bool:

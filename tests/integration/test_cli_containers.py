@@ -365,6 +365,19 @@ def test_create_start_logs_stop_rm(loaded: Path, tmp_path: Path) -> None:
     refused = aer("container", "exec", name, "--", "touch", "/data/new", config=loaded)
     assert refused.returncode != 0 and "Read-only" in refused.stderr
     assert "memory" in ok("container", "stats", name, config=loaded)
+    top = ok("container", "top", name, config=loaded)
+    assert "PID" in top and "sleep 300" in top
+    assert [p["args"] for p in ok_json("container", "top", name, config=loaded)["processes"]] == [
+        ["sleep", "300"]
+    ]
+    (tmp_path / "hosts").write_text("10.0.0.9 db\n")
+    copied = ok_json(
+        "container", "copy-file", str(tmp_path / "hosts"), f"cli/{name}/hosts", "--mode", "600", config=loaded
+    )
+    assert Path(copied["path"]).read_text() == "10.0.0.9 db\n" and copied["size"] == "12"
+    assert Path(copied["path"]).stat().st_mode & 0o777 == 0o600
+    bad = aer("container", "copy-file", str(tmp_path / "hosts"), "../out", config=loaded)
+    assert bad.returncode != 0 and "INVALID_ARGUMENT" in bad.stderr
 
     # sleep as PID 1 ignores SIGTERM: SIGKILL after the timeout.
     stopped = ok("container", "stop", name, "--timeout", "0.5", config=loaded)

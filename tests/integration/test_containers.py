@@ -218,6 +218,81 @@ async def test_attach_detaches_leaving_stdin_open_and_drops_input_where_there_is
     await delete(loaded, "deaf")
 
 
+async def test_processes_are_listed_and_an_exec_is_signalled(loaded: AuraeClient) -> None:
+    await create(loaded, "busy", BUSYBOX, command=["sleep", "300"])
+    await start(loaded, "busy")
+    inputs: asyncio.Queue[pb.ContainerServiceExecRequest | None] = asyncio.Queue()
+    script = "trap 'echo got-term; exit 7' TERM; echo waiting; while :; do sleep 0.1; done"
+    inputs.put_nowait(
+        pb.ContainerServiceExecRequest(start=pb.ExecStart(container_id="busy", command=["sh", "-c", script]))
+    )
+
+    async def requests() -> Any:
+        while (message := await inputs.get()) is not None:
+            yield message
+
+    replies = aiter(loaded.duplex(CONTAINERS, "Exec", requests(), timeout=60))
+    assert (await anext(replies)).stdout == b"waiting\n"
+    listed = await loaded.call(
+        CONTAINERS, "ListProcesses", pb.ContainerServiceListProcessesRequest(container_id="busy")
+    )
+    commands = {tuple(p.args) for p in listed.processes}
+    assert ("sleep", "300") in commands and ("sh", "-c", script) in commands, commands
+    assert [p.pid for p in listed.processes] == sorted(p.pid for p in listed.processes)
+    assert all(p.pid > 0 and p.ppid >= 0 and p.state for p in listed.processes)
+    inputs.put_nowait(pb.ContainerServiceExecRequest(signal="TERM"))
+    out, code = b"", None
+    async for reply in replies:
+        out += reply.stdout
+        code = reply.exit_code if reply.exit_code is not None else code
+    assert (out, code) == (b"got-term\n", 7)
+    inputs.put_nowait(None)
+    await delete(loaded, "busy")
+    with pytest.raises(ClientError) as error:
+        await loaded.call(
+            CONTAINERS, "ListProcesses", pb.ContainerServiceListProcessesRequest(container_id="busy")
+        )
+    assert error.value.code == "NOT_FOUND"
+
+
+async def test_a_copied_file_is_written_whole_and_a_container_mounts_it(
+    loaded: AuraeClient, daemon: DaemonProcess
+) -> None:
+    async def copy(path: str, *chunks: bytes, **fields: Any) -> Any:
+        async def requests() -> Any:
+            yield pb.ContainerServiceCopyFileRequest(path=path, data=chunks[0] if chunks else b"", **fields)
+            for chunk in chunks[1:]:
+                yield pb.ContainerServiceCopyFileRequest(data=chunk)
+
+        return await loaded.upload(CONTAINERS, "CopyFile", requests(), timeout=60)
+
+    copied = await copy("pods/p1/resolv.conf", b"nameserver 10.96.0.10\n", b"search example\n", mode=0o640)
+    path = Path(copied.path)
+    assert path == daemon.root / "state" / "files" / "pods" / "p1" / "resolv.conf"
+    assert copied.size == len(path.read_bytes()) and path.stat().st_mode & 0o777 == 0o640
+    mount = pb.Mount(source=str(path), destination="/etc/resolv.conf", type="bind", options=["rbind", "ro"])
+    await run(loaded, "resolver", BUSYBOX, command=["cat", "/etc/resolv.conf"], mounts=[mount])
+    assert (await wait_exit(loaded, "resolver")).exit_code == 0
+    assert await logs(loaded, "resolver") == ["nameserver 10.96.0.10", "search example"]
+    await delete(loaded, "resolver")
+    for bad, field in (("../escape", "path"), ("/abs", "path")):
+        with pytest.raises(ClientError) as error:
+            await copy(bad, b"x")
+        assert error.value.code == "INVALID_ARGUMENT" and field in error.value.message
+    with pytest.raises(ClientError) as error:
+        await _copy_renaming(loaded)
+    assert error.value.code == "INVALID_ARGUMENT" and "only the first message" in error.value.message
+    assert sorted(os.listdir(daemon.root / "state" / "files")) == ["pods"]  # nothing of the refused
+
+
+async def _copy_renaming(client: AuraeClient) -> Any:
+    async def requests() -> Any:
+        yield pb.ContainerServiceCopyFileRequest(path="first", data=b"x")
+        yield pb.ContainerServiceCopyFileRequest(path="second", data=b"y")
+
+    return await client.upload(CONTAINERS, "CopyFile", requests(), timeout=60)
+
+
 async def test_exec_into_a_stopped_container_is_refused(loaded: AuraeClient) -> None:
     await run(loaded, "done", BUSYBOX, command=["true"])
     with pytest.raises(ClientError) as error:

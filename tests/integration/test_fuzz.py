@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ from auraed.api.aurae.vms import v0 as vms_pb
 from auraed.system.monitor_launcher import SPARE_NAME
 from auraed.wire.descriptors import message_class, service_descriptor
 from tests.conftest import DaemonProcess
+
+MONITOR_EXIT_GRACE = 5.0
 
 SERVICES = [
     "aurae.cells.v0.CellService",
@@ -180,6 +183,11 @@ def _assert_nothing_left(daemon: DaemonProcess) -> None:
         base = hierarchy / daemon.cgroup_base
         if base.is_dir():
             assert [p.name for p in base.iterdir() if p.is_dir()] == [], f"cgroups left in {base}"
+    # A freed cell's monitor writes its exit record after its process ended, then exits itself:
+    # give it a moment rather than catch it on its way out.
+    deadline = time.monotonic() + MONITOR_EXIT_GRACE
+    while _monitors_left(daemon) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert _monitors_left(daemon) == [], "monitors are left"
     links = subprocess.run(["ip", "-o", "-d", "link", "show"], capture_output=True, text=True, check=True)
     assert f"alias auraed-vm {daemon.root}" not in links.stdout, "a VM's tap is left"

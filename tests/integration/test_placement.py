@@ -18,6 +18,7 @@ import pytest
 from auraed.api.aurae.containers import v0 as pb
 from auraed.client import AuraeClient, ClientError, log_lines
 from auraed.containers.containers import Containers
+from auraed.containers.files import CopiedFiles
 from auraed.containers.servicer import SERVICE_NAME, ContainerServicer
 from auraed.errors import AuraeError
 from auraed.images.content import LocalStore
@@ -63,7 +64,9 @@ async def host(
 
     server = grpc.aio.server()
     # Every call to the host names a VM, so the local servicer is never reached.
-    local = generic_handler(SERVICE_NAME, ContainerServicer(images, cast(Containers, None)))
+    local = generic_handler(
+        SERVICE_NAME, ContainerServicer(images, cast(Containers, None), cast(CopiedFiles, None))
+    )
     server.add_generic_rpc_handlers([GuestRouter(lookup, ImagePlacer(images), [local])])
     socket = Path(tempfile.mkdtemp(prefix="aurae-host-", dir="/tmp")) / "host.sock"
     server.add_insecure_port(f"unix:{socket}")

@@ -37,6 +37,17 @@ def unsigned(bits: int) -> Callable[[str], int]:
     return parse_unsigned
 
 
+def octal_mode(text: str) -> int:
+    """An argparse type for permission bits in octal: 644, 0644, 0o644."""
+    try:
+        value = int(text.removeprefix("0o"), 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an octal mode: {text!r}") from None
+    if value > 0o7777:
+        raise argparse.ArgumentTypeError(f"not permission bits: {text!r} (at most 7777)")
+    return value
+
+
 SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
 SIZE_PATTERN = re.compile(r"(\d+)\s*(?:([kmgtp])i?)?b?", re.IGNORECASE)
 

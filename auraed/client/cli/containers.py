@@ -4,7 +4,10 @@ logs (``exec`` is auraed.client.cli.container_exec)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import betterproto2
@@ -21,11 +24,12 @@ from auraed.client.cli.arguments import (
     grace_ms,
     key_value,
     message_if_any,
+    octal_mode,
     since,
     size,
     unsigned,
 )
-from auraed.client.cli.calls import CONTAINERS, call, call_timeout, grace_slack, session
+from auraed.client.cli.calls import CONTAINERS, CliError, call, call_timeout, grace_slack, session
 from auraed.client.cli.container_exec import cmd_container_exec
 from auraed.client.cli.output import (
     age_text,
@@ -290,6 +294,49 @@ def cmd_container_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_container_top(args: argparse.Namespace) -> int:
+    request = containers_pb.ContainerServiceListProcessesRequest(container_id=args.name)
+    reply = call(args, CONTAINERS, "ListProcesses", request)
+    if args.json:
+        print_json(reply)
+        return 0
+    table = Table("PID", "PPID", "STATE", "COMMAND", box=None, header_style="bold")
+    for process in reply.processes:
+        table.add_row(str(process.pid), str(process.ppid), process.state, " ".join(process.args) or "-")
+    console.print(table)
+    return 0
+
+
+COPY_CHUNK = 1 << 20
+"""Bytes per CopyFile message: well under gRPC's 4 MiB message limit."""
+
+
+def cmd_container_copy_file(args: argparse.Namespace) -> int:
+    source: Path = args.source
+    if not source.is_file():
+        raise CliError(f"copy-file: {source} is not a file")
+    mode = args.mode if args.mode is not None else source.stat().st_mode & 0o777
+    with source.open("rb") as file:
+
+        async def requests() -> AsyncIterator[containers_pb.ContainerServiceCopyFileRequest]:
+            message = containers_pb.ContainerServiceCopyFileRequest(
+                path=args.path, mode=mode, uid=args.uid, gid=args.gid
+            )
+            while chunk := await asyncio.to_thread(file.read, COPY_CHUNK):
+                message.data = chunk
+                yield message
+                message = containers_pb.ContainerServiceCopyFileRequest()
+            if message.path:  # an empty file: the first message alone
+                yield message
+
+        async def body(client: AuraeClient) -> Any:
+            return await client.upload(CONTAINERS, "CopyFile", requests(), call_timeout(args))
+
+        reply = session(args, body)
+    report(args, reply, f"copied {source} to {reply.path} ({size_text(reply.size)})")
+    return 0
+
+
 def _container_options(parser: argparse.ArgumentParser) -> None:
     """What ``container create`` and ``container run`` take."""
     parser.add_argument("name", metavar="NAME", help="a DNS label, unique on the daemon")
@@ -353,7 +400,17 @@ def add_commands(subparsers: Any) -> None:
     execute = add_command(container, "exec", cmd_container_exec, "run a command in a running container")
     execute.add_argument("-i", "--interactive", action="store_true", help="send stdin")
     execute.add_argument("-t", "--tty", action="store_true", help="on a terminal (raw mode locally with -i)")
-    for parser in (start, stop, kill, remove, wait, inspect, stats, logs, execute):
+    top = add_command(container, "top", cmd_container_top, "the processes of a running container")
+    copy_file = add_command(
+        container, "copy-file", cmd_container_copy_file,
+        "write a local file below the daemon's files directory (for a container to mount)",
+    )  # fmt: skip
+    copy_file.add_argument("source", type=Path, metavar="SRC", help="a local file")
+    copy_file.add_argument("path", metavar="PATH", help="where, relative to <state dir>/files on the daemon")
+    copy_file.add_argument("--mode", type=octal_mode, metavar="MODE", help="e.g. 0644 (default: SRC's)")
+    copy_file.add_argument("--uid", type=unsigned(32), metavar="UID", help="owner (default: the daemon's)")
+    copy_file.add_argument("--gid", type=unsigned(32), metavar="GID", help="group (default: the daemon's)")
+    for parser in (start, stop, kill, remove, wait, inspect, stats, logs, execute, top):
         parser.add_argument("name", metavar="NAME", help="the container's name or id")
     execute.add_argument("args", nargs="*", metavar="CMD", help="after --: the command and its arguments")
 
