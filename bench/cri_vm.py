@@ -45,9 +45,8 @@ each per round, the order rotating from round to round, each after ``--gap-ms`` 
 * ``cell``: a pod of the ``cell`` handler, the same lifecycle with the same requests (its
   container runs on the host with runc, the image already unpacked there): the vm pod's peer.
 
-The container asks for no cpu_shares, though a kubelet sends it for every container (2 for a
-BestEffort one, as cri.py's does): containers of vm pods refuse cgroup v1's cpu.shares with
-UNIMPLEMENTED, so both series leave it out to send the same request.
+The container is cri.py's, with the cpu_shares a kubelet sends every BestEffort container (2),
+in both series: the vm pod's guest turns it into cpu.weight on its cgroup v2.
 
 A lifecycle's total is the sum of its nine steps; the sum of the pod's four RPCs alone
 (RunPodSandbox, PodSandboxStatus, StopPodSandbox, RemovePodSandbox) is reported beside it, the
@@ -387,13 +386,10 @@ async def pod_lifecycle(
 
 
 def one_container(pod: Pod) -> cri.ContainerConfig:
-    """cri.py's container (busybox, a log path below the pod's log directory, oom_score_adj 1000
-    as for a BestEffort pod) running COMMAND, without cpu_shares, for both handlers: containers
-    of vm pods refuse cgroup v1's cpu.shares (UNIMPLEMENTED), though a kubelet sends it."""
+    """cri.py's container (busybox, a log path below the pod's log directory, cpu_shares 2 and
+    oom_score_adj 1000 as for a BestEffort pod) running COMMAND, for both handlers."""
     container = pod.container()
     container.command = COMMAND
-    if container.linux is not None and container.linux.resources is not None:
-        container.linux.resources.cpu_shares = 0  # the proto's zero: not set
     return container
 
 

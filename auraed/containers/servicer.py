@@ -99,6 +99,8 @@ def container_request(config: pb.ContainerConfig) -> ContainerRequest:
             cpuset_mems=resources.cpuset_mems,
             memory_max=resources.memory_max,
             pids_max=resources.pids_max,
+            cpu_shares=resources.cpu_shares,
+            memory_swap=resources.memory_swap,
         ),
         security=Security(
             capabilities_add=tuple(security.capabilities_add),

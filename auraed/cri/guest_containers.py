@@ -196,10 +196,11 @@ def _mount_message(mount: Mount) -> pb.Mount:
 
 
 def _resources_message(resources: Resources) -> pb.Resources:
-    if resources.cpu_shares is not None or resources.memory_swap is not None:
-        # cgroup v1 only: a guest's cgroups are v2, where the kubelet sends neither.
-        raise _unserved("cgroup v1 resources (cpu_shares, memory_swap)")
+    """The CRI's resources as the guest takes them: a kubelet sends cpu_shares on every node (2
+    for a BestEffort pod), which the guest's runtime turns into cpu.weight on its cgroup v2."""
     return pb.Resources(
+        cpu_shares=resources.cpu_shares,
+        memory_swap=resources.memory_swap,
         cpu_weight=resources.cpu_weight,
         cpu_max=resources.cpu_max,
         cpu_period=resources.cpu_period,

@@ -127,6 +127,10 @@ class VmPod:
     logs: Path
 
     async def create(self, name: str, command: list[str], **fields: Any) -> str:
+        # What a kubelet gives a BestEffort pod's container on any node, cgroup v2 or not.
+        fields.setdefault(
+            "linux", cri.LinuxContainerConfig(resources=cri.LinuxContainerResources(cpu_shares=2))
+        )
         request = cri.CreateContainerRequest(
             pod_sandbox_id=self.pod_id,
             config=self.node.config(name, command, log=True, **fields),
@@ -191,6 +195,9 @@ async def the_pods_files_and_host_port_reach_the_guest(pod: VmPod, server: str, 
     node = pod.node
     resolv = (await node.exec_sync(server, ["cat", "/etc/resolv.conf"])).stdout.decode().splitlines()
     assert {f"nameserver {POD_DNS}", "search vm-pods.svc.example", "options ndots:5"} <= set(resolv)
+    # cpu_shares 2 (the kubelet's BestEffort share) is cpu.weight 1 on the guest's cgroup v2.
+    weight = await node.exec_sync(server, ["cat", "/sys/fs/cgroup/cpu.weight"])
+    assert (weight.exit_code, weight.stdout) == (0, b"1\n"), weight
     hosts = (await node.exec_sync(server, ["cat", "/etc/hosts"])).stdout.decode()
     assert "127.0.0.1\tlocalhost" in hosts or "127.0.0.1 localhost" in hosts, hosts
     hostname = await node.exec_sync(server, ["cat", "/etc/hostname"])

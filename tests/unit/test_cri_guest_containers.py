@@ -68,7 +68,6 @@ def test_what_a_guest_cannot_be_given_is_refused_by_name() -> None:
             ContainerRequest(name="w_p", security=Security(seccomp={"defaultAction": "SCMP_ACT_ALLOW"})),
             "seccomp",
         ),
-        (ContainerRequest(name="w_p", resources=Resources(cpu_shares=512)), "cgroup v1"),
     ):
         with pytest.raises(CriError) as refused:
             config_message(request, "busybox", {}, share_pid=False)
@@ -78,6 +77,13 @@ def test_what_a_guest_cannot_be_given_is_refused_by_name() -> None:
         ContainerRequest(name="w_p", stdin=True, stdin_once=True), "busybox", {}, False
     )
     assert (attachable.stdin, attachable.stdin_once) == (True, True)
+    # What a kubelet sends for every container, cgroup v2 node or not: the guest's runtime makes
+    # cpu.weight of it.
+    limited = ContainerRequest(
+        name="w_p", resources=Resources(cpu_shares=2, memory_max=1 << 26, memory_swap=-1)
+    )
+    resources = config_message(limited, "busybox", {}, False).resources
+    assert resources is not None and (resources.cpu_shares, resources.memory_swap) == (2, -1)
     assert (config.name, config.host_network, config.host_ipc, config.shared_pid) == (
         "web-1",
         True,
