@@ -73,6 +73,20 @@ def _required(value: str, field: str) -> str:
 # -- messages -> typed values ----------------------------------------------------------------
 
 
+def resources_value(resources: pb.Resources) -> Resources:
+    return Resources(
+        cpu_weight=resources.cpu_weight,
+        cpu_max=resources.cpu_max,
+        cpu_period=resources.cpu_period,
+        cpuset_cpus=resources.cpuset_cpus,
+        cpuset_mems=resources.cpuset_mems,
+        memory_max=resources.memory_max,
+        pids_max=resources.pids_max,
+        cpu_shares=resources.cpu_shares,
+        memory_swap=resources.memory_swap,
+    )
+
+
 def container_request(config: pb.ContainerConfig) -> ContainerRequest:
     resources = config.resources or pb.Resources()
     security = config.security or pb.Security()
@@ -91,17 +105,7 @@ def container_request(config: pb.ContainerConfig) -> ContainerRequest:
         mounts=tuple(
             Mount(m.destination, m.source, m.type, tuple(m.options), m.read_only) for m in config.mounts
         ),
-        resources=Resources(
-            cpu_weight=resources.cpu_weight,
-            cpu_max=resources.cpu_max,
-            cpu_period=resources.cpu_period,
-            cpuset_cpus=resources.cpuset_cpus,
-            cpuset_mems=resources.cpuset_mems,
-            memory_max=resources.memory_max,
-            pids_max=resources.pids_max,
-            cpu_shares=resources.cpu_shares,
-            memory_swap=resources.memory_swap,
-        ),
+        resources=resources_value(resources),
         security=Security(
             capabilities_add=tuple(security.capabilities_add),
             capabilities_drop=tuple(security.capabilities_drop),
@@ -339,6 +343,13 @@ class ContainerServicer:
         record = self._find(request.container_id)
         record = await self._containers.stop(record, seconds_from_ms(request.timeout_ms, "timeout_ms"))
         return pb.ContainerServiceStopResponse(status=status_message(record))
+
+    async def update(
+        self, request: pb.ContainerServiceUpdateRequest, context: Context
+    ) -> pb.ContainerServiceUpdateResponse:
+        record = self._find(request.container_id)
+        await self._containers.update_resources(record, resources_value(request.resources or pb.Resources()))
+        return pb.ContainerServiceUpdateResponse()
 
     async def kill(
         self, request: pb.ContainerServiceKillRequest, context: Context

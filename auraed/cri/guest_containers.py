@@ -615,7 +615,12 @@ class GuestContainers:
         await asyncio.to_thread(_touch, record.log_path)
 
     async def update_resources(self, record: ContainerRecord, resources: Resources) -> None:
-        raise _unserved("UpdateContainerResources")
+        """The container's limits in the guest (its cgroup there); the guest itself is grown by
+        UpdatePodSandboxResources, which gives the pod's total."""
+        request = pb.ContainerServiceUpdateRequest(
+            container_id=record.id, resources=_resources_message(resources)
+        )
+        await self._call(self._guested(record.id), "Update", request, pb.ContainerServiceUpdateResponse)
 
     async def usage(self, record: ContainerRecord) -> CgroupUsage | None:
         guested = self._guested(record.id)

@@ -414,6 +414,17 @@ async def test_stats_report_the_cgroup(loaded: AuraeClient) -> None:
     stats = await loaded.call(CONTAINERS, "Stats", pb.ContainerServiceStatsRequest(container_id="busy"))
     assert stats.cpu_usage_usec > 0 and stats.memory_current > 0
     assert stats.memory_max == 64 << 20 and stats.pids_max == 20 and stats.pids_current >= 1
+    # Update changes the limits it gives, on the running container's cgroup; the rest stay.
+    update = pb.ContainerServiceUpdateRequest(
+        container_id="busy", resources=pb.Resources(memory_max=96 << 20)
+    )
+    await loaded.call(CONTAINERS, "Update", update)
+    stats = await loaded.call(CONTAINERS, "Stats", pb.ContainerServiceStatsRequest(container_id="busy"))
+    assert (stats.memory_max, stats.pids_max) == (96 << 20, 20)
+    bad = pb.ContainerServiceUpdateRequest(container_id="busy", resources=pb.Resources(pids_max=0))
+    with pytest.raises(ClientError) as error:
+        await loaded.call(CONTAINERS, "Update", bad)
+    assert error.value.code == "INVALID_ARGUMENT" and "pids_max" in error.value.message
     await delete(loaded, "busy")
 
 

@@ -34,8 +34,10 @@ from tests.conftest import DaemonFactory
 from tests.integration.test_cri_containers import (
     ATTEMPT,
     EXITED,
+    MIB,
     RUNNING,
     Node,
+    cri_error,
     stdout_lines,
 )
 from tests.integration.test_cri_containers import mirror as busybox_mirror
@@ -167,6 +169,7 @@ async def test_a_vm_pods_containers_run_in_its_guest(vm_node: Node, tmp_path: Pa
     await the_pods_files_and_host_port_reach_the_guest(pod, server, host_port)
     await the_pod_cgroup_holds_its_vm(pod, server)
     await exec_runs_in_the_guest(pod, server)
+    await resources_update_in_the_guest(pod, server)
     await stats_and_port_forward(pod, server)
     await host_paths_reach_the_guest(pod, tmp_path)
     await attach_writes_to_a_guest_containers_stdin(pod)
@@ -269,6 +272,24 @@ async def exec_runs_in_the_guest(pod: VmPod, server: str) -> None:
     plain = cri.ExecRequest(container_id=server, cmd=["echo", "hi"], stdout=True, stderr=True)
     result = await run_remote_command((await node.call("Exec", plain)).url)
     assert (result.exit_code, result.stdout, result.stderr) == (0, b"hi\n", b"")
+
+
+async def resources_update_in_the_guest(pod: VmPod, server: str) -> None:
+    """UpdateContainerResources reaches the container's cgroup in the guest (cgroup v2 there)."""
+    node = pod.node
+    update = cri.LinuxContainerResources(
+        cpu_quota=50_000, cpu_period=100_000, memory_limit_in_bytes=128 * MIB
+    )
+    await node.call(
+        "UpdateContainerResources", cri.UpdateContainerResourcesRequest(container_id=server, linux=update)
+    )
+    limits = await node.exec_sync(server, ["cat", "/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/cpu.max"])
+    assert limits.stdout.decode().split() == [str(128 * MIB), "50000", "100000"], limits
+    too_small = cri.UpdateContainerResourcesRequest(
+        container_id=server, linux=cri.LinuxContainerResources(memory_limit_in_bytes=1024)
+    )
+    error = await cri_error(node.call("UpdateContainerResources", too_small))
+    assert error.code == "INVALID_ARGUMENT" and "memory_max" in error.message, error
 
 
 async def stats_and_port_forward(pod: VmPod, server: str) -> None:
