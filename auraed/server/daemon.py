@@ -43,6 +43,8 @@ from auraed.server.listeners import (
     server_credentials,
     server_options,
 )
+from auraed.server.network_service import SERVICE_NAME as NETWORK
+from auraed.server.network_service import NetworkServicer
 from auraed.server.rpc import CollectedHandlers, generic_handler
 from auraed.server.system_service import SERVICE_NAME as SYSTEM
 from auraed.server.system_service import Machine, SystemServicer
@@ -130,9 +132,16 @@ class Daemon:
         # this returns the clone's own configuration (its address, certificate and key).
         self.before_listening: Callable[[], Awaitable[DaemonConfig]] | None = None
 
+    def _machine_init(self) -> bool:
+        """Whether auraed is this machine's init (a guest's, a machine booted on auraed): what
+        may change the machine itself (its network, its entropy pool, its clock)."""
+        from auraed.init.pid1 import is_machine_init
+
+        return self._machine is not None and is_machine_init()
+
     def services(self) -> list[str]:
         """The aurae services this role serves (the design's table)."""
-        services = [CELLS, DISCOVERY, OBSERVE, SYSTEM]
+        services = [CELLS, DISCOVERY, NETWORK, OBSERVE, SYSTEM]
         if self.role is not Role.NESTED:
             services.append(CONTAINERS)
         if self.role is Role.HOST:
@@ -306,6 +315,7 @@ class Daemon:
                 DISCOVERY, DiscoveryServicer(self.role, services, capabilities, lambda: self._serving)
             ),
             generic_handler(SYSTEM, SystemServicer(self.request_stop, self._machine)),
+            generic_handler(NETWORK, NetworkServicer(self._machine_init())),
         ]
         standard = CollectedHandlers()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, standard)

@@ -1,10 +1,11 @@
-"""The host relaying ContainerService calls to guests, by the VM a call names.
+"""The host relaying ContainerService (and NetworkService) calls to guests, by the VM a call names.
 
 A client targets a VM by sending the gRPC metadata ``aurae-vm: <name>`` with a ContainerService
 call to the host (``aer --vm NAME container ...``). The host then forwards the call, byte for byte,
 to the guest's ContainerService over mTLS with the host's guest-client certificate — after making
-sure, for Create, that the guest has the image (``auraed/vms/placement.py`` places it). A call
-naming a VM for any other service is refused rather than served by the host.
+sure, for Create, that the guest has the image (``auraed/vms/placement.py`` places it). The
+guest's NetworkService is relayed the same way (``aer --vm NAME network ...``). A call naming a VM
+for any other service is refused rather than served by the host.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from auraed.wire.status import status_for
 
 log = logging.getLogger(__name__)
 
+NETWORK = "aurae.network.v0.NetworkService"
+RELAYED = (f"/{CONTAINERS}/", f"/{NETWORK}/")
+"""The services whose calls naming a VM go to its guest: its containers and its network."""
+
 
 class GuestRouter(grpc.GenericRpcHandler):  # type: ignore[misc]
     """Serves ``local``; its ContainerService calls that name a VM go to that VM's guest instead."""
@@ -45,9 +50,9 @@ class GuestRouter(grpc.GenericRpcHandler):  # type: ignore[misc]
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         local = first_handler(self._local, details)
         vm = _vm_named(details.invocation_metadata)
-        if not details.method.startswith(f"/{CONTAINERS}/"):
-            # Only ContainerService calls go to guests: any other call naming a VM would be
-            # served by the host instead, with the caller believing it ran in the guest. One
+        if not details.method.startswith(RELAYED):
+            # Only ContainerService and NetworkService calls go to guests: any other call naming
+            # a VM would be served by the host instead, the caller believing it ran in the guest. One
             # refusal per method served (the caller's wrapper caches handlers by identity, and
             # unknown methods must not grow that): ``local`` is every service of the daemon.
             if local is None or not vm:
@@ -70,9 +75,9 @@ class GuestRouter(grpc.GenericRpcHandler):  # type: ignore[misc]
             guest = await router._guest(context)
             call = guest.channel.unary_unary(method)
             async with _while_guest_open(guest, context):
-                if method.endswith("/Create"):
+                if method == f"/{CONTAINERS}/Create":
                     return await router._create(guest, call, request, context)
-                if method.endswith("/RemoveImage"):
+                if method == f"/{CONTAINERS}/RemoveImage":
                     router._placer.forget(guest.name)
                 return await _relay(call(request, metadata=_forwarded(context)), context)  # type: ignore[no-any-return]
 

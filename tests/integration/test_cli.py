@@ -181,6 +181,8 @@ def test_observe_daemon_and_signals(config: Path) -> None:
 def test_server_errors_are_one_line(config: Path) -> None:
     assert_one_line_error(aer("cell", "allocate", "Bad_Name", config=config), "INVALID_ARGUMENT")
     assert_one_line_error(aer("cell", "free", unique("missing"), config=config), "NOT_FOUND")
+    # A daemon that is not its machine's init never changes the machine's network.
+    assert_one_line_error(aer("network", "ls", config=config), "FAILED_PRECONDITION")
 
 
 def test_local_errors(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ AURAE_SERVICES = {
     "aurae.containers.v0.ContainerService",
     "aurae.discovery.v0.DiscoveryService",
     "aurae.observe.v0.ObserveService",
+    "aurae.network.v0.NetworkService",
     "aurae.system.v0.SystemService",
     "aurae.vms.v0.VmService",
 }

@@ -30,6 +30,7 @@ SERVICES = [
     "aurae.observe.v0.ObserveService",
     "aurae.discovery.v0.DiscoveryService",
     "aurae.vms.v0.VmService",
+    "aurae.network.v0.NetworkService",
 ]
 METHODS = [(service, method) for service in SERVICES for method in service_descriptor(service).methods]
 CLIENT_MISTAKE_OK = {

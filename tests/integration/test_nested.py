@@ -17,6 +17,7 @@ import pytest
 from auraed.api.aurae.cells import v0 as cells
 from auraed.api.aurae.containers import v0 as pb
 from auraed.api.aurae.discovery import v0 as discovery
+from auraed.api.aurae.network import v0 as network
 from auraed.api.aurae.vms import v0 as vms
 from auraed.client import AuraeClient, ClientConfig, ClientError, log_lines
 from auraed.pki import PkiPaths, create_ca, issue_client_cert, write_pem_files
@@ -26,6 +27,7 @@ from tests.integration.test_vms import free_test_pool
 from tests.support.images import BuiltImage
 
 VMS = "aurae.vms.v0.VmService"
+NETWORK = "aurae.network.v0.NetworkService"
 IMAGE = "localhost/busybox:nested"
 DATA_DISK_BYTES = 1 << 20
 
@@ -84,6 +86,7 @@ async def test_guest_boots_and_runs_a_placed_container(
         assert took_ms / 2 < started.console_ready_ms <= took_ms
 
         await _run_containers_in_guest(AuraeClient(client.channel, vm="g1"))
+        await _change_the_guests_network(client, address.rsplit(":", 1)[0])
         await _use_guest_directly(host, address)
         await _refusals(host, address, tmp_path)
         # Stop and free leave nothing behind: no tap, no QEMU, no files.
@@ -216,6 +219,43 @@ async def _run_containers_in_guest(on_guest: AuraeClient) -> None:
 
     out = b"".join([r.stdout async for r in on_guest.duplex(CONTAINERS, "Exec", exec_requests(), timeout=60)])
     assert out == b"through the host\n"
+
+
+async def _change_the_guests_network(client: AuraeClient, guest_ip: str) -> None:
+    """The guest's interfaces and routes by RPC (relayed by the host): an address and a route
+    added, then the routes put back; the host itself refuses to change its own network."""
+    on_guest = AuraeClient(client.channel, vm="g1")
+    listed = await on_guest.call(NETWORK, "ListInterfaces", network.NetworkServiceListInterfacesRequest())
+    eth0 = next(i for i in listed.interfaces if i.name == "eth0")
+    assert eth0.up and any(a.startswith(f"{guest_ip}/") for a in eth0.addresses), eth0
+    # A documentation address on the guest's NIC: only the guest has it, no traffic goes to it.
+    extra = "198.51.100.7/32"
+    update = network.NetworkServiceUpdateInterfaceRequest(
+        name="eth0", replace_addresses=True, addresses=[*eth0.addresses, extra], mtu=1400
+    )
+    changed = (await on_guest.call(NETWORK, "UpdateInterface", update)).interface
+    assert extra in changed.addresses and set(eth0.addresses) <= set(changed.addresses)
+    assert changed.mtu == 1400
+    routes = list(
+        (await on_guest.call(NETWORK, "ListRoutes", network.NetworkServiceListRoutesRequest())).routes
+    )
+    assert any(r.destination == "default" and r.device == "eth0" for r in routes), routes
+    added = network.Route(destination="203.0.113.0/24", device="eth0", source="198.51.100.7")
+    replaced = await on_guest.call(
+        NETWORK, "UpdateRoutes", network.NetworkServiceUpdateRoutesRequest(routes=[*routes, added])
+    )
+    assert added in replaced.routes
+    restored = await on_guest.call(
+        NETWORK, "UpdateRoutes", network.NetworkServiceUpdateRoutesRequest(routes=routes)
+    )
+    assert added not in restored.routes and sorted(map(bytes, restored.routes)) == sorted(map(bytes, routes))
+    back = network.NetworkServiceUpdateInterfaceRequest(
+        name="eth0", replace_addresses=True, addresses=list(eth0.addresses), mtu=eth0.mtu
+    )
+    assert (await on_guest.call(NETWORK, "UpdateInterface", back)).interface.addresses == eth0.addresses
+    with pytest.raises(ClientError) as refused:
+        await client.call(NETWORK, "ListInterfaces", network.NetworkServiceListInterfacesRequest())
+    assert refused.value.code == "FAILED_PRECONDITION" and "machine's init" in refused.value.message
 
 
 async def _use_guest_directly(host: DaemonProcess, address: str) -> None:

@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from auraed.client.cli import cells, containers, discovery, images, observe, pki, system, vms
+from auraed.client.cli import cells, containers, discovery, images, network, observe, pki, system, vms
 from auraed.client.cli.arguments import add_global_options
 from auraed.client.cli.calls import EXIT_INTERRUPTED, CliError
 from auraed.client.client import ClientError
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aer", description="Command line for auraed.")
     add_global_options(parser, suppress=False)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for service in (discovery, cells, observe, system, images, containers, vms, pki):
+    for service in (discovery, cells, observe, system, network, images, containers, vms, pki):
         service.add_commands(subparsers)
     return parser
 

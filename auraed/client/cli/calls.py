@@ -25,6 +25,7 @@ DISCOVERY = "aurae.discovery.v0.DiscoveryService"
 CONTAINERS = "aurae.containers.v0.ContainerService"
 VMS = "aurae.vms.v0.VmService"
 SYSTEM = "aurae.system.v0.SystemService"
+NETWORK = "aurae.network.v0.NetworkService"
 DEFAULT_TIMEOUT = 30.0
 EXIT_INTERRUPTED = 130
 EXIT_INTERRUPT_GRACE = 3.0  # seconds Ctrl-C leaves for tearing down before the process just ends
