@@ -7,7 +7,8 @@ do, a failed RunPodSandbox is undone (no process, tap, namespace, CNI lease, cgr
 no pod listed). A guest whose QEMU is frozen (SIGSTOP) answers no call: those that need it end
 UNAVAILABLE naming its VM once the host's ping to it goes unanswered (``guest_keepalive_time`` +
 ``guest_keepalive_timeout``), well before the caller's deadline; what the host knows of the pod
-answers at once; and the guest is served again once it runs again (SIGCONT).
+answers at once; the guest is served again once it runs again (SIGCONT); and a pod whose guest
+is frozen is stopped, or removed with no stop first, all the same, leaving nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from tests.integration.test_cri_containers import EXITED, RUNNING, Node, cri_err
 from tests.integration.test_cri_containers import mirror as busybox_mirror
 from tests.integration.test_cri_vm_containers import VmPod
 from tests.integration.test_cri_vm_pods import vm_pod
-from tests.integration.vm_pods_helpers import VMS, leftovers_of_pod, qemu_of, vm_daemon
+from tests.integration.vm_pods_helpers import VMS, cgroups_of, leftovers_of_pod, qemu_of, vm_daemon
 from tests.support.cni import cni_network
 from tests.support.cri import BUSYBOX_IMAGE, RUNTIME_SERVICE, cri_client, mirrors_config, pull_image, run_pod
 from tests.support.registry import LocalRegistry
@@ -183,6 +184,11 @@ async def frozen_pod(node: Node, name: str) -> FrozenPod:
     vm = f"pod-{pod_id[:16]}"
     pids = qemu_of(vm)
     assert pids
+    # What the leak checks look for is there while the pod lives (its cgroup holds the VM's).
+    alive = leftovers_of_pod(node.daemon, node.network, pod_id)
+    assert set(alive) == {"qemu", "virtiofsd", "pod dir", "namespace pins", "share", "vm run dir",
+                          "cgroups", "cni leases", "veths"}, alive  # fmt: skip
+    assert all((Path(cgroup) / "vmm").is_dir() for cgroup in cgroups_of(node.daemon, pod_id)), alive
     return FrozenPod(node, pod_id, config, sleeper, vm, pids)
 
 
