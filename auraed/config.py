@@ -22,7 +22,7 @@ from typing import Any
 
 from auraed.errors import ConfigError
 from auraed.names import MAX_WAIT_MS
-from auraed.wire.channel import MAX_KEEPALIVE_SECONDS
+from auraed.wire.channel import GUEST_PING_INTERVAL_MIN, MAX_KEEPALIVE_SECONDS
 
 DEFAULT_CONFIG_FILE = Path("/etc/aurae/auraed.toml")
 ENV_PREFIX = "AURAED_"
@@ -172,6 +172,19 @@ class DaemonConfig:
     )
     guest_ready_timeout: float = field(
         default=120.0, metadata=_help("seconds a booting guest has to answer health SERVING")
+    )
+    guest_keepalive_time: float = field(
+        default=30.0,
+        metadata=_help(
+            "seconds the host's connection to a guest with calls open may stay silent before the "
+            "host pings the guest; a guest that stops answering (its VM frozen, its network cut) "
+            "has its calls end UNAVAILABLE within guest_keepalive_time + guest_keepalive_timeout "
+            f"(at least {GUEST_PING_INTERVAL_MIN:g}, how often a guest lets the host ping it)"
+        ),
+    )
+    guest_keepalive_timeout: float = field(
+        default=20.0,
+        metadata=_help("seconds a guest may leave the host's ping unanswered before its calls end"),
     )
     log_buffer_lines: int = field(
         default=10000, metadata=_help("how many of auraed's own log lines Observe keeps")
@@ -571,6 +584,15 @@ def _validate(config: DaemonConfig) -> DaemonConfig:
     if not 0 < config.guest_ready_timeout <= MAX_GUEST_READY_TIMEOUT:
         raise ConfigError(
             f"guest_ready_timeout: must be more than 0 and at most {MAX_GUEST_READY_TIMEOUT:.0f} s"
+        )
+    if not GUEST_PING_INTERVAL_MIN <= config.guest_keepalive_time <= MAX_KEEPALIVE_SECONDS:
+        raise ConfigError(
+            f"guest_keepalive_time: must be {GUEST_PING_INTERVAL_MIN:g} to {MAX_KEEPALIVE_SECONDS:.0f} "
+            f"seconds (a guest lets the host ping it every {GUEST_PING_INTERVAL_MIN:g} s at most)"
+        )
+    if not 0 < config.guest_keepalive_timeout <= MAX_KEEPALIVE_SECONDS:
+        raise ConfigError(
+            f"guest_keepalive_timeout: must be more than 0 and at most {MAX_KEEPALIVE_SECONDS:.0f} s"
         )
     if not 1 <= config.log_buffer_lines <= MAX_LOG_BUFFER_LINES:
         raise ConfigError(f"log_buffer_lines: must be 1 to {MAX_LOG_BUFFER_LINES}")

@@ -347,6 +347,7 @@ class CellSandbox:
 
     name = NAME
     features = HandlerFeatures()
+    stop_ends_containers = False
 
     def __init__(
         self,

@@ -36,6 +36,8 @@ from auraed.cri.images import FsUsage, FsUsageCache
 from auraed.cri.model import PodRecord, PodState
 from auraed.cri.pods import MIN_PREFIX, Pods
 from auraed.cri.security import NamespaceScope
+from auraed.cri.vm import HANDLER as VM_HANDLER
+from auraed.cri.vm import pod_vm_name
 from auraed.errors import AuraeError, ErrorKind
 from auraed.state.store import Store
 from auraed.system.cgroupfs import Cgroupfs
@@ -424,11 +426,20 @@ class CriContainers:
         except TimeoutError:
             await session.kill()
             raise CriError(
-                ErrorKind.DEADLINE_EXCEEDED, f"command {command[0][:100]!r} timed out after {timeout:g}s"
+                ErrorKind.DEADLINE_EXCEEDED,
+                f"command {command[0][:100]!r} timed out after {timeout:g}s{self._where(container_id)}",
             ) from None
         finally:
             await session.close()  # kills it too when the caller went away
         return ExecResult(exit_code, stdout, stderr)
+
+    def _where(self, container_id: str) -> str:
+        """Where a container of a vm pod runs, for its errors: its guest (which may be the one
+        not answering); "" for a host container."""
+        record = self.find(container_id)
+        if record is None or record.handler != VM_HANDLER:
+            return ""
+        return f" in guest VM {pod_vm_name(record.pod_id)}"
 
     async def reopen_log(self, container_id: str) -> None:
         container = self.running(container_id, "reopen its log")

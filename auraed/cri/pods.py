@@ -201,11 +201,24 @@ class Pods:
         if pod is None:
             return
         async with self._lock(pod.id):
-            if self.containers is not None:
-                await self.containers.stop_pod_containers(pod)
-            await self.controller(pod).stop(pod)
+            controller = self.controller(pod)
+            await self._stop_containers(pod, controller)
+            await controller.stop(pod)
             pod.state = PodState.NOT_READY
             self.save(pod)
+
+    async def _stop_containers(self, pod: PodRecord, controller: SandboxController) -> None:
+        """The pod's containers stopped; where the sandbox's stop ends them anyway (a guest VM's),
+        a failure to (a guest that does not answer) does not keep the pod from stopping."""
+        if self.containers is None:
+            return
+        try:
+            await self.containers.stop_pod_containers(pod)
+        except AuraeError as exc:
+            if not controller.stop_ends_containers:
+                raise
+            log.warning("pod %s: its containers were not stopped (%s); they end with its sandbox",
+                        pod.id[:13], exc.message)  # fmt: skip
 
     async def update_resources(self, pod_id: str, overhead: PodResources, resources: PodResources) -> None:
         """A resize: what the update sets of the pod's overhead and resources (0: unchanged)
@@ -246,9 +259,15 @@ class Pods:
         self._locks.pop(pod.id, None)
 
     async def _remove(self, pod: PodRecord) -> None:
+        controller = self.controller(pod)
+        if controller.stop_ends_containers:
+            # Its containers end with it first (stopped already when the kubelet stopped the
+            # pod): then they are removed on the host alone, whether or not their guest answers.
+            await self._stop_containers(pod, controller)
+            await controller.stop(pod)
         if self.containers is not None:
             await self.containers.remove_pod_containers(pod)
-        await self._undo(pod, self.controller(pod))
+        await self._undo(pod, controller)
         log.info("pod %s (%s) removed", pod.spec.metadata.name, pod.id[:13])
 
     # -- start -------------------------------------------------------------------------------

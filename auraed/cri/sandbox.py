@@ -35,6 +35,9 @@ class SandboxController(Protocol):
 
     name: str
     features: HandlerFeatures
+    stop_ends_containers: bool
+    """Whether ``stop`` ends every container of the pod with it (a guest VM's): then a pod whose
+    containers could not be stopped (their guest does not answer) is stopped all the same."""
 
     def check(self, spec: PodSpec) -> None:
         """Refuse (INVALID_ARGUMENT, naming the option) a pod this handler cannot make, before

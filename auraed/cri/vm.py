@@ -46,6 +46,8 @@ from auraed.vms.pod_tap import join_tap, unjoin_tap
 
 log = logging.getLogger(__name__)
 
+HANDLER = "vm"
+"""The runtime handler's name (a RuntimeClass's handler)."""
 VM_KEY = "vm"
 """The pod's sandbox entry of this handler: its VM's name and its tap."""
 TAP = "tap0"
@@ -122,8 +124,9 @@ def _pod_address(result: CniResult, ifname: str) -> tuple[ipaddress.IPv4Interfac
 class VmSandbox:
     """The SandboxController of ``vm`` pods."""
 
-    name = "vm"
+    name = HANDLER
     features = HandlerFeatures()
+    stop_ends_containers = True
 
     def __init__(
         self, cell: CellSandbox, cni: Cni, guests: Guests, sizing: VmSizing, shares: PodShares
@@ -199,7 +202,14 @@ class VmSandbox:
             cgroup_procs=cgroup_procs,
         )
         await self._guests.allocate(spec, net)
-        booted = await self._guests.boot(name)
+        try:
+            booted = await self._guests.boot(name)
+        except AuraeError as exc:
+            # Its kind is the boot's (DEADLINE_EXCEEDED: not serving in time, the console's tail
+            # in the message); the caller undoes the pod.
+            raise CriError(
+                exc.kind, f"pod sandbox {pod.id[:13]}: its guest did not boot: {exc.message}"
+            ) from None
         log.info("pod %s: guest %s ready in %.1f s", pod.id[:13], name, booted.ready or 0.0)
 
     # -- stop, remove ----------------------------------------------------------------------

@@ -381,7 +381,13 @@ class Daemon:
         kvm = KvmProbe(capabilities.kvm_present, capabilities.kvm_usable, capabilities.kvm_detail, 0.0)
         vms = setup.build(config, self.store, kvm=kvm)
         await vms.recover()
-        trust = GuestTrust(config.ca_crt, config.ca_key, config.state_dir / "pki")
+        trust = GuestTrust(
+            config.ca_crt,
+            config.ca_key,
+            config.state_dir / "pki",
+            config.guest_keepalive_time,
+            config.guest_keepalive_timeout,
+        )
         self.guests = Guests(vms, trust, config.guest_image, config.guest_ready_timeout, self._metrics_sink())
         if self.metrics is not None:
             from auraed.vms.model import State as VmState

@@ -53,6 +53,17 @@ def is_alive(pid: int, ticks: int | None) -> bool:
     return ticks is not None and start_ticks(pid) == ticks
 
 
+def is_stopped(pid: int, ticks: int | None) -> bool:
+    """Whether the process (identified by ``ticks``) is stopped by a signal (SIGSTOP, a
+    debugger): it answers nothing until it is continued."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return fields[0] in ("T", "t") and ticks is not None and int(fields[19]) == ticks
+
+
 def send_signal(pid: int, signal: int, ticks: int | None, group: bool = False) -> bool:
     """Signal the process (with ``group``, the process group it leads) if it is still the one
     identified by ``ticks``; False when gone (a group is then left alone: the pid may be reused)."""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from auraed.errors import AuraeError, ErrorKind
 from auraed.pki import CertificateAuthority, certificate_pem, issue_server_cert, private_key_pem
+from auraed.wire.channel import GUEST_PING_INTERVAL_MIN
 
 GUEST_PORT = 8443
 GUEST_CONFIG = """# Written by the host auraed for guest {hostname}.
@@ -30,6 +31,9 @@ server_key = "/etc/aurae/pki/server.key"
 state_dir = "/run/aurae/state"
 runtime_dir = "/run/aurae/run"
 stop_containers_on_shutdown = true
+# The host pings its connection to the guest as often as every {ping_interval:g} s (its
+# guest_keepalive_time), to end its calls when the guest stops answering.
+keepalive_client_min_interval = {ping_interval}
 
 [authorization]
 # Only the host that booted this guest may call it.
@@ -75,6 +79,7 @@ def config_files(identity: GuestIdentity, ca: CertificateAuthority, host_identit
             address=identity.address.ip,
             port=identity.port,
             host_identity=host_identity,
+            ping_interval=GUEST_PING_INTERVAL_MIN,
         ),
         "pki/ca.crt": certificate_pem(ca.cert).decode(),
         "pki/server.crt": certificate_pem(cert).decode(),
@@ -86,7 +91,11 @@ def template_config(port: int, host_identity: str) -> dict[str, str]:
     """A template guest's config (vms/templates.py): every guest's, with no address of anyone's
     and no certificate; a clone's own replaces it with its identity."""
     text = GUEST_CONFIG.format(
-        hostname="a template", address="0.0.0.0", port=port, host_identity=host_identity
+        hostname="a template",
+        address="0.0.0.0",
+        port=port,
+        host_identity=host_identity,
+        ping_interval=GUEST_PING_INTERVAL_MIN,
     )
     return {"auraed.toml": text}
 

@@ -52,7 +52,7 @@ from auraed.vms.templates import (
     send_identity,
 )
 from auraed.vms.vms import DEFAULT_START_TIMEOUT, Vms, choose_backend
-from auraed.wire.channel import channel_options
+from auraed.wire.channel import DEFAULT_KEEPALIVE_TIME, DEFAULT_KEEPALIVE_TIMEOUT, channel_options
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,20 @@ class _Link:
 
 
 class GuestTrust:
-    def __init__(self, ca_crt: Path, ca_key: Path, pki_dir: Path) -> None:
+    """``keepalive_time`` and ``keepalive_timeout``: the pings of the host's channels to guests
+    (``guest_keepalive_time``, ``guest_keepalive_timeout``): a call to a guest that stops
+    answering ends UNAVAILABLE within their sum."""
+
+    def __init__(
+        self,
+        ca_crt: Path,
+        ca_key: Path,
+        pki_dir: Path,
+        keepalive_time: float = DEFAULT_KEEPALIVE_TIME,
+        keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
+    ) -> None:
         self._ca_crt, self._ca_key, self._pki_dir = ca_crt, ca_key, pki_dir
+        self._keepalive = (keepalive_time, keepalive_timeout)
         self._ca: CertificateAuthority | None = None
         self._credentials: grpc.ChannelCredentials | None = None
         self._links: dict[str, _Link] = {}
@@ -113,7 +125,10 @@ class GuestTrust:
     def endpoint(self, name: str, identity: GuestIdentity, booted_at: float) -> GuestEndpoint:
         link = self._links.get(name)
         if link is None:
-            options = [*channel_options(), ("grpc.ssl_target_name_override", identity.server_name)]
+            options = [
+                *channel_options(*self._keepalive),
+                ("grpc.ssl_target_name_override", identity.server_name),
+            ]
             channel = grpc.aio.secure_channel(identity.endpoint, self.credentials(), options=options)
             link = self._links[name] = _Link(channel)
         return GuestEndpoint(
@@ -167,8 +182,8 @@ class GuestTrust:
             await asyncio.sleep(0.05)
         raise AuraeError(
             ErrorKind.DEADLINE_EXCEEDED,
-            f"guest {endpoint.name} at {endpoint.address} was not serving within {timeout:g} s "
-            f"({last_error})",
+            f"guest {endpoint.name} at {endpoint.address} was not serving within {timeout:g} s, the "
+            f"guest_ready_timeout (its last health check: {last_error or 'none answered'})",
         )
 
     async def close(self) -> None:

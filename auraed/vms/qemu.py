@@ -397,6 +397,11 @@ class QemuBackend:
             await asyncio.sleep(MIGRATION_POLL)
 
     async def shutdown(self, handle: VmHandle, timeout: float) -> bool:
+        if processes.is_stopped(handle.pid, handle.start_ticks):
+            # Stopped by a signal, it would answer neither a powerdown nor a quit: ended at once.
+            log.warning("VM at %s: QEMU is stopped (SIGSTOP): killing it", handle.control_socket)
+            await self.kill(handle)
+            return False
         if timeout > 0:
             try:
                 client = await self._client(handle)

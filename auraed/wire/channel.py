@@ -23,6 +23,10 @@ RECONNECT_BACKOFF_MS = 100
 # keepalive_client_min_interval (10 s) or more.
 DEFAULT_KEEPALIVE_TIME = 30.0
 DEFAULT_KEEPALIVE_TIMEOUT = 20.0
+# How often a guest's auraed lets the host ping it (its keepalive_client_min_interval, set in the
+# config the host gives it): the host's pings to a guest (guest_keepalive_time) are never more
+# frequent, or the guest would drop the connection for pinging too often.
+GUEST_PING_INTERVAL_MIN = 5.0
 
 
 def milliseconds(seconds: float) -> int:

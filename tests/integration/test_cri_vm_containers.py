@@ -41,7 +41,7 @@ from tests.integration.test_cri_containers import (
     stdout_lines,
 )
 from tests.integration.test_cri_containers import mirror as busybox_mirror
-from tests.integration.test_vms import free_test_pool
+from tests.integration.vm_pods_helpers import VMS, qemu_of, vm_daemon
 from tests.support.cni import cni_network, free_port, probe
 from tests.support.cri import (
     BUSYBOX_IMAGE,
@@ -56,7 +56,6 @@ from tests.support.registry import LocalRegistry
 
 mirror = busybox_mirror  # the registry fixture, used by name
 
-VMS = "aurae.vms.v0.VmService"
 BOOT_TIMEOUT = 300.0
 TIMEOUT = 120.0
 PORT = 8080
@@ -83,20 +82,7 @@ async def vm_node(
     daemon_factory: DaemonFactory, mirror: LocalRegistry, guest_image: Path, pki: PkiPaths, tmp_path: Path
 ) -> AsyncIterator[Node]:
     with cni_network(tmp_path) as network:
-        network.write(network.conflist())
-        daemon = daemon_factory(
-            "--cni-conf-dir",
-            str(network.conf_dir),
-            "--guest-image",
-            str(guest_image),
-            "--ca-key",
-            str(pki.ca_key),
-            "--vm-address-pool",
-            str(free_test_pool()),
-            "--cri-vm-memory-mib",
-            "512",
-            config_text=mirrors_config(mirror),
-        )
+        daemon = vm_daemon(daemon_factory, network, guest_image, pki, config_text=mirrors_config(mirror))
         node = Node(daemon, network, cri_client(daemon), "", tmp_path / "logs")
         try:
             node.image_id = await pull_image(node.client, BUSYBOX_IMAGE)
@@ -412,9 +398,8 @@ async def a_dead_guest_ends_its_pod(pod: VmPod, server: str) -> None:
     as its reason; the kubelet's stop and remove then work as for any pod (the fixture's)."""
     node = pod.node
     vm = f"pod-{pod.pod_id[:16]}"
-    found = subprocess.run(["pgrep", "-f", f"qemu-system.*{vm}"], capture_output=True, text=True, check=True)
-    for pid in found.stdout.split():
-        os.kill(int(pid), signal.SIGKILL)
+    for pid in qemu_of(vm):
+        os.kill(pid, signal.SIGKILL)
 
     async def not_ready() -> bool:
         status = (await pod_status(node.client, pod.pod_id)).status

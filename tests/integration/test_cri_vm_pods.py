@@ -28,7 +28,7 @@ from auraed.cri.vm import VmSizing, guest_size
 from auraed.pki import PkiPaths
 from auraed.vms.guests import GUEST_BASE_MIB
 from tests.conftest import DaemonFactory, DaemonProcess
-from tests.integration.test_vms import free_test_pool
+from tests.integration.vm_pods_helpers import VMS, vm_daemon
 from tests.support.cni import CniNetwork, cni_network
 from tests.support.cri import (
     RUNTIME_SERVICE,
@@ -40,7 +40,6 @@ from tests.support.cri import (
     stop_pod,
 )
 
-VMS = "aurae.vms.v0.VmService"
 GUEST_PORT = 8443
 TIMEOUT = 240.0
 MIB = 1024 * 1024
@@ -58,19 +57,7 @@ async def vm_node(
     daemon_factory: DaemonFactory, guest_image: Path, pki: PkiPaths, tmp_path: Path
 ) -> AsyncIterator[VmNode]:
     with cni_network(tmp_path) as network:
-        network.write(network.conflist())
-        daemon = daemon_factory(
-            "--cni-conf-dir",
-            str(network.conf_dir),
-            "--guest-image",
-            str(guest_image),
-            "--ca-key",
-            str(pki.ca_key),
-            "--vm-address-pool",
-            str(free_test_pool()),
-            "--cri-vm-memory-mib",
-            "512",
-        )
+        daemon = vm_daemon(daemon_factory, network, guest_image, pki)
         client = cri_client(daemon)
         try:
             yield VmNode(daemon, network, client)

@@ -179,6 +179,8 @@ def test_values_of_the_wrong_type_or_not_finite_are_refused_naming_the_key(
         ("vm_guest_port = 99999\n", "vm_guest_port: must be a port"),
         ("keepalive_time = 1e300\n", "keepalive_time: must be at most"),
         ("guest_ready_timeout = 0\n", "guest_ready_timeout: must be more than 0"),
+        ("guest_keepalive_time = 4\n", "guest_keepalive_time: must be 5 to 86400 seconds"),
+        ("guest_keepalive_timeout = 0\n", "guest_keepalive_timeout: must be more than 0"),
         ('cri_streaming_address = "0.0.0.0"\n', "cri_streaming_address: 0.0.0.0 is not a loopback"),
         ('cri_streaming_address = "192.0.2.2"\n', "cri_streaming_address: 192.0.2.2 is not a loopback"),
         ('cri_streaming_address = "localhost"\n', "cri_streaming_address: 'localhost' is not an IP"),
@@ -275,3 +277,21 @@ def test_aer_reports_an_odd_client_config_without_a_traceback(tmp_path: Path) ->
     )
     assert result.returncode != 0
     assert "Traceback" not in result.stderr and "[auth] must be a table" in result.stderr
+
+
+def test_a_guest_lets_the_host_ping_it_as_often_as_the_host_may(tmp_path: Path) -> None:
+    """The config a guest is given lets the host ping it every GUEST_PING_INTERVAL_MIN s, the
+    shortest guest_keepalive_time the host accepts: a host pinging that often is not dropped."""
+    from auraed.vms.guest_config import template_config
+    from auraed.wire.channel import GUEST_PING_INTERVAL_MIN
+
+    guest = load_config(
+        ["--config", str(write_config(tmp_path, template_config(8443, "aurae-host")["auraed.toml"]))], {}
+    )
+    assert guest.keepalive_client_min_interval == GUEST_PING_INTERVAL_MIN
+    host = load_config(["--config", "/dev/null", "--guest-keepalive-time", str(GUEST_PING_INTERVAL_MIN)], {})
+    assert host.guest_keepalive_time == GUEST_PING_INTERVAL_MIN
+    assert (
+        load_config(["--config", "/dev/null"], {}).guest_keepalive_time,
+        host.guest_keepalive_timeout,
+    ) == (30.0, 20.0)
