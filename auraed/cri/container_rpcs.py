@@ -369,7 +369,7 @@ class ContainerRpcs:
     async def _pod_stats(self, request_filter: cri.PodSandboxStatsFilter | None) -> list[cri.PodSandboxStats]:
         selector = labels(request_filter.label_selector, "filter.label_selector") if request_filter else {}
         pods = [pod for pod in self._pods.all() if _selected(pod, request_filter, selector)]
-        return [pod_stats_message(await self._containers.pod_usage(pod)) for pod in pods]
+        return [pod_stats_message(await self._containers.pod_usage(pod, of_many=True)) for pod in pods]
 
     async def list_pod_sandbox_stats(
         self, request: cri.ListPodSandboxStatsRequest, context: Context

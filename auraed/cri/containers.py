@@ -478,22 +478,31 @@ class CriContainers:
         cache = self._writable.setdefault(host.id, FsUsageCache(root, WRITABLE_USAGE_TTL))
         return root, await cache.usage()
 
-    async def usage(self, container: Container) -> ContainerUsage:
+    async def usage(self, container: Container, *, of_many: bool = False) -> ContainerUsage:
+        """The container's usage; a host that cannot be reached for it (a guest that does not
+        answer) is UNAVAILABLE, or with ``of_many`` (a listing of many containers, which one
+        stuck guest must not blind) a warning and no figures for this one."""
         cgroup = None
         if container.host.state == State.RUNNING:
-            cgroup = await self._host(container.record).usage(container.host)
+            try:
+                cgroup = await self._host(container.record).usage(container.host)
+            except AuraeError as exc:
+                if not of_many:
+                    raise
+                log.warning("no usage of container %s: %s", container.record.id[:13], exc.message)
         root, writable = await self.writable(container)
         return ContainerUsage(container, cgroup, writable, root)
 
     async def usages(self, wanted: ContainerFilter | None = None) -> list[ContainerUsage]:
-        return [await self.usage(c) for c in self.all(wanted)]
+        return [await self.usage(c, of_many=True) for c in self.all(wanted)]
 
-    async def pod_usage(self, pod: PodRecord) -> PodUsage:
+    async def pod_usage(self, pod: PodRecord, *, of_many: bool = False) -> PodUsage:
         cgroup = None
         with contextlib.suppress(AuraeError):  # a pod whose sandbox is gone has no cgroup to read
             parent = self._pods.controller(pod).container_sandbox(pod).cgroup_parent
             cgroup = await asyncio.to_thread(cgroup_usage, self._cgroups, parent)
-        containers = [await self.usage(c) for c in self.in_pod(pod.id) if c.host.state == State.RUNNING]
+        running = [c for c in self.in_pod(pod.id) if c.host.state == State.RUNNING]
+        containers = [await self.usage(c, of_many=of_many) for c in running]
         return PodUsage(pod, cgroup, tuple(containers))
 
     # -- records and restart -----------------------------------------------------------------

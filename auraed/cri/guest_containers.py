@@ -541,7 +541,7 @@ class GuestContainers:
         if guested.share:
             await run_to_end(asyncio.to_thread(self._shares.release, record.sandbox_id, guested.share))
         directory = Path(record.directory)
-        await asyncio.to_thread(_remove_directory, directory, record.log_path)
+        await asyncio.to_thread(_remove_directory, directory, record.log_path if keep_logs else None)
 
     async def _delete_in_guest(self, guested: _Guested, force: bool) -> None:
         request = pb.ContainerServiceDeleteRequest(container_id=guested.record.id, force=force)
@@ -627,8 +627,12 @@ class GuestContainers:
         request = pb.ContainerServiceStatsRequest(container_id=record.id)
         try:
             stats = await self._call(guested, "Stats", request, pb.ContainerServiceStatsResponse)
-        except AuraeError:
-            return None  # ended as it was read, or its guest with it: the status says how
+        except AuraeError as exc:
+            # Ended as it was read, or its guest with it: no usage, the status says how. A guest
+            # that runs but does not answer is an error to report, as containerd with Kata does.
+            if exc.kind is ErrorKind.UNAVAILABLE and self._guest_running(guested):
+                raise
+            return None
         return CgroupUsage(
             timestamp_ns=time.time_ns(),
             cpu_ns=stats.cpu_usage_usec * 1000,
@@ -747,12 +751,13 @@ def _touch(path: Path) -> None:
     path.touch()
 
 
-def _remove_directory(directory: Path, log_path: Path) -> None:
-    """The container's directory on the host, but for its log when that is the kubelet's."""
+def _remove_directory(directory: Path, keep: Path | None) -> None:
+    """The container's directory on the host (its log too, where the pod names no log directory),
+    but for ``keep``. A kubelet's log is outside it: the kubelet removes that one."""
     if not directory.exists():
         return
     for entry in directory.iterdir():
-        if entry != log_path:
+        if entry != keep:
             entry.unlink(missing_ok=True)
     with contextlib.suppress(OSError):
         directory.rmdir()

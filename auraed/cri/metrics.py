@@ -182,7 +182,7 @@ class PodMetricsSource:
         return PodSample(pod, pod_sample, tuple(containers))
 
     async def _guest_sample(self, pod: CgroupSample | None, container: Container) -> CgroupSample | None:
-        usage = (await self._containers.usage(container)).cgroup
+        usage = (await self._containers.usage(container, of_many=True)).cgroup
         if usage is None:
             return None  # ended as it was read
         where = pod.id if pod is not None else ""

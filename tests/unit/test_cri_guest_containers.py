@@ -16,6 +16,7 @@ from auraed.cri.errors import CriError
 from auraed.cri.guest_containers import (
     GuestContainers,
     _Guested,
+    _remove_directory,
     _Resume,
     config_message,
     mirror,
@@ -124,3 +125,14 @@ def test_the_pods_etc_files_are_mounted_unless_the_request_mounts_its_own(tmp_pa
     ]
     assert all(m.read_only and m.type == "bind" for m in mounts)  # a read-only rootfs: read-only
     assert pod_file_mounts(ContainerRequest(name="web"), SandboxContext()) == ()
+
+
+def test_a_removed_containers_directory_goes_with_its_own_log_unless_kept(tmp_path: Path) -> None:
+    for keep in (False, True):
+        directory = tmp_path / f"c-{keep}"
+        directory.mkdir()
+        log = directory / "container.log"  # where the log is when the pod names no log directory
+        log.write_text("line\n")
+        (directory / "doc.json").write_text("{}")
+        _remove_directory(directory, log if keep else None)
+        assert directory.exists() is keep and log.exists() is keep
