@@ -223,9 +223,9 @@ class QemuBackend:
         self.memory_slots = memory_slots
 
     def room(self, spec: LaunchSpec) -> Room:
-        """The room ``spec`` gets to grow: none on microvm, nor for a template or a clone."""
+        """The room ``spec`` gets to grow: none on microvm, nor for a template or a clone (all 0)."""
         if self.machine == "microvm" or spec.image is not None:
-            return Room(spec.vcpus, spec.memory_mib, 0)
+            return Room(0, 0, 0)
         vcpus = max(spec.vcpus, self.max_vcpus or os.cpu_count() or 1)
         memory = max(spec.memory_mib, self.max_memory_mib or host_memory_mib())
         return Room(vcpus, memory, self.memory_slots if memory > spec.memory_mib else 0)
@@ -416,7 +416,10 @@ class QemuBackend:
                 'vm_machine = "q35" (in the daemon\'s configuration; VMs started after it get it)'
             )
         if not run.max_vcpus:
-            return "it was started without room to grow (by an auraed before Resize existed): start it again"
+            return (
+                "it was started without room to grow: a template's clone (its command line is its "
+                "template's), or started by an auraed before Resize existed"
+            )
         return None
 
     async def grow(self, handle: VmHandle, *, vcpus: int, memory_mib: int, shared: bool) -> tuple[int, int]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from auraed.vms.backend import LaunchDisk, LaunchNet, LaunchSpec, MemoryImage
-from auraed.vms.model import grown_memory_mib, host_memory_mib
+from auraed.vms.model import RunInfo, grown_memory_mib, host_memory_mib
 from auraed.vms.qemu import QemuBackend, Room, build_command, host_tsc_khz
 
 SPEC = LaunchSpec(
@@ -173,8 +173,8 @@ def test_the_room_a_vm_gets() -> None:
     # (a clone's command line must be its template's); microvm never has any.
     assert q35.room(dataclasses.replace(SPEC, vcpus=16, memory_mib=8192)) == Room(16, 8192, 0)
     image = MemoryImage("/run/t/memory", "/run/t/state", clone=True)
-    assert q35.room(dataclasses.replace(SPEC, image=image)) == Room(2, 384, 0)
-    assert QemuBackend(machine="microvm", max_vcpus=8).room(SPEC) == Room(2, 384, 0)
+    assert q35.room(dataclasses.replace(SPEC, image=image)) == Room(0, 0, 0)
+    assert QemuBackend(machine="microvm", max_vcpus=8).room(SPEC) == Room(0, 0, 0)
 
 
 def test_memory_grows_in_whole_blocks() -> None:
@@ -182,3 +182,15 @@ def test_memory_grows_in_whole_blocks() -> None:
     assert grown_memory_mib(512, 513) == 640
     assert grown_memory_mib(512, 512) == 512 and grown_memory_mib(512, 100) == 512
     assert grown_memory_mib(384, 1000) == 1024
+
+
+def test_what_cannot_grow_says_why() -> None:
+    def run(machine: str, max_vcpus: int) -> RunInfo:
+        return RunInfo(1, 1, "/run/qmp.sock", "/run/console.log", "tcg", machine, max_vcpus, 0)
+
+    q35 = QemuBackend(machine="q35")
+    problem = q35.grow_problem(run("microvm", 0))
+    assert problem is not None and "microvm" in problem and 'vm_machine = "q35"' in problem
+    problem = q35.grow_problem(run("q35", 0))
+    assert problem is not None and "without room" in problem
+    assert q35.grow_problem(run("q35", 2)) is None
