@@ -181,6 +181,7 @@ def test_observe_daemon_and_signals(config: Path) -> None:
 def test_server_errors_are_one_line(config: Path) -> None:
     assert_one_line_error(aer("cell", "allocate", "Bad_Name", config=config), "INVALID_ARGUMENT")
     assert_one_line_error(aer("cell", "free", unique("missing"), config=config), "NOT_FOUND")
+    assert_one_line_error(aer("vm", "resize", unique("missing"), "--vcpus", "2", config=config), "NOT_FOUND")
 
 
 def test_local_errors(tmp_path: Path) -> None:
