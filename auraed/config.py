@@ -156,7 +156,28 @@ class DaemonConfig:
         default="10.213.0.0/16",
         metadata=_help("private IPv4 pool for VM taps, cut into /30s; checked against every host route"),
     )
-    vm_machine: str = field(default="microvm", metadata=_help("QEMU machine type: microvm or q35"))
+    vm_machine: str = field(
+        default="microvm",
+        metadata=_help("QEMU machine type: microvm or q35 (q35 VMs can grow: VmService.Resize)"),
+    )
+    vm_max_vcpus: int = field(
+        default=0,
+        metadata=_help(
+            "vCPUs a q35 VM can grow to (-smp maxcpus); 0: the host's online CPUs, as Kata's "
+            "default_maxvcpus (a VM asking for more starts with room for no more)"
+        ),
+    )
+    vm_max_memory_mib: int = field(
+        default=0,
+        metadata=_help(
+            "memory in MiB a q35 VM can grow to (-m maxmem): address space, no RAM until plugged; "
+            "0: the host's MemTotal, as Kata (the most a VM may be allocated anyway)"
+        ),
+    )
+    vm_memory_slots: int = field(
+        default=10,
+        metadata=_help("DIMM slots of a q35 VM (-m slots): each memory growth takes one; 1 to 255"),
+    )
     vm_guest_port: int = field(default=8443, metadata=_help("port the guests' auraed listens on (mTLS)"))
     qemu_binary: str = field(default="qemu-system-x86_64", metadata=_help("QEMU system emulator"))
     virtiofsd_binary: str = field(
@@ -494,6 +515,8 @@ def _mirror_problem(mirror: str) -> str:
 # Each of auraed's own log lines Observe keeps costs a few hundred bytes: a million is ~0.5 GB.
 MAX_LOG_BUFFER_LINES = 1_000_000
 MAX_GUEST_READY_TIMEOUT = 86400.0  # a day; a guest not serving by then never will
+MAX_VM_VCPUS = 255  # the most a VM may have (vms/model.py MAX_VCPUS)
+MAX_VM_MEMORY_SLOTS = 255  # QEMU's ACPI memory hotplug has 256
 MAX_PORT = 65535  # TCP ports are 16 bits; grpc takes a bigger one modulo 65536, listening elsewhere
 _HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
 
@@ -596,6 +619,12 @@ def _validate(config: DaemonConfig) -> DaemonConfig:
         )
     if not 1 <= config.log_buffer_lines <= MAX_LOG_BUFFER_LINES:
         raise ConfigError(f"log_buffer_lines: must be 1 to {MAX_LOG_BUFFER_LINES}")
+    if not 0 <= config.vm_max_vcpus <= MAX_VM_VCPUS:
+        raise ConfigError(f"vm_max_vcpus: must be 0 (the host's CPUs) to {MAX_VM_VCPUS}")
+    if config.vm_max_memory_mib < 0:
+        raise ConfigError("vm_max_memory_mib: must be 0 (the host's MemTotal) or more")
+    if not 1 <= config.vm_memory_slots <= MAX_VM_MEMORY_SLOTS:
+        raise ConfigError(f"vm_memory_slots: must be 1 to {MAX_VM_MEMORY_SLOTS}")
     if not 1 <= config.vm_guest_port <= MAX_PORT:
         raise ConfigError(f"vm_guest_port: must be a port from 1 to {MAX_PORT}")
     _validate_cri(config)

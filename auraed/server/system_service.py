@@ -98,6 +98,31 @@ class SystemServicer:
         log.info("clock set by %s (%+.3f s)", _caller(context), adjusted / 1e9)
         return pb.SystemServiceSetTimeResponse(adjusted_ns=adjusted)
 
+    async def online_cpu_mem(
+        self, request: pb.SystemServiceOnlineCpuMemRequest, context: Context
+    ) -> pb.SystemServiceOnlineCpuMemResponse:
+        from auraed.system import hotplug
+
+        self._machine_init("OnlineCpuMem")
+        done = await asyncio.to_thread(hotplug.online_cpu_mem)
+        if done.cpus_onlined or done.memory_blocks_onlined or done.failures:
+            log.info(
+                "hotplug (asked by %s): %d CPUs and %d memory blocks onlined%s; %d CPUs, MemTotal %d KiB",
+                _caller(context),
+                done.cpus_onlined,
+                done.memory_blocks_onlined,
+                f", refused: {'; '.join(done.failures)}" if done.failures else "",
+                done.online_cpus,
+                done.mem_total_kib,
+            )
+        return pb.SystemServiceOnlineCpuMemResponse(
+            online_cpus=done.online_cpus,
+            mem_total_kib=done.mem_total_kib,
+            cpus_onlined=done.cpus_onlined,
+            memory_blocks_onlined=done.memory_blocks_onlined,
+            failures=list(done.failures),
+        )
+
 
 def _caller(context: Context) -> str:
     return ",".join(peer_identities(context)) or "an unidentified client"

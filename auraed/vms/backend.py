@@ -103,6 +103,10 @@ class VmHandle:
     # A template's or a clone's identity port, connected: (asyncio StreamReader, StreamWriter).
     identity: Any = None
     restored_in: float | None = None  # a clone: seconds its device state took to load and resume
+    # QEMU's machine type, and the vCPUs and memory the VM was started with room for (0: none).
+    machine: str = ""
+    max_vcpus: int = 0
+    max_memory_mib: int = 0
 
     def run_info(self) -> RunInfo:
         return RunInfo(
@@ -111,6 +115,9 @@ class VmHandle:
             control_socket=str(self.control_socket),
             console_path=str(self.console_path),
             accelerator=self.accelerator,
+            machine=self.machine,
+            max_vcpus=self.max_vcpus,
+            max_memory_mib=self.max_memory_mib,
         )
 
     @property
@@ -157,6 +164,17 @@ class Backend(Protocol):
 
     async def start(self, spec: LaunchSpec) -> VmHandle: ...
 
+    def grow_problem(self, run: RunInfo) -> str | None:
+        """Why the VM running as ``run`` says cannot grow at all (its machine type, its backend);
+        None when it can, up to ``run.max_vcpus`` and ``run.max_memory_mib``."""
+        ...
+
+    async def grow(self, handle: VmHandle, *, vcpus: int, memory_mib: int, shared: bool) -> tuple[int, int]:
+        """Hotplug vCPUs and memory until the VM has at least ``vcpus`` and ``memory_mib`` (memory
+        in whole blocks, so maybe more; ``shared``: its RAM is shared, for virtiofsd). Returns the
+        vCPUs and MiB it has then, as the VMM reports them."""
+        ...
+
     async def status(self, handle: VmHandle) -> str:
         """The guest's state as the VMM reports it now, lower-case ("running", "paused", ...)."""
         ...
@@ -200,6 +218,9 @@ def reattach(backend: str, run: RunInfo, client: Callable[[Path], Any]) -> VmHan
         accelerator=run.accelerator,
         process=None,
         client=client(socket),
+        machine=run.machine,
+        max_vcpus=run.max_vcpus,
+        max_memory_mib=run.max_memory_mib,
     )
 
 

@@ -160,6 +160,14 @@ class CloudHypervisorBackend:
     def template_problem(self) -> str | None:
         return "guest templates are made with QEMU only (cloud-hypervisor's snapshot/restore is not used yet)"
 
+    def grow_problem(self, run: RunInfo) -> str | None:
+        # Its vm.resize needs room set at boot (cpus.max_vcpus, memory.hotplug_size), which cannot
+        # be tested without KVM here.
+        return "growing a cloud-hypervisor VM is not supported yet (QEMU's q35 machine can grow)"
+
+    async def grow(self, handle: VmHandle, *, vcpus: int, memory_mib: int, shared: bool) -> tuple[int, int]:
+        raise VmError.precondition(self.grow_problem(handle.run_info()) or "")
+
     async def save(self, handle: VmHandle, state_path: Path) -> float:
         raise VmError.precondition(self.template_problem() or "")
 

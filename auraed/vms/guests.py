@@ -16,6 +16,7 @@ import ipaddress
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -214,6 +215,21 @@ CONFIG_DISK = "config.img"
 GUEST_IMAGE_FILES = {"kernel": "vmlinuz", "initramfs": "initramfs.img", "root_disk": "rootfs.img"}
 # Transparent huge pages cost a small guest 2-4 MiB of RSS for nothing.
 THP_ARG = "transparent_hugepage=madvise"
+
+
+RESIZE_TIMEOUT = 60.0
+"""Seconds a guest has to online what Resize plugged (ACPI events, handled by its kernel)."""
+RESIZE_POLL = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Resized:
+    """What a guest reported after a resize: its online CPUs, its MemTotal (KiB; 0 for a VM
+    that is not a guest), and the seconds from the first hotplug until it reported them."""
+
+    online_cpus: int
+    mem_total_kib: int
+    seconds: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -484,6 +500,67 @@ class Guests:
         request = codec.encode(system_pb.SystemServiceSetTimeRequest(unix_ns=time.time_ns()))
         reply = await channel.unary_unary(f"/{SYSTEM}/SetTime")(request, timeout=timeout)
         return boot_id, codec.decode(system_pb.SystemServiceSetTimeResponse, reply).adjusted_ns
+
+    async def resize(self, name: str, vcpus: int, memory_mib: int) -> VmRecord:
+        """Grow the running VM ``name`` to at least ``vcpus`` and ``memory_mib`` (Vms.grow: never
+        shrinks, refuses what it cannot), and, for a guest, have its auraed online what was plugged
+        (SystemService.OnlineCpuMem) until it reports the new vCPUs and the memory added. The
+        record, saved, says the VM's new size."""
+        record, _ = await self.resize_reporting(name, vcpus, memory_mib)
+        return record
+
+    async def resize_reporting(self, name: str, vcpus: int, memory_mib: int) -> tuple[VmRecord, Resized]:
+        """``resize``, and what the guest reported once grown."""
+        record = self.vms.get(name)
+        if vcpus == record.spec.vcpus and memory_mib == record.spec.memory_mib:
+            return record, Resized(0, 0, 0.0)
+        before = None
+        if self.is_guest(record.spec) and record.state == State.RUNNING:
+            before = await self.online_cpu_mem(name)
+        started = time.monotonic()
+        old_memory = record.spec.memory_mib
+        record = await self.vms.grow(name, vcpus, memory_mib)
+        if before is None:
+            return record, Resized(0, 0, time.monotonic() - started)
+        added_kib = (record.spec.memory_mib - old_memory) * 1024
+        deadline = started + RESIZE_TIMEOUT
+        while True:
+            now = await self.online_cpu_mem(name)
+            if now.online_cpus >= record.spec.vcpus and now.mem_total_kib >= before.mem_total_kib + added_kib:
+                break
+            if time.monotonic() > deadline:
+                failures = f"; refused: {'; '.join(now.failures)}" if now.failures else ""
+                raise VmError(
+                    ErrorKind.DEADLINE_EXCEEDED,
+                    f"VM {name}: its VMM has {record.spec.vcpus} vCPUs and {record.spec.memory_mib} MiB, but "
+                    f"within {RESIZE_TIMEOUT:g} s its guest onlined only {now.online_cpus} CPUs and "
+                    f"{(now.mem_total_kib - before.mem_total_kib) // 1024} of the "
+                    f"{added_kib // 1024} MiB added{failures}",
+                )
+            await asyncio.sleep(RESIZE_POLL)
+        resized = Resized(now.online_cpus, now.mem_total_kib, time.monotonic() - started)
+        log.info(
+            "VM %s: its guest has %d CPUs and MemTotal %d KiB, %.2f s after the hotplug began",
+            name,
+            now.online_cpus,
+            now.mem_total_kib,
+            resized.seconds,
+        )
+        return record, resized
+
+    async def online_cpu_mem(self, name: str, timeout: float = 30.0) -> Any:
+        """The guest's SystemService.OnlineCpuMem: every offline CPU and memory block onlined."""
+        from auraed.api.aurae.system import v0 as system_pb
+        from auraed.vms.guest_calls import guest_error
+        from auraed.wire import codec
+
+        endpoint = await self.lookup(name)
+        request = codec.encode(system_pb.SystemServiceOnlineCpuMemRequest())
+        try:
+            reply = await endpoint.channel.unary_unary(f"/{SYSTEM}/OnlineCpuMem")(request, timeout=timeout)
+            return codec.decode(system_pb.SystemServiceOnlineCpuMemResponse, reply)
+        except (grpc.aio.AioRpcError, codec.CodecError) as exc:
+            raise guest_error(endpoint, exc) from None
 
     async def _wait_serving(self, name: str) -> float | None:
         """Seconds from launching the VMM until the guest serves (None without a launch time)."""

@@ -164,6 +164,10 @@ class RunInfo:
     control_socket: str
     console_path: str
     accelerator: str
+    # QEMU's machine type, and the room the VMM was started with to grow (Resize; 0: none).
+    machine: str = ""
+    max_vcpus: int = 0
+    max_memory_mib: int = 0
 
     @classmethod
     def from_doc(cls, doc: dict[str, Any]) -> RunInfo:
@@ -187,6 +191,9 @@ class VmRecord:
     console_tail: list[str] = dataclasses.field(default_factory=list)
     template: str = ""  # the template this run was cloned from ("": booted cold)
     restore_ms: float | None = None  # a clone: loading its state and resuming it took this long
+    # What Resize plugged into this run (on top of what it booted with; the spec holds the sum).
+    plugged_vcpus: int = 0
+    plugged_memory_mib: int = 0
 
     @property
     def name(self) -> str:
@@ -218,6 +225,18 @@ class VmRecord:
                 "run": RunInfo.from_doc(doc["run"]) if doc.get("run") else None,
             }
         )
+
+
+MEMORY_BLOCK_MIB = 128
+"""Linux on x86-64 onlines memory in blocks of 128 MiB (below 64 GiB of RAM): memory is plugged
+in whole blocks, so that every DIMM starts and ends on one."""
+
+
+def grown_memory_mib(current_mib: int, wanted_mib: int) -> int:
+    """The memory a VM of ``current_mib`` has once grown to at least ``wanted_mib``: whole blocks
+    added (nothing when it has as much already)."""
+    missing = max(0, wanted_mib - current_mib)
+    return current_mib + -(-missing // MEMORY_BLOCK_MIB) * MEMORY_BLOCK_MIB
 
 
 # -- validation ---------------------------------------------------------------------------------

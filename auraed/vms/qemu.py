@@ -14,12 +14,21 @@
 - a shared directory (a pod's volumes) is served by virtiofsd (QEMU's, from qemu-system-common)
   over vhost-user: the guest's RAM is then a shared memfd (vhost-user needs to map it), and the
   device is vhost-user-fs with the tag auraed.bootargs.SHARE_TAG. virtiofsd runs in its own
-  namespace sandbox and ends when QEMU disconnects.
+  namespace sandbox and ends when QEMU disconnects;
+- on q35 a VM booted cold starts with room to grow (``-smp N,maxcpus=M``, ``-m SIZE,slots=S,
+  maxmem=MAX``), ``memhp_default_state=online`` and ``swiotlb=noforce`` on its kernel command line
+  (see kernel_args); ``grow`` hotplugs vCPUs (``device_add`` of a slot ``query-hotpluggable-cpus``
+  reports free) and memory (a ``pc-dimm`` over a new memory object: a shared memfd when the VM's
+  RAM is, for virtiofsd, else plain RAM). microvm has no hotplug at all; templates and clones
+  start without room (a clone's command line must be its template's).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import itertools
 import logging
 import os
 import shutil
@@ -37,7 +46,7 @@ from auraed.vms import backend as common
 from auraed.vms import network
 from auraed.vms.backend import ExitInfo, LaunchSpec, MemoryImage, VmHandle
 from auraed.vms.errors import VmError
-from auraed.vms.model import RunInfo
+from auraed.vms.model import RunInfo, grown_memory_mib, host_memory_mib
 from auraed.vms.qmp import QmpClient, QmpError
 
 log = logging.getLogger(__name__)
@@ -54,6 +63,21 @@ MICROVM = "microvm,x-option-roms=off,isa-serial=on,rtc=on"
 MEMORY_ID = "ram0"
 MIGRATION_POLL = 0.005
 MIGRATION_TIMEOUT = 60.0
+MIB = 1024 * 1024
+HOTPLUG_MEMORY_ARG = "memhp_default_state=online"
+NO_SWIOTLB_ARG = "swiotlb=noforce"
+DIMM_PREFIX = "dimm"
+DIMM_MEMORY_PREFIX = "mem-dimm"
+
+
+@dataclasses.dataclass(frozen=True)
+class Room:
+    """What a VM can grow to: its vCPUs (``-smp maxcpus``) and memory (``-m maxmem``, with
+    ``slots`` DIMM slots); both its boot values when it cannot grow."""
+
+    max_vcpus: int
+    max_memory_mib: int
+    slots: int
 
 
 def host_tsc_khz(cpuinfo: Path = Path("/proc/cpuinfo")) -> int | None:
@@ -78,8 +102,10 @@ def build_command(
     console_path: Path,
     kernel_cmdline: str,
     tap_fd: int = -1,
+    room: Room | None = None,
 ) -> list[str]:
-    """The QEMU command line for a VM (pure: tested without QEMU)."""
+    """The QEMU command line for a VM (pure: tested without QEMU); ``room``: what it can grow to
+    (q35 only)."""
     if machine not in MACHINES:
         raise ValueError(f"unknown machine {machine!r}")
     mmio = machine == "microvm"
@@ -91,14 +117,20 @@ def build_command(
     if image is not None or spec.shared_dir:
         # A template's RAM file, or a shared memfd virtiofsd maps (vhost-user).
         machine_arg += f",memory-backend={MEMORY_ID}"
+    smp, memory = str(spec.vcpus), f"{spec.memory_mib}M"
+    if room is not None and not mmio:
+        if room.max_vcpus > spec.vcpus:
+            smp += f",maxcpus={room.max_vcpus}"
+        if room.slots and room.max_memory_mib > spec.memory_mib:
+            memory += f",slots={room.slots},maxmem={room.max_memory_mib}M"
     argv = [
         binary,
         "-name", f"{spec.name},debug-threads=on",
         "-M", machine_arg,
         "-accel", accelerator,
         "-cpu", "host" if accelerator == "kvm" else "max",
-        "-smp", str(spec.vcpus),
-        "-m", f"{spec.memory_mib}M",
+        "-smp", smp,
+        "-m", memory,
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
         "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
         "-kernel", spec.kernel,
@@ -175,6 +207,9 @@ class QemuBackend:
         machine: str = "microvm",
         kvm_usable: Callable[[], bool] = lambda: False,
         virtiofsd: str = "/usr/lib/qemu/virtiofsd",
+        max_vcpus: int = 0,
+        max_memory_mib: int = 0,
+        memory_slots: int = 10,
     ) -> None:
         if machine not in MACHINES:
             raise VmError(ErrorKind.INVALID_ARGUMENT, f"vm_machine: {machine!r} is not one of {MACHINES}")
@@ -182,6 +217,18 @@ class QemuBackend:
         self.machine = machine
         self._kvm_usable = kvm_usable
         self.virtiofsd = virtiofsd
+        # 0: the host's online CPUs / its MemTotal (the config's vm_max_vcpus, vm_max_memory_mib).
+        self.max_vcpus = max_vcpus
+        self.max_memory_mib = max_memory_mib
+        self.memory_slots = memory_slots
+
+    def room(self, spec: LaunchSpec) -> Room:
+        """The room ``spec`` gets to grow: none on microvm, nor for a template or a clone (all 0)."""
+        if self.machine == "microvm" or spec.image is not None:
+            return Room(0, 0, 0)
+        vcpus = max(spec.vcpus, self.max_vcpus or os.cpu_count() or 1)
+        memory = max(spec.memory_mib, self.max_memory_mib or host_memory_mib())
+        return Room(vcpus, memory, self.memory_slots if memory > spec.memory_mib else 0)
 
     def problem(self) -> str | None:
         if shutil.which(self.binary) is None:
@@ -198,6 +245,13 @@ class QemuBackend:
             khz = host_tsc_khz()
             if khz:
                 args.append(f"tsc_early_khz={khz}")
+        else:
+            # Memory plugged in (Resize) is onlined by the kernel itself; CPUs by the guest's auraed.
+            # Room for memory puts the hotplug range above 4 GiB (ACPI SRAT), and a kernel that
+            # may have memory there reserves 64 MiB of bounce buffers (SWIOTLB) out of the guest's
+            # RAM at boot: 13% of a 512 MiB guest. Our q35 devices are virtio (guest-physical
+            # addresses, no DMA API) and need none.
+            args += [HOTPLUG_MEMORY_ARG, NO_SWIOTLB_ARG]
         return args
 
     def console_log_path(self, run_dir: Path) -> Path:
@@ -227,9 +281,11 @@ class QemuBackend:
                 if state_fd >= 0:
                     os.close(state_fd)
                 raise
+        room = self.room(spec)
         try:
             argv = build_command(
                 spec,
+                room=room,
                 binary=self.binary,
                 machine=self.machine,
                 accelerator=accelerator,
@@ -255,6 +311,9 @@ class QemuBackend:
             accelerator=accelerator,
             process=process,
             client=QmpClient(qmp_socket),
+            machine=self.machine,
+            max_vcpus=room.max_vcpus,
+            max_memory_mib=room.max_memory_mib,
         )
         try:
             await self._connect(handle, spec.timeout)
@@ -348,6 +407,94 @@ class QemuBackend:
 
     def template_problem(self) -> str | None:
         return self.problem()
+
+    def grow_problem(self, run: RunInfo) -> str | None:
+        machine = run.machine or self.machine
+        if machine != "q35":
+            return (
+                f"QEMU's {machine} machine cannot hotplug vCPUs or memory: VMs that are to grow need "
+                'vm_machine = "q35" (in the daemon\'s configuration; VMs started after it get it)'
+            )
+        if not run.max_vcpus:
+            return (
+                "it was started without room to grow: a template's clone (its command line is its "
+                "template's), or started by an auraed before Resize existed"
+            )
+        return None
+
+    async def grow(self, handle: VmHandle, *, vcpus: int, memory_mib: int, shared: bool) -> tuple[int, int]:
+        client = await self._client(handle)
+        plugged = await self._plug_vcpus(client, vcpus)
+        memory = await self._plug_memory(client, memory_mib, shared)
+        return plugged, memory
+
+    @staticmethod
+    async def _plug_vcpus(client: QmpClient, vcpus: int) -> int:
+        """vCPUs plugged into free slots until the VM has ``vcpus``; how many it has then."""
+        slots = await client.execute("query-hotpluggable-cpus", timeout=STATUS_TIMEOUT)
+        assert isinstance(slots, list)
+        present = sum(1 for slot in slots if slot.get("qom-path"))
+        free = sorted(
+            (slot for slot in slots if not slot.get("qom-path")),
+            key=lambda slot: sorted(slot.get("props", {}).items()),
+        )
+        needed = vcpus - present
+        if needed > len(free):
+            raise VmError.precondition(
+                f"vcpus: {vcpus} is more than the VM's {present + len(free)} slots (vm_max_vcpus)"
+            )
+        for slot in free[: max(0, needed)]:
+            props = dict(slot.get("props", {}))
+            # The slot's own topology names the device: a free slot's name is free (also for a VM
+            # grown by an auraed before a restart, whose devices QEMU reports the same way).
+            ident = "vcpu-" + "-".join(
+                f"{key.removesuffix('-id')}{value}" for key, value in sorted(props.items())
+            )
+            try:
+                await client.execute(
+                    "device_add", {"driver": slot["type"], "id": ident, **props}, timeout=STATUS_TIMEOUT
+                )
+            except QmpError as exc:
+                raise VmError.internal(f"QEMU: plugging vCPU {ident}: {exc}") from None
+            present += 1
+        return present
+
+    @staticmethod
+    async def _plug_memory(client: QmpClient, memory_mib: int, shared: bool) -> int:
+        """A DIMM (whole memory blocks) if the VM has less than ``memory_mib``; the MiB it has then."""
+        summary = await client.execute("query-memory-size-summary", timeout=STATUS_TIMEOUT)
+        assert isinstance(summary, dict)
+        current = (int(summary.get("base-memory", 0)) + int(summary.get("plugged-memory", 0))) // MIB
+        if memory_mib <= current:
+            return current
+        size = grown_memory_mib(current, memory_mib) - current
+        devices = await client.execute("query-memory-devices", timeout=STATUS_TIMEOUT)
+        objects = await client.execute("qom-list", {"path": "/objects"}, timeout=STATUS_TIMEOUT)
+        used = {str(d.get("data", {}).get("id", "")) for d in devices if isinstance(d, dict)}
+        used |= {str(o.get("name", "")) for o in objects if isinstance(o, dict)}
+        number = next(
+            n for n in itertools.count() if not {f"{DIMM_PREFIX}{n}", f"{DIMM_MEMORY_PREFIX}{n}"} & used
+        )
+        memdev, dimm = f"{DIMM_MEMORY_PREFIX}{number}", f"{DIMM_PREFIX}{number}"
+        # The same kind of RAM as the VM's own: shared (a memfd) when virtiofsd maps guest RAM.
+        backend: dict[str, object] = {"qom-type": "memory-backend-ram", "id": memdev, "size": size * MIB}
+        if shared:
+            backend.update({"qom-type": "memory-backend-memfd", "share": True})
+        try:
+            await client.execute("object-add", backend, timeout=STATUS_TIMEOUT)
+        except QmpError as exc:
+            raise VmError.internal(f"QEMU: making {size} MiB of memory ({memdev}): {exc}") from None
+        try:
+            await client.execute(
+                "device_add", {"driver": "pc-dimm", "id": dimm, "memdev": memdev}, timeout=STATUS_TIMEOUT
+            )
+        except QmpError as exc:
+            with contextlib.suppress(QmpError):
+                await client.execute("object-del", {"id": memdev}, timeout=STATUS_TIMEOUT)
+            raise VmError.precondition(
+                f"QEMU: plugging {size} MiB of memory ({dimm}): {exc} (vm_memory_slots)"
+            ) from None
+        return current + size
 
     async def save(self, handle: VmHandle, state_path: Path) -> float:
         started = time.monotonic()

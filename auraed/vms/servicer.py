@@ -156,6 +156,28 @@ class VmServicer:
         async for line in self._vms.console(name, request.tail, request.follow):
             yield pb.VmServiceGetConsoleResponse(line=line)
 
+    async def resize(
+        self, request: pb.VmServiceResizeRequest, context: Context
+    ) -> pb.VmServiceResizeResponse:
+        name = validate_label(request.name, "name")
+        spec = self._vms.get(name).spec
+        vcpus = request.vcpus or spec.vcpus
+        if vcpus > MAX_VCPUS:
+            raise VmError.invalid("vcpus", f"{vcpus} is out of range 1..{MAX_VCPUS}")
+        memory = request.memory_mib or spec.memory_mib
+        limit = host_memory_mib()
+        if limit and memory > limit:
+            raise VmError.invalid(
+                "memory_mib", f"{memory} MiB is more than the host has ({limit} MiB MemTotal)"
+            )
+        record, resized = await self._guests.resize_reporting(name, vcpus, memory)
+        return pb.VmServiceResizeResponse(
+            status=status_message(await self._vms.view(record)),
+            guest_online_cpus=resized.online_cpus,
+            guest_mem_total_kib=resized.mem_total_kib,
+            resize_ms=round(resized.seconds * 1000),
+        )
+
     async def create_template(
         self, request: pb.VmServiceCreateTemplateRequest, context: Context
     ) -> pb.VmServiceCreateTemplateResponse:

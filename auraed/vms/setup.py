@@ -35,6 +35,9 @@ def build(
             machine=config.vm_machine,
             kvm_usable=lambda: probe.usable,
             virtiofsd=config.virtiofsd_binary,
+            max_vcpus=config.vm_max_vcpus,
+            max_memory_mib=config.vm_max_memory_mib,
+            memory_slots=config.vm_memory_slots,
         ),
         "cloud-hypervisor": CloudHypervisorBackend(
             binary=config.cloud_hypervisor_binary,

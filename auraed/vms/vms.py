@@ -42,6 +42,7 @@ from auraed.vms.model import (
     VmRecord,
     VmSpec,
     check_file,
+    grown_memory_mib,
 )
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ def _starting(record: VmRecord, template: str) -> None:
     record.reason, record.console_tail = "", []
     record.started_at = time.time()
     record.template, record.restore_ms = template, None
+    record.plugged_vcpus = record.plugged_memory_mib = 0
 
 
 class _Live:
@@ -438,6 +440,73 @@ class Vms:
         if live is not None and live.watcher is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(live.watcher)
+
+    # -- growing -----------------------------------------------------------------------------
+
+    async def grow(self, name: str, vcpus: int, memory_mib: int) -> VmRecord:
+        """Hotplug the running VM ``name`` up to at least ``vcpus`` and ``memory_mib`` (never down:
+        fewer is INVALID_ARGUMENT naming the field; as many: nothing is done). Its spec then holds
+        its new size, saved (a later Start boots with it), and the record what was plugged.
+
+        FAILED_PRECONDITION when it is not running, cannot grow (its machine type, its backend) or
+        would grow beyond the room it was started with (vm_max_vcpus, vm_max_memory_mib). The
+        guest's kernel still has to online what was plugged (Guests.resize has its auraed do it).
+        """
+        async with self._vm_lock(name):
+            record = self.get(name)
+            spec = record.spec
+            if vcpus < spec.vcpus:
+                raise VmError.invalid(
+                    "vcpus", f"{vcpus} is fewer than VM {name}'s {spec.vcpus}: VMs never shrink"
+                )
+            if memory_mib < spec.memory_mib:
+                raise VmError.invalid(
+                    "memory_mib",
+                    f"{memory_mib} MiB is less than VM {name}'s {spec.memory_mib} MiB: VMs never shrink",
+                )
+            if vcpus == spec.vcpus and memory_mib == spec.memory_mib:
+                return record
+            live = self._live.get(name)
+            if live is None or not self._running(name) or record.state != State.RUNNING or record.run is None:
+                raise VmError.precondition(
+                    f"VM {name} is {record.state_with_reason()}: only a running VM grows"
+                )
+            backend = self.backends[record.backend]
+            if problem := backend.grow_problem(record.run):
+                raise VmError.precondition(f"VM {name} cannot grow: {problem}")
+            room = record.run
+            if vcpus > room.max_vcpus:
+                raise VmError.precondition(
+                    f"vcpus: VM {name} was started with room for {room.max_vcpus} vCPUs, not {vcpus} "
+                    "(vm_max_vcpus; a VM started after a change of it gets the new room)"
+                )
+            if memory_mib > spec.memory_mib:
+                wanted = grown_memory_mib(spec.memory_mib, memory_mib)
+                if wanted > room.max_memory_mib:
+                    raise VmError.precondition(
+                        f"memory_mib: VM {name} was started with room for {room.max_memory_mib} MiB, not "
+                        f"{memory_mib} MiB ({wanted} MiB in whole memory blocks; vm_max_memory_mib)"
+                    )
+            # vCPUs first, then memory, the record saved after each: what was plugged is recorded
+            # even when the other part fails.
+            for step in ((vcpus, spec.memory_mib), (vcpus, memory_mib)):
+                spec = record.spec
+                now_vcpus, now_memory = await run_to_end(
+                    backend.grow(live.handle, vcpus=step[0], memory_mib=step[1], shared=bool(spec.shared_dir))
+                )
+                record.plugged_vcpus += now_vcpus - spec.vcpus
+                record.plugged_memory_mib += now_memory - spec.memory_mib
+                record.spec = dataclasses.replace(spec, vcpus=now_vcpus, memory_mib=now_memory)
+                self._save(record)
+            log.info(
+                "VM %s grown to %d vCPUs and %d MiB (plugged since its start: %d vCPUs, %d MiB)",
+                name,
+                record.spec.vcpus,
+                record.spec.memory_mib,
+                record.plugged_vcpus,
+                record.plugged_memory_mib,
+            )
+            return record
 
     # -- watching ----------------------------------------------------------------------------
 

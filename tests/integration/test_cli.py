@@ -183,6 +183,7 @@ def test_server_errors_are_one_line(config: Path) -> None:
     assert_one_line_error(aer("cell", "free", unique("missing"), config=config), "NOT_FOUND")
     # A daemon that is not its machine's init never changes the machine's network.
     assert_one_line_error(aer("network", "ls", config=config), "FAILED_PRECONDITION")
+    assert_one_line_error(aer("vm", "resize", unique("missing"), "--vcpus", "2", config=config), "NOT_FOUND")
 
 
 def test_local_errors(tmp_path: Path) -> None:

@@ -25,7 +25,11 @@ def test_an_entrypoint_that_sh_cannot_split_is_a_usage_error(tmp_path: Path) -> 
 
 
 def test_vm_numbers_are_checked_before_anything_is_sent(tmp_path: Path) -> None:
-    for args in (["vm", "console", "v", "--tail", "-1"], ["vm", "allocate", "v", "--vcpus", "-1"]):
+    for args in (
+        ["vm", "console", "v", "--tail", "-1"],
+        ["vm", "allocate", "v", "--vcpus", "-1"],
+        ["vm", "resize", "v", "--memory", "-1"],
+    ):
         result = aer(*args, config=tmp_path / "no")
         assert result.returncode == USAGE and "is out of range" in result.stderr, result.stderr
 

@@ -327,6 +327,7 @@ async def test_a_daemon_that_is_not_the_machine_s_init_neither_reseeds_nor_sets_
         for method, request in (
             ("ReseedRandom", system.SystemServiceReseedRandomRequest(entropy=bytes(64))),
             ("SetTime", system.SystemServiceSetTimeRequest(unix_ns=1)),
+            ("OnlineCpuMem", system.SystemServiceOnlineCpuMemRequest()),
         ):
             with pytest.raises(ClientError) as error:
                 await client.call(SYSTEM, method, request)

@@ -94,7 +94,8 @@ def peer_certificate(env: VmEnv, pki: PkiPaths, address: str, name: str) -> x509
 async def run_in_guest(guests: Guests, name: str, shell: str) -> list[str]:
     """``shell`` in a cell of the guest (its CellService), its stdout lines."""
     client = AuraeClient((await guests.lookup(name)).channel)
-    cells = [c.name for c in (await client.call(CELLS, "List", cells_pb.CellServiceListRequest())).cells]
+    listed = (await client.call(CELLS, "List", cells_pb.CellServiceListRequest())).cells
+    cells = [node.cell.name for node in listed if node.cell is not None]
     if "t" not in cells:
         await client.call(
             CELLS, "Allocate", cells_pb.CellServiceAllocateRequest(cell=cells_pb.Cell(name="t"))

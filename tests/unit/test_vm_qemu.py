@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
 
-from auraed.vms.backend import LaunchDisk, LaunchNet, LaunchSpec
-from auraed.vms.qemu import QemuBackend, build_command, host_tsc_khz
+from auraed.vms.backend import LaunchDisk, LaunchNet, LaunchSpec, MemoryImage
+from auraed.vms.model import RunInfo, grown_memory_mib, host_memory_mib
+from auraed.vms.qemu import QemuBackend, Room, build_command, host_tsc_khz
 
 SPEC = LaunchSpec(
     name="web",
@@ -23,7 +25,9 @@ SPEC = LaunchSpec(
 )
 
 
-def command(machine: str = "microvm", accelerator: str = "tcg", spec: LaunchSpec = SPEC) -> list[str]:
+def command(
+    machine: str = "microvm", accelerator: str = "tcg", spec: LaunchSpec = SPEC, room: Room | None = None
+) -> list[str]:
     return build_command(
         spec,
         binary="qemu-system-x86_64",
@@ -32,6 +36,7 @@ def command(machine: str = "microvm", accelerator: str = "tcg", spec: LaunchSpec
         qmp_socket=Path("/run/aurae/vms/web/qmp.sock"),
         console_path=Path("/run/aurae/vms/web/console.log"),
         kernel_cmdline="console=ttyS0 auraed.hostname=web",
+        room=room,
     )
 
 
@@ -96,7 +101,9 @@ def test_kernel_args_and_accelerator() -> None:
     assert microvm.kernel_args() == ["console=ttyS0", f"tsc_early_khz={host_tsc_khz()}"]
     assert microvm.accelerator == "tcg"
     q35 = QemuBackend(machine="q35", kvm_usable=lambda: True)
-    assert q35.kernel_args() == ["console=ttyS0"]
+    # Memory a Resize plugs is onlined by the guest's kernel itself; the room for it costs no
+    # bounce buffers (virtio needs none).
+    assert q35.kernel_args() == ["console=ttyS0", "memhp_default_state=online", "swiotlb=noforce"]
     assert q35.accelerator == "kvm"
     assert QemuBackend(binary="/nonexistent/qemu").problem() is not None
     assert QemuBackend().problem() is None
@@ -137,3 +144,53 @@ def test_a_vmm_starts_in_its_cgroup_before_it_runs(tmp_path: Path) -> None:
     assert [p.read_text() for p in procs] == ["0\n", "0\n"]
     failing = in_cgroup(["true"], (str(tmp_path / "missing" / "cgroup.procs"),))
     assert subprocess.run(failing, capture_output=True, check=False).returncode == 126
+
+
+def test_a_q35_vm_starts_with_room_to_grow_and_a_microvm_one_as_before() -> None:
+    room = Room(max_vcpus=4, max_memory_mib=2048, slots=10)
+    argv = command("q35", room=room)
+    assert option(argv, "-smp") == ["2,maxcpus=4"]
+    assert option(argv, "-m") == ["384M,slots=10,maxmem=2048M"]
+    # microvm cannot hotplug: its command line is what it always was, whatever the room.
+    assert command("microvm", room=room) == command("microvm")
+    # No room (a VM asking for as much as the maximum): plain -smp and -m (QEMU refuses slots
+    # with maxmem equal to the memory).
+    assert option(command("q35", room=Room(2, 384, 0)), "-smp") == ["2"]
+    assert option(command("q35", room=Room(2, 384, 0)), "-m") == ["384M"]
+    # With a share, the boot RAM stays the shared memfd of its size.
+    shared = command("q35", spec=dataclasses.replace(SPEC, shared_dir="/run/aurae/pod-shares/p1"), room=room)
+    assert option(shared, "-m") == ["384M,slots=10,maxmem=2048M"]
+    assert "memory-backend-memfd,id=ram0,size=384M,share=on" in option(shared, "-object")
+
+
+def test_the_room_a_vm_gets() -> None:
+    q35 = QemuBackend(machine="q35", max_vcpus=8, max_memory_mib=4096, memory_slots=6)
+    assert q35.room(SPEC) == Room(8, 4096, 6)
+    # Defaults: the host's online CPUs and MemTotal (as Kata's default_maxvcpus and maxmem).
+    host = QemuBackend(machine="q35").room(dataclasses.replace(SPEC, vcpus=1))
+    assert host == Room(os.cpu_count() or 1, host_memory_mib(), 10)
+    # A VM bigger than the maximum starts with room for no more; a template or clone with none
+    # (a clone's command line must be its template's); microvm never has any.
+    assert q35.room(dataclasses.replace(SPEC, vcpus=16, memory_mib=8192)) == Room(16, 8192, 0)
+    image = MemoryImage("/run/t/memory", "/run/t/state", clone=True)
+    assert q35.room(dataclasses.replace(SPEC, image=image)) == Room(0, 0, 0)
+    assert QemuBackend(machine="microvm", max_vcpus=8).room(SPEC) == Room(0, 0, 0)
+
+
+def test_memory_grows_in_whole_blocks() -> None:
+    assert grown_memory_mib(512, 768) == 768
+    assert grown_memory_mib(512, 513) == 640
+    assert grown_memory_mib(512, 512) == 512 and grown_memory_mib(512, 100) == 512
+    assert grown_memory_mib(384, 1000) == 1024
+
+
+def test_what_cannot_grow_says_why() -> None:
+    def run(machine: str, max_vcpus: int) -> RunInfo:
+        return RunInfo(1, 1, "/run/qmp.sock", "/run/console.log", "tcg", machine, max_vcpus, 0)
+
+    q35 = QemuBackend(machine="q35")
+    problem = q35.grow_problem(run("microvm", 0))
+    assert problem is not None and "microvm" in problem and 'vm_machine = "q35"' in problem
+    problem = q35.grow_problem(run("q35", 0))
+    assert problem is not None and "without room" in problem
+    assert q35.grow_problem(run("q35", 2)) is None

@@ -73,6 +73,21 @@ def cmd_vm_free(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_vm_resize(args: argparse.Namespace) -> int:
+    request = vms_pb.VmServiceResizeRequest(name=args.name, vcpus=args.vcpus, memory_mib=args.memory)
+    waiting = f"growing VM {args.name}"
+    reply = call(args, VMS, "Resize", request, slack_ms=VM_START_SLACK_MS, waiting=waiting)
+    vm = reply.status.vm
+    guest = (
+        f"; its guest has {reply.guest_online_cpus} CPUs online and {reply.guest_mem_total_kib // 1024} MiB "
+        f"MemTotal ({reply.resize_ms} ms)"
+        if reply.guest_online_cpus
+        else ""
+    )
+    report(args, reply, f"VM {vm.name}: {vm.vcpus} vCPUs, {vm.memory_mib} MiB{guest}")
+    return 0
+
+
 def cmd_vm_list(args: argparse.Namespace) -> int:
     reply = call(args, VMS, "List", vms_pb.VmServiceListRequest())
     if args.json:
@@ -208,6 +223,18 @@ def add_commands(subparsers: Any) -> None:
     free = add_command(vm, "free", cmd_vm_free, "stop a VM and remove its tap, files and record")
     free.add_argument("name", metavar="NAME")
     free.add_argument("--grace", type=grace_ms, metavar="SECONDS", help="to power off, if running")
+    resize = add_command(
+        vm, "resize", cmd_vm_resize, "grow a running VM (q35): hotplug vCPUs and memory, onlined in its guest"
+    )
+    resize.add_argument("name", metavar="NAME")
+    resize.add_argument("--vcpus", type=unsigned(32), default=0, help="vCPUs it is to have (default: as now)")
+    resize.add_argument(
+        "--memory",
+        type=unsigned(64),
+        default=0,
+        metavar="MIB",
+        help="memory in MiB, at least (default: as now)",
+    )
     add_command(vm, "ls", cmd_vm_list, "the VMs, with state read from their VMM")
     console_ = add_command(vm, "console", cmd_vm_console, "the serial console")
     console_.add_argument("name", metavar="NAME")

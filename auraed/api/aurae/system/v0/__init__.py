@@ -4,6 +4,8 @@
 # This file has been @generated
 
 __all__ = (
+    "SystemServiceOnlineCpuMemRequest",
+    "SystemServiceOnlineCpuMemResponse",
     "SystemServiceReseedRandomRequest",
     "SystemServiceReseedRandomResponse",
     "SystemServiceSetTimeRequest",
@@ -22,6 +24,56 @@ from ....message_pool import default_message_pool
 
 _COMPILER_VERSION = "0.10.1"
 betterproto2.check_compiler_version(_COMPILER_VERSION)
+
+
+@dataclass(eq=False, repr=False)
+class SystemServiceOnlineCpuMemRequest(betterproto2.Message):
+    @betterproto2.staticproperty
+    @staticmethod
+    def DESCRIPTOR() -> Descriptor:
+        return V0_SYSTEM_SYSTEM_PROTO_DESCRIPTOR.message_types_by_name["SystemServiceOnlineCpuMemRequest"]
+
+    pass
+
+
+default_message_pool.register_message(
+    "aurae.system.v0", "SystemServiceOnlineCpuMemRequest", SystemServiceOnlineCpuMemRequest
+)
+
+
+@dataclass(eq=False, repr=False)
+class SystemServiceOnlineCpuMemResponse(betterproto2.Message):
+    @betterproto2.staticproperty
+    @staticmethod
+    def DESCRIPTOR() -> Descriptor:
+        return V0_SYSTEM_SYSTEM_PROTO_DESCRIPTOR.message_types_by_name["SystemServiceOnlineCpuMemResponse"]
+
+    online_cpus: "int" = betterproto2.field(1, betterproto2.TYPE_UINT32)
+    """
+    CPUs online now.
+    """
+
+    mem_total_kib: "int" = betterproto2.field(2, betterproto2.TYPE_UINT64)
+    """
+    MemTotal of /proc/meminfo now, in KiB.
+    """
+
+    cpus_onlined: "int" = betterproto2.field(3, betterproto2.TYPE_UINT32)
+    """
+    CPUs and memory blocks this call brought online.
+    """
+
+    memory_blocks_onlined: "int" = betterproto2.field(4, betterproto2.TYPE_UINT32)
+
+    failures: "list[str]" = betterproto2.field(5, betterproto2.TYPE_STRING, repeated=True)
+    """
+    CPUs or blocks the kernel refused to online, one line each ("cpu3: Invalid argument").
+    """
+
+
+default_message_pool.register_message(
+    "aurae.system.v0", "SystemServiceOnlineCpuMemResponse", SystemServiceOnlineCpuMemResponse
+)
 
 
 @dataclass(eq=False, repr=False)
@@ -139,5 +191,5 @@ default_message_pool.register_message(
 
 
 V0_SYSTEM_SYSTEM_PROTO_DESCRIPTOR = default_google_proto_descriptor_pool.AddSerializedFile(
-    b'\n\x16v0/system/system.proto\x12\x0faurae.system.v0"<\n SystemServiceReseedRandomRequest\x12\x18\n\x07entropy\x18\x01 \x01(\x0cR\x07entropy"<\n!SystemServiceReseedRandomResponse\x12\x17\n\x07boot_id\x18\x01 \x01(\tR\x06bootId"6\n\x1bSystemServiceSetTimeRequest\x12\x17\n\x07unix_ns\x18\x01 \x01(\x03R\x06unixNs"?\n\x1cSystemServiceSetTimeResponse\x12\x1f\n\x0badjusted_ns\x18\x01 \x01(\x03R\nadjustedNs"N\n\x1cSystemServiceShutdownRequest\x12\x16\n\x06reason\x18\x01 \x01(\tR\x06reason\x12\x16\n\x06reboot\x18\x02 \x01(\x08R\x06reboot"3\n\x1dSystemServiceShutdownResponse\x12\x12\n\x04then\x18\x01 \x01(\tR\x04then2\xd9\x02\n\rSystemService\x12i\n\x08Shutdown\x12-.aurae.system.v0.SystemServiceShutdownRequest\x1a..aurae.system.v0.SystemServiceShutdownResponse\x12u\n\x0cReseedRandom\x121.aurae.system.v0.SystemServiceReseedRandomRequest\x1a2.aurae.system.v0.SystemServiceReseedRandomResponse\x12f\n\x07SetTime\x12,.aurae.system.v0.SystemServiceSetTimeRequest\x1a-.aurae.system.v0.SystemServiceSetTimeResponseb\x06proto3'
+    b'\n\x16v0/system/system.proto\x12\x0faurae.system.v0"<\n SystemServiceReseedRandomRequest\x12\x18\n\x07entropy\x18\x01 \x01(\x0cR\x07entropy"<\n!SystemServiceReseedRandomResponse\x12\x17\n\x07boot_id\x18\x01 \x01(\tR\x06bootId"6\n\x1bSystemServiceSetTimeRequest\x12\x17\n\x07unix_ns\x18\x01 \x01(\x03R\x06unixNs"?\n\x1cSystemServiceSetTimeResponse\x12\x1f\n\x0badjusted_ns\x18\x01 \x01(\x03R\nadjustedNs""\n SystemServiceOnlineCpuMemRequest"\xdb\x01\n!SystemServiceOnlineCpuMemResponse\x12\x1f\n\x0bonline_cpus\x18\x01 \x01(\rR\nonlineCpus\x12"\n\rmem_total_kib\x18\x02 \x01(\x04R\x0bmemTotalKib\x12!\n\x0ccpus_onlined\x18\x03 \x01(\rR\x0bcpusOnlined\x122\n\x15memory_blocks_onlined\x18\x04 \x01(\rR\x13memoryBlocksOnlined\x12\x1a\n\x08failures\x18\x05 \x03(\tR\x08failures"N\n\x1cSystemServiceShutdownRequest\x12\x16\n\x06reason\x18\x01 \x01(\tR\x06reason\x12\x16\n\x06reboot\x18\x02 \x01(\x08R\x06reboot"3\n\x1dSystemServiceShutdownResponse\x12\x12\n\x04then\x18\x01 \x01(\tR\x04then2\xd0\x03\n\rSystemService\x12i\n\x08Shutdown\x12-.aurae.system.v0.SystemServiceShutdownRequest\x1a..aurae.system.v0.SystemServiceShutdownResponse\x12u\n\x0cReseedRandom\x121.aurae.system.v0.SystemServiceReseedRandomRequest\x1a2.aurae.system.v0.SystemServiceReseedRandomResponse\x12f\n\x07SetTime\x12,.aurae.system.v0.SystemServiceSetTimeRequest\x1a-.aurae.system.v0.SystemServiceSetTimeResponse\x12u\n\x0cOnlineCpuMem\x121.aurae.system.v0.SystemServiceOnlineCpuMemRequest\x1a2.aurae.system.v0.SystemServiceOnlineCpuMemResponseb\x06proto3'
 )
