@@ -458,6 +458,23 @@ def test_exec_stdin_output_and_exit_code(loaded: Path, box: str, tmp_path: Path)
     assert ok("container", "exec", box, "--", "cat", config=loaded, stdin="ignored\n") == ""
 
 
+def test_exec_passes_a_signal_on_to_the_process(loaded: Path, box: str) -> None:
+    """Without a terminal, ^C at aer reaches the exec'd process, which ends as it chooses; its
+    exit code is aer's."""
+    script = "trap 'echo got-int; exit 5' INT; echo ready; while :; do sleep 0.1; done"
+    command = [*AER, "--config", str(loaded), "container", "exec", box, "--", "sh", "-c", script]
+    runner = subprocess.Popen(
+        interruptible(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment()
+    )
+    try:
+        assert runner.stdout is not None and runner.stdout.readline() == "ready\n"
+        runner.send_signal(signal.SIGINT)
+        stdout, stderr = runner.communicate(timeout=30)
+    finally:
+        runner.kill()
+    assert (runner.returncode, stdout, stderr) == (5, "got-int\n", "")
+
+
 def test_exec_on_a_terminal(loaded: Path, box: str) -> None:
     command = [*AER, "--config", str(loaded), "container", "exec"]
     # -t alone: the remote side has a terminal of our size.

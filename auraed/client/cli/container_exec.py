@@ -1,5 +1,7 @@
 """``aer container exec``: a command in a running container, with its stdin, stdout and stderr
-(and a terminal of its own with -t) relayed over one bidirectional stream."""
+(and a terminal of its own with -t) relayed over one bidirectional stream. Without a terminal,
+SIGINT, SIGTERM and SIGHUP are passed on to the process (a second one ends aer); on a terminal,
+^C is a key the terminal's process gets, and SIGTERM or SIGHUP end aer."""
 
 from __future__ import annotations
 
@@ -82,9 +84,51 @@ def _write(stream: IO[str], data: bytes) -> None:
     stream.flush()
 
 
+class _Signals:
+    """What aer does with the signals it gets during an exec (the module's doc says what)."""
+
+    def __init__(self, queue: asyncio.Queue[ExecRequest | None], terminal: bool) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._queue = queue
+        self._forwarded: set[int] = set()
+        self.ended_by: list[int] = []
+        on_signal = self._terminate if terminal else self._forward
+        self._handlers: dict[int, tuple[Callable[..., None], tuple[int, ...]]] = {
+            signum: (on_signal, (signum,)) for signum in (signal.SIGTERM, signal.SIGHUP)
+        }
+        if not terminal:
+            self._handlers[signal.SIGINT] = (self._forward, (signal.SIGINT,))
+
+    def on_resize(self, resized: Callable[[], None]) -> None:
+        self._handlers[signal.SIGWINCH] = (resized, ())
+
+    def __enter__(self) -> _Signals:
+        for signum, (handler, arguments) in self._handlers.items():
+            self._loop.add_signal_handler(signum, handler, *arguments)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for signum in self._handlers:
+            self._loop.remove_signal_handler(signum)
+
+    def _terminate(self, signum: int) -> None:  # a Python exit, so that the terminal is restored
+        self.ended_by.append(signum)
+        if self._task is not None:
+            self._task.cancel()
+
+    def _forward(self, signum: int) -> None:
+        """To the process, which may handle it and end with its own exit code; the same signal
+        again ends aer (and the process with the call)."""
+        if signum in self._forwarded:
+            self._terminate(signum)
+            return
+        self._forwarded.add(signum)
+        self._queue.put_nowait(ExecRequest(signal=signal.Signals(signum).name))
+
+
 async def _exec(args: argparse.Namespace, client: AuraeClient) -> int:
     loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
     queue: asyncio.Queue[ExecRequest | None] = asyncio.Queue()
     size = _terminal_size() if args.tty else None
     start = containers_pb.ExecStart(
@@ -92,7 +136,8 @@ async def _exec(args: argparse.Namespace, client: AuraeClient) -> int:
     )
     stop_reading: Callable[[], object] = _forward_stdin(loop, queue) if args.interactive else lambda: None
     if not args.interactive and not args.tty:
-        queue.put_nowait(None)  # nothing more to send: the process's stdin ends now
+        # The process's stdin ends now; the stream stays open for the signals aer passes on.
+        queue.put_nowait(ExecRequest(close_stdin=True))
 
     async def requests() -> AsyncIterator[ExecRequest]:
         yield ExecRequest(start=start)
@@ -104,39 +149,28 @@ async def _exec(args: argparse.Namespace, client: AuraeClient) -> int:
         if new is not None:
             queue.put_nowait(ExecRequest(resize=new))
 
-    ended_by: list[int] = []
-
-    def terminate(signum: int) -> None:  # a Python exit, so that the terminal is restored
-        ended_by.append(signum)
-        if task is not None:
-            task.cancel()
-
-    handlers: dict[int, tuple[Callable[..., None], tuple[int, ...]]] = {
-        signal.SIGTERM: (terminate, (signal.SIGTERM,)),
-        signal.SIGHUP: (terminate, (signal.SIGHUP,)),
-    }
-    if size is not None:
-        handlers[signal.SIGWINCH] = (resized, ())
-    for signum, (handler, arguments) in handlers.items():
-        loop.add_signal_handler(signum, handler, *arguments)
     code: int | None = None
+    signals = _Signals(queue, terminal=args.tty)
+    if size is not None:
+        signals.on_resize(resized)
     try:
-        async for reply in client.duplex(CONTAINERS, "Exec", requests(), call_timeout(args, open_ended=True)):
-            if reply.stdout:
-                _write(sys.stdout, reply.stdout)
-            if reply.stderr:
-                _write(sys.stderr, reply.stderr)
-            if reply.exit_code is not None:
-                code = reply.exit_code
+        with signals:
+            async for reply in client.duplex(
+                CONTAINERS, "Exec", requests(), call_timeout(args, open_ended=True)
+            ):
+                if reply.stdout:
+                    _write(sys.stdout, reply.stdout)
+                if reply.stderr:
+                    _write(sys.stderr, reply.stderr)
+                if reply.exit_code is not None:
+                    code = reply.exit_code
     except asyncio.CancelledError:
-        if not ended_by:
+        if not signals.ended_by:
             raise
-        return 128 + ended_by[0]
+        return 128 + signals.ended_by[0]
     finally:
         stop_reading()
         queue.put_nowait(None)
-        for signum in handlers:
-            loop.remove_signal_handler(signum)
     if code is None:
         raise CliError("exec ended without an exit code")
     return code
