@@ -253,10 +253,19 @@ class VmSandbox:
             pod.state = PodState.NOT_READY
 
     async def update_resources(self, pod: PodRecord, overhead: PodResources, resources: PodResources) -> None:
-        raise CriError(
-            ErrorKind.UNIMPLEMENTED,
-            f"pod sandbox {pod.id[:13]} runs as a guest VM: resizing its guest is not served yet",
-        )
+        """A resize (UpdatePodSandboxResources): the guest grown to what the new total needs (its
+        vCPUs and memory hotplugged on q35 and onlined in the guest; never shrunk: a guest gives
+        nothing back here, the pod cgroup's limits bound what it uses), then the pod cgroup on
+        the host, which holds the VM, given the new limits as a cell pod's. A guest that cannot
+        grow (microvm) refuses before anything changed."""
+        name = self._vm(pod)
+        if name is None:
+            raise CriError.precondition(f"pod sandbox {pod.id[:13]} has no guest VM")
+        vcpus, memory_mib = guest_size(resources, overhead, self._sizing)
+        spec = self._guests.vms.get(name).spec
+        if vcpus > spec.vcpus or memory_mib > spec.memory_mib:
+            await self._guests.resize(name, max(vcpus, spec.vcpus), max(memory_mib, spec.memory_mib))
+        await self._cell.update_resources(pod, overhead, resources)
 
     def container_sandbox(self, pod: PodRecord) -> SandboxContext:
         """What a container in the pod's guest shares there: the pod's PID namespace when the

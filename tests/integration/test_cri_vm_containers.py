@@ -41,7 +41,7 @@ from tests.integration.test_cri_containers import (
     stdout_lines,
 )
 from tests.integration.test_cri_containers import mirror as busybox_mirror
-from tests.integration.vm_pods_helpers import VMS, qemu_of, vm_daemon
+from tests.integration.vm_pods_helpers import VMS, cgroups_of, qemu_of, vm_daemon
 from tests.support.cni import cni_network, free_port, probe
 from tests.support.cri import (
     BUSYBOX_IMAGE,
@@ -82,7 +82,16 @@ async def vm_node(
     daemon_factory: DaemonFactory, mirror: LocalRegistry, guest_image: Path, pki: PkiPaths, tmp_path: Path
 ) -> AsyncIterator[Node]:
     with cni_network(tmp_path) as network:
-        daemon = vm_daemon(daemon_factory, network, guest_image, pki, config_text=mirrors_config(mirror))
+        # q35, whose guests can grow (microvm's cannot: test_cri_vm_pods checks the refusal).
+        daemon = vm_daemon(
+            daemon_factory,
+            network,
+            guest_image,
+            pki,
+            "--vm-machine",
+            "q35",
+            config_text=mirrors_config(mirror),
+        )
         node = Node(daemon, network, cri_client(daemon), "", tmp_path / "logs")
         try:
             node.image_id = await pull_image(node.client, BUSYBOX_IMAGE)
@@ -156,6 +165,7 @@ async def test_a_vm_pods_containers_run_in_its_guest(vm_node: Node, tmp_path: Pa
     await the_pod_cgroup_holds_its_vm(pod, server)
     await exec_runs_in_the_guest(pod, server)
     await resources_update_in_the_guest(pod, server)
+    await the_guest_grows_with_its_pod(pod, server)
     await stats_and_port_forward(pod, server)
     await host_paths_reach_the_guest(pod, tmp_path)
     await attach_writes_to_a_guest_containers_stdin(pod)
@@ -276,6 +286,40 @@ async def resources_update_in_the_guest(pod: VmPod, server: str) -> None:
     )
     error = await cri_error(node.call("UpdateContainerResources", too_small))
     assert error.code == "INVALID_ARGUMENT" and "memory_max" in error.message, error
+
+
+async def the_guest_grows_with_its_pod(pod: VmPod, server: str) -> None:
+    """UpdatePodSandboxResources asking for more than the guest has grows it (vCPU and memory
+    hotplug on q35, onlined in the guest): its containers see the CPUs and memory; the pod
+    cgroup on the host takes the new limits; asking for less shrinks nothing."""
+    node = pod.node
+    vm = f"pod-{pod.pod_id[:16]}"
+    before = (await node.exec_sync(server, ["grep", "MemTotal", "/proc/meminfo"])).stdout.split()[1]
+    grown = cri.LinuxContainerResources(
+        cpu_quota=200_000, cpu_period=100_000, memory_limit_in_bytes=640 * MIB
+    )
+    request = cri.UpdatePodSandboxResourcesRequest(pod_sandbox_id=pod.pod_id, resources=grown)
+    await node.call("UpdatePodSandboxResources", request, BOOT_TIMEOUT)
+    async with node.daemon.client() as aurae:
+        (listed,) = (await aurae.call(VMS, "List", vms.VmServiceListRequest(name=vm))).vms
+    assert listed.vm is not None and (listed.vm.vcpus, listed.vm.memory_mib) == (2, 896), listed.vm
+    assert (await node.exec_sync(server, ["nproc"])).stdout == b"2\n"
+    after = (await node.exec_sync(server, ["grep", "MemTotal", "/proc/meminfo"])).stdout.split()[1]
+    assert int(after) - int(before) >= (896 - 512) * 1024, (before, after)
+    limits = [
+        Path(c) / f
+        for c in cgroups_of(node.daemon, pod.pod_id)
+        for f in ("memory.limit_in_bytes", "memory.max")
+    ]
+    assert any(f.exists() and f.read_text().strip() == str(640 * MIB) for f in limits), limits
+    smaller = cri.LinuxContainerResources(memory_limit_in_bytes=600 * MIB)
+    await node.call(
+        "UpdatePodSandboxResources",
+        cri.UpdatePodSandboxResourcesRequest(pod_sandbox_id=pod.pod_id, resources=smaller),
+    )
+    async with node.daemon.client() as aurae:
+        (listed,) = (await aurae.call(VMS, "List", vms.VmServiceListRequest(name=vm))).vms
+    assert listed.vm is not None and listed.vm.memory_mib == 896
 
 
 async def stats_and_port_forward(pod: VmPod, server: str) -> None:

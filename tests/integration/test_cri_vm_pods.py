@@ -135,6 +135,15 @@ async def test_a_vm_pod_is_a_guest_on_the_pod_network(vm_node: VmNode) -> None:
     finally:
         await forward.close()
 
+    # A microvm guest cannot grow: a resize that needs it to is refused, saying what can.
+    bigger = cri.UpdatePodSandboxResourcesRequest(
+        pod_sandbox_id=pod_id, resources=cri.LinuxContainerResources(memory_limit_in_bytes=1 << 30)
+    )
+    message = await expect(
+        client.call(RUNTIME_SERVICE, "UpdatePodSandboxResources", bigger), "FAILED_PRECONDITION"
+    )
+    assert "microvm" in message and "q35" in message, message
+
     # Stop ends the guest and releases the address; remove leaves nothing of the pod.
     await stop_pod(client, pod_id)
     status = (await pod_status(client, pod_id)).status
