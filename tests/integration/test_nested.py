@@ -356,3 +356,37 @@ def _qemu_running(pid: int) -> bool:
         return b"qemu" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+
+
+async def test_clones_keep_serving_after_the_host_auraed_is_killed(
+    host: DaemonProcess, busybox_layout: BuiltImage
+) -> None:
+    """A clone of the host's auto template, the host auraed ``kill -9``ed and started again: the
+    clone is found running (reattached), still serves through the host, the template is still
+    there, and a new clone is restored from it without rebuilding it."""
+    async with host.client() as client:
+        await import_layout(client, busybox_layout.layout, IMAGE)
+        clone = vms.VirtualMachine(name="k1", role="guest", memory_mib=768, template="auto")
+        await client.call(VMS, "Allocate", vms.VmServiceAllocateRequest(vm=clone))
+        await client.call(VMS, "Start", vms.VmServiceStartRequest(name="k1"), timeout=300)
+        (template,) = (await client.call(VMS, "ListTemplates", vms.VmServiceListTemplatesRequest())).templates
+        assert template.template is not None and template.clones == ["k1"]
+    host.kill9()
+    host.start()
+    async with host.client() as client:
+        (status,) = (await client.call(VMS, "List", vms.VmServiceListRequest(name="k1"))).vms
+        assert status.state == vms.VmState.RUNNING and status.template == template.template.name
+        on_clone = AuraeClient(client.channel, vm="k1")
+        images = await on_clone.call(CONTAINERS, "ListImages", pb.ContainerServiceListImagesRequest())
+        assert images.images == []  # the clone's own store: nothing placed in it yet
+        again = vms.VirtualMachine(name="k2", role="guest", memory_mib=768, template="auto")
+        await client.call(VMS, "Allocate", vms.VmServiceAllocateRequest(vm=again))
+        await client.call(VMS, "Start", vms.VmServiceStartRequest(name="k2"), timeout=300)
+        (after,) = (await client.call(VMS, "ListTemplates", vms.VmServiceListTemplatesRequest())).templates
+        assert after.template is not None and after.template.name == template.template.name
+        assert after.build_ms == template.build_ms and sorted(after.clones) == ["k1", "k2"]  # not rebuilt
+        for name in ("k1", "k2"):
+            await client.call(VMS, "Free", vms.VmServiceFreeRequest(name=name, timeout_ms=0), timeout=60)
+        await client.call(
+            VMS, "RemoveTemplate", vms.VmServiceRemoveTemplateRequest(name=template.template.name), timeout=60
+        )
