@@ -315,6 +315,12 @@ class ContainerServicer:
     def _find(self, container_id: str) -> ContainerRecord:
         return self._containers.get(_required(container_id, "container_id"))
 
+    def _running(self, container_id: str, what: str) -> ContainerRecord:
+        record = self._find(container_id)
+        if record.state != State.RUNNING:
+            raise ContainerError.precondition(f"container {record.name} is {record.state}: cannot {what}")
+        return record
+
     async def create(
         self, request: pb.ContainerServiceCreateRequest, context: Context
     ) -> pb.ContainerServiceCreateResponse:
@@ -405,15 +411,8 @@ class ContainerServicer:
     async def exec(
         self, requests: AsyncIterator[pb.ContainerServiceExecRequest], context: Context
     ) -> AsyncIterator[pb.ContainerServiceExecResponse]:
-        first = await anext(aiter(requests), None)
-        if first is None or first.start is None:
-            raise ContainerError.invalid("start", "the first message must carry start")
-        start = first.start
-        record = self._find(start.container_id)
-        if record.state != State.RUNNING:
-            raise ContainerError.precondition(
-                f"container {record.name} is {record.state}: cannot exec into it"
-            )
+        start = await _first_start(requests)
+        record = self._running(start.container_id, "exec into it")
         process = self._exec_process(record, start)
         size = (start.size.rows, start.size.columns) if start.size is not None and start.tty else None
         session = await self._containers.exec(record, process, start.tty, stdin=start.stdin, size=size)
@@ -435,15 +434,8 @@ class ContainerServicer:
     async def attach(
         self, requests: AsyncIterator[pb.ContainerServiceAttachRequest], context: Context
     ) -> AsyncIterator[pb.ContainerServiceAttachResponse]:
-        first = await anext(aiter(requests), None)
-        if first is None or first.start is None:
-            raise ContainerError.invalid("start", "the first message must carry start")
-        start = first.start
-        record = self._find(start.container_id)
-        if record.state != State.RUNNING:
-            raise ContainerError.precondition(
-                f"container {record.name} is {record.state}: cannot attach to it"
-            )
+        start = await _first_start(requests)
+        record = self._running(start.container_id, "attach to it")
         asked = {"stdout": start.stdout, "stderr": start.stderr}
         streams = frozenset(name for name, wanted in asked.items() if wanted)
         # Where the output starts, before any input can reach the container: what it answers
@@ -575,6 +567,14 @@ async def _feed(session: ExecSession, requests: AsyncIterator[pb.ContainerServic
         # The client is done sending: the process sees EOF. (On a terminal that would be ^D,
         # which ends an interactive shell: there only an explicit close_stdin sends it.)
         await session.close_stdin()
+
+
+async def _first_start(requests: AsyncIterator[Any]) -> Any:
+    """The ``start`` of a stream's first message (Exec's ExecStart, Attach's AttachStart)."""
+    first = await anext(aiter(requests), None)
+    if first is None or first.start is None:
+        raise ContainerError.invalid("start", "the first message must carry start")
+    return first.start
 
 
 async def _feed_attach(

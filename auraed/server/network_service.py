@@ -11,6 +11,7 @@ import logging
 
 from auraed.api.aurae.network import v0 as pb
 from auraed.errors import AuraeError
+from auraed.server.system_service import not_machine_init
 from auraed.system.interfaces import (
     Interface,
     InterfaceChange,
@@ -59,10 +60,7 @@ class NetworkServicer:
 
     def _check(self, what: str) -> None:
         if not self._machine_init:
-            raise AuraeError.precondition(
-                f"{what}: only where auraed is the machine's init (a guest VM, bare metal), not on a "
-                "machine it merely runs on"
-            )
+            raise not_machine_init(what)
 
     async def list_interfaces(
         self, request: pb.NetworkServiceListInterfacesRequest, context: Context

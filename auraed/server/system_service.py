@@ -27,6 +27,14 @@ def _reason(text: str) -> str:
     return text
 
 
+def not_machine_init(what: str) -> AuraeError:
+    """The refusal of what only the machine's init may do (change the machine itself)."""
+    return AuraeError.precondition(
+        f"{what}: only where auraed is the machine's init (a guest VM, bare metal), not on a "
+        "machine it merely runs on"
+    )
+
+
 class Machine(Protocol):
     """The machine, where auraed is its PID 1 (auraed/init/pid1.py Pid1, handed over by
     auraed/__main__.py)."""
@@ -64,10 +72,7 @@ class SystemServicer:
         from auraed.init.pid1 import is_machine_init
 
         if self._machine is None or not is_machine_init():
-            raise AuraeError.precondition(
-                f"{what}: only where auraed is the machine's init (a guest VM, bare metal), not on a "
-                "machine it merely runs on"
-            )
+            raise not_machine_init(what)
 
     async def reseed_random(
         self, request: pb.SystemServiceReseedRandomRequest, context: Context
