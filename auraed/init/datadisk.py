@@ -5,10 +5,11 @@ disk. PID 1 looks for it before the daemon starts:
 
 1. a block device (whole disk or partition) holding an ext4 file system labelled ``label``
    (what a previous boot made, or what the operator made with ``mkfs.ext4 -L``);
-2. else the whole disk whose serial is ``serial`` (virtio-blk's ``serial=``, an NVMe or SCSI
-   disk's ``serial`` or ``device/serial`` in sysfs): formatted ext4 with ``label`` -- but only
-   when its first MiB is all zeros, so that no partition table or file system of anyone's is
-   ever overwritten (a disk that holds something else is reported and left alone).
+2. else the GPT partition named ``partname`` (host-image's disk.img has one, blank), or the
+   whole disk whose serial is ``serial`` (virtio-blk's ``serial=``, an NVMe or SCSI disk's
+   ``serial`` or ``device/serial`` in sysfs): formatted ext4 with ``label`` -- but only when its
+   first MiB is all zeros, so that no partition table or file system of anyone's is ever
+   overwritten (a partition or disk that holds something else is reported and left alone).
 
 Then it is mounted on the state directory (nosuid, nodev) and that directory made owner-only.
 Stdlib only apart from ``mkfs.ext4`` (e2fsprogs, in the host image).
@@ -94,12 +95,29 @@ def disk_serial(directory: str) -> str:
     return ""
 
 
-def find(label: str, serial: str, sys_dir: str = "/sys", dev_dir: str = "/dev") -> tuple[str, str] | None:
+def partition_name(directory: str) -> str:
+    """The GPT name of the partition at sysfs ``directory`` (its uevent's PARTNAME); "" if none."""
+    try:
+        with open(f"{directory}/uevent") as handle:
+            for line in handle:
+                if line.startswith("PARTNAME="):
+                    return line.removeprefix("PARTNAME=").rstrip("\n")
+    except OSError:
+        pass
+    return ""
+
+
+def find(
+    label: str, serial: str, sys_dir: str = "/sys", dev_dir: str = "/dev", partname: str = ""
+) -> tuple[str, str] | None:
     """(device, how it was found) of the data disk; None when there is none (yet)."""
     devices = block_devices(sys_dir)
     for name, _ in devices:
         if ext4_label(f"{dev_dir}/{name}") == label:
             return f"{dev_dir}/{name}", f"label {label}"
+    for name, directory in devices:
+        if partname and os.path.exists(f"{directory}/partition") and partition_name(directory) == partname:
+            return f"{dev_dir}/{name}", f"partition {partname}"
     for name, directory in devices:
         if serial and disk_serial(directory) == serial and os.path.exists(f"{directory}/device"):
             return f"{dev_dir}/{name}", f"serial {serial}"
@@ -122,25 +140,34 @@ def format_ext4(device: str, label: str) -> None:
 
 
 def prepare(
-    label: str, serial: str, target: str, wait: float, *, sys_dir: str = "/sys", dev_dir: str = "/dev"
+    label: str,
+    serial: str,
+    target: str,
+    wait: float,
+    *,
+    partname: str = "",
+    sys_dir: str = "/sys",
+    dev_dir: str = "/dev",
 ) -> DataDisk:
     """Find the data disk (waiting up to ``wait`` seconds for it), format it if it is blank and
-    found by serial, mount it on ``target``. DataDiskError when there is none or it cannot be used."""
+    found by partition name or serial, mount it on ``target``. DataDiskError when there is none or
+    it cannot be used."""
     import time
 
     from auraed.system.namespaces import mount
 
     deadline = time.monotonic() + wait
-    while (found := find(label, serial, sys_dir, dev_dir)) is None:
+    while (found := find(label, serial, sys_dir, dev_dir, partname)) is None:
         if time.monotonic() >= deadline:
-            raise DataDiskError(f"no disk labelled {label} nor with serial {serial!r} in {wait:g} s")
+            named = f", no partition named {partname!r}" if partname else ""
+            raise DataDiskError(f"no disk labelled {label}{named} nor with serial {serial!r} in {wait:g} s")
         time.sleep(0.05)
     device, how = found
     formatted = False
-    if how.startswith("serial"):
+    if not how.startswith("label"):
         if not is_blank(device):
             raise DataDiskError(
-                f"{device} (serial {serial}) is not blank and holds no ext4 labelled {label}: "
+                f"{device} ({how}) is not blank and holds no ext4 labelled {label}: "
                 "not formatting it (zero its first MiB, or label its ext4 file system, to use it)"
             )
         log.info("data disk %s (%s) is blank: formatting it ext4, label %s", device, how, label)
