@@ -15,6 +15,7 @@ import asyncio
 import hashlib
 import ipaddress
 import shutil
+import struct
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -35,7 +36,7 @@ pytestmark = pytest.mark.slow
 OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
 OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
 GROW = 512 * 1024 * 1024  # the copy is a disk bigger than the image, as a real one is
-EXT4_LABEL_AT = 1024 + 0x78
+MIB = 1024 * 1024
 
 
 class DiskMachine(HostMachine):
@@ -134,6 +135,7 @@ async def test_the_disk_boots_by_uefi_and_serves_mtls(booted: Booted, client: Au
     reply = await client.call(DISCOVERY, "Discover", discovery_pb.DiscoveryServiceDiscoverRequest())
     assert reply.role == "host"
     assert "/dev/vda3 (partition aurae-data, formatted this boot) on /var/lib/aurae" in console
+    assert "data partition /dev/vda3 grown to the end of vda" in console  # the copy is bigger
     assert FINGERPRINT.findall(console) == [ca_fingerprint(booted.config.ca_crt.read_bytes())]
 
 
@@ -163,14 +165,27 @@ async def test_power_off_ends_qemu_and_the_disk_holds_the_data(booted: Booted, c
     assert (await client.call(SYSTEM, "Shutdown", request)).then == "poweroff"
     assert await asyncio.to_thread(machine.wait_exit, 90) == 0
     assert "powering off" in machine.console
-    # From the outside: the root partition is rootfs.img byte for byte, the data one ext4 AURAE-DATA.
+    # From the outside: the root partition is rootfs.img byte for byte, the data one ext4 AURAE-DATA
+    # filling the grown disk, and the GPT valid with its backup at the new end.
     layout = read_layout(machine.image)
     rootfs = (machine.image / "rootfs.img").read_bytes()
+    data = layout["aurae-data"]["offset"]
     with machine.disk.open("rb") as disk:
         disk.seek(layout["aurae-root"]["offset"])
         assert hashlib.sha256(disk.read(len(rootfs))).digest() == hashlib.sha256(rootfs).digest()
-        disk.seek(layout["aurae-data"]["offset"] + EXT4_LABEL_AT)
-        assert disk.read(16).rstrip(b"\0") == b"AURAE-DATA"
+        disk.seek(data + 1024)
+        superblock = disk.read(1024)
+    assert superblock[0x78:0x88].rstrip(b"\0") == b"AURAE-DATA"
+    blocks, log_size = (
+        struct.unpack_from("<I", superblock, 4)[0],
+        struct.unpack_from("<I", superblock, 0x18)[0],
+    )
+    size = machine.disk.stat().st_size
+    assert size - 2 * MIB < data + blocks * (1024 << log_size) <= size
+    check = subprocess.run(
+        ["sgdisk", "--verify", str(machine.disk)], capture_output=True, text=True, check=False
+    )
+    assert check.returncode == 0 and "No problems found" in check.stdout, check.stdout + check.stderr
 
 
 def read_layout(image: Path) -> dict[str, dict[str, int]]:
