@@ -952,7 +952,9 @@ class Build:
 INITRAMFS_COMPRESSION = "gzip"
 KERNEL_ARGS = {
     "auraed.init": "program run as PID 1 from the root image (default /sbin/aurae-init)",
-    "auraed.root": "root image device (default /dev/vda) or serial=NAME (virtio-blk serial)",
+    "auraed.root": (
+        "root image device (default /dev/vda), serial=NAME (virtio-blk serial) or PARTLABEL=NAME (GPT name)"
+    ),
     "auraed.rootfstype": "squashfs or erofs (default: the type built)",
     "auraed.rootwait": "seconds to wait for the root device (default 10)",
     "auraed.overlay_size": "tmpfs size= of the writable upper layer (default: tmpfs default, half of RAM)",

@@ -14,14 +14,17 @@ and the CRI; VMs need qemu-system-x86 and guest-image/build's output added to th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "guest-image"))
 
+import mkdisk  # noqa: E402 (disk.img, in this directory)
 import mkimage as guest  # noqa: E402 (the guest's builder, beside this directory)
 
 FILES = HERE / "files"
@@ -35,7 +38,9 @@ HOST_LIBRARIES = (
     "libkeyutils1", "libext2fs2", "libblkid1", "libbsd0", "libmd0", "libxtables12",
 )  # fmt: skip
 LIBRARY_PACKAGES = (*guest.LIBRARY_PACKAGES, *HOST_LIBRARIES)
-PACKAGES = (*guest.PACKAGES, *HOST_PROGRAMS, *HOST_LIBRARIES)
+# Not in the root: the EFI stub disk.img's unified kernel image is made of (host-image/mkdisk.py).
+BOOT_PACKAGES = ("systemd-boot-efi",)
+PACKAGES = (*guest.PACKAGES, *HOST_PROGRAMS, *HOST_LIBRARIES, *BOOT_PACKAGES)
 # The CNI plugins auraed's pod networking uses (auraed/cni/): the reference set a conflist names.
 CNI_PLUGINS = (
     "bridge", "host-local", "loopback", "portmap", "firewall", "bandwidth", "tuning", "ptp", "static",
@@ -49,7 +54,13 @@ STATE_DIR = "/var/lib/aurae"
 API_PORT = 8443
 PROFILE = {
     "flavour": "host",
-    "data_disk": {"label": DATA_LABEL, "serial": DATA_SERIAL, "fstype": "ext4", "mount": STATE_DIR},
+    "data_disk": {
+        "label": DATA_LABEL,
+        "serial": DATA_SERIAL,
+        "partname": mkdisk.DATA_NAME,
+        "fstype": "ext4",
+        "mount": STATE_DIR,
+    },
     "api_port": API_PORT,
     "tls_dir": f"{STATE_DIR}/tls",
     "client_dir": f"{STATE_DIR}/client",
@@ -72,6 +83,25 @@ class HostBuild(guest.Build):
     library_packages = LIBRARY_PACKAGES
     rootfs_extra_modules = EXTRA_MODULES
     identity = ("host", "aurae-host")
+
+    def run(self, started: float) -> None:
+        super().run(started)
+        with self.step("disk image"):
+            stub = self.trees["systemd-boot-efi"] / mkdisk.STUB
+            try:
+                layout = mkdisk.make_disk(self.work, stub, self.inputs.digest)
+            except mkdisk.DiskError as exc:
+                raise guest.BuildError(str(exc)) from None
+        self.used_packages |= set(BOOT_PACKAGES)
+        path = self.work / "manifest.json"
+        manifest = json.loads(path.read_text())
+        manifest["step_seconds"] = self.timings
+        manifest["build_seconds"] = round(time.monotonic() - started, 1)
+        manifest["files"]["disk.img"] = {"size": layout["size"], "sha256": sha256_of(self.work / "disk.img")}
+        manifest["disk"] = layout
+        manifest["packages_outside_root"] = {p: self.inputs.packages[p] for p in BOOT_PACKAGES}
+        path.write_text(json.dumps(manifest, indent=2) + "\n")
+        guest.log(f"disk image (raw GPT, UEFI; dd it to a disk): {self.out / 'disk.img'}")
 
     def customize(self) -> None:
         s = self.stage
@@ -114,6 +144,14 @@ class HostBuild(guest.Build):
         else:
             assert source is not None
             shutil.copy2(source, target)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(4 * 1024 * 1024):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 HOST = guest.Flavour("host", BASE, PACKAGES, (guest.HERE, HERE), HostBuild)

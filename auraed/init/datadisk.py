@@ -5,10 +5,11 @@ disk. PID 1 looks for it before the daemon starts:
 
 1. a block device (whole disk or partition) holding an ext4 file system labelled ``label``
    (what a previous boot made, or what the operator made with ``mkfs.ext4 -L``);
-2. else the whole disk whose serial is ``serial`` (virtio-blk's ``serial=``, an NVMe or SCSI
-   disk's ``serial`` or ``device/serial`` in sysfs): formatted ext4 with ``label`` -- but only
-   when its first MiB is all zeros, so that no partition table or file system of anyone's is
-   ever overwritten (a disk that holds something else is reported and left alone).
+2. else the GPT partition named ``partname`` (host-image's disk.img has one, blank), or the
+   whole disk whose serial is ``serial`` (virtio-blk's ``serial=``, an NVMe or SCSI disk's
+   ``serial`` or ``device/serial`` in sysfs): formatted ext4 with ``label`` -- but only when its
+   first MiB is all zeros, so that no partition table or file system of anyone's is ever
+   overwritten (a partition or disk that holds something else is reported and left alone).
 
 Then it is mounted on the state directory (nosuid, nodev) and that directory made owner-only.
 Stdlib only apart from ``mkfs.ext4`` (e2fsprogs, in the host image).
@@ -16,10 +17,13 @@ Stdlib only apart from ``mkfs.ext4`` (e2fsprogs, in the host image).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import struct
 import subprocess
-from typing import NamedTuple
+import zlib
+from typing import BinaryIO, NamedTuple
 
 log = logging.getLogger("auraed.pid1")
 
@@ -94,16 +98,181 @@ def disk_serial(directory: str) -> str:
     return ""
 
 
-def find(label: str, serial: str, sys_dir: str = "/sys", dev_dir: str = "/dev") -> tuple[str, str] | None:
+def partition_name(directory: str) -> str:
+    """The GPT name of the partition at sysfs ``directory`` (its uevent's PARTNAME); "" if none."""
+    try:
+        with open(f"{directory}/uevent") as handle:
+            for line in handle:
+                if line.startswith("PARTNAME="):
+                    return line.removeprefix("PARTNAME=").rstrip("\n")
+    except OSError:
+        pass
+    return ""
+
+
+def find(
+    label: str, serial: str, sys_dir: str = "/sys", dev_dir: str = "/dev", partname: str = ""
+) -> tuple[str, str] | None:
     """(device, how it was found) of the data disk; None when there is none (yet)."""
     devices = block_devices(sys_dir)
     for name, _ in devices:
         if ext4_label(f"{dev_dir}/{name}") == label:
             return f"{dev_dir}/{name}", f"label {label}"
     for name, directory in devices:
+        if partname and os.path.exists(f"{directory}/partition") and partition_name(directory) == partname:
+            return f"{dev_dir}/{name}", f"partition {partname}"
+    for name, directory in devices:
         if serial and disk_serial(directory) == serial and os.path.exists(f"{directory}/device"):
             return f"{dev_dir}/{name}", f"serial {serial}"
     return None
+
+
+GPT_SIGNATURE = b"EFI PART"
+GPT_HEADER = struct.Struct("<8sIIIIQQQQ16sQIII")  # through the partition entries' CRC
+GPT_ENTRY = struct.Struct("<16s16sQQQ72s")
+BLKPG = 0x1269
+BLKPG_RESIZE_PARTITION = 3
+BLKPG_PARTITION = struct.Struct("<qqi64s64s4x")  # start, length (bytes), pno, devname, volname
+BLKPG_ARG = struct.Struct("<iii4xQ")  # op, flags, datalen, data (a pointer)
+
+
+class Gpt(NamedTuple):
+    header: bytes  # the primary header, header_size bytes
+    fields: tuple[object, ...]
+    entries: bytearray
+
+
+def read_gpt(handle: BinaryIO, sector: int) -> Gpt:
+    handle.seek(sector)
+    raw = handle.read(sector)
+    fields = GPT_HEADER.unpack_from(raw)
+    signature, _, size, crc = fields[0], fields[1], fields[2], fields[3]
+    if signature != GPT_SIGNATURE or not GPT_HEADER.size <= size <= sector:
+        raise DataDiskError("no GPT header")
+    if zlib.crc32(raw[:16] + b"\0\0\0\0" + raw[20:size]) != crc:
+        raise DataDiskError("the GPT header's CRC does not match")
+    entries_lba, count, entry_size, entries_crc = fields[10], fields[11], fields[12], fields[13]
+    assert isinstance(entries_lba, int) and isinstance(count, int) and isinstance(entry_size, int)
+    if entry_size < GPT_ENTRY.size or count * entry_size > 1024 * 1024:
+        raise DataDiskError("implausible GPT partition entries")
+    handle.seek(entries_lba * sector)
+    entries = bytearray(handle.read(count * entry_size))
+    if zlib.crc32(entries) != entries_crc:
+        raise DataDiskError("the GPT partition entries' CRC does not match")
+    return Gpt(raw[:size], fields, entries)
+
+
+GPT_FIELDS = {"current": 5, "backup": 6, "last_usable": 8, "entries_lba": 10, "entries_crc": 13}
+
+
+def _header(gpt: Gpt, **changes: int) -> bytes:
+    fields = list(gpt.fields)
+    fields[3] = 0
+    for name, value in changes.items():
+        fields[GPT_FIELDS[name]] = value
+    raw = bytearray(gpt.header)
+    GPT_HEADER.pack_into(raw, 0, *fields)
+    struct.pack_into("<I", raw, 16, zlib.crc32(raw))
+    return bytes(raw)
+
+
+def grow_gpt(disk: str, number: int, sector: int = 512) -> tuple[int, int] | None:
+    """Extend partition ``number`` of the GPT disk ``disk`` (a device or an image file) to the
+    disk's end when it is the last partition and the disk is bigger than its GPT says (an image
+    written to a bigger disk): the backup GPT moved to the end, both headers and the protective
+    MBR rewritten. (first, last) sector of the grown partition; None when there is nothing to do."""
+    with open(disk, "r+b") as handle:
+        total = handle.seek(0, os.SEEK_END) // sector
+        gpt = read_gpt(handle, sector)
+        backup, last_usable, count, entry_size = gpt.fields[6], gpt.fields[8], gpt.fields[11], gpt.fields[12]
+        assert isinstance(backup, int) and isinstance(last_usable, int)
+        assert isinstance(count, int) and isinstance(entry_size, int)
+        if backup >= total - 1:
+            return None
+        if not 1 <= number <= count:
+            raise DataDiskError(f"no partition {number} in the GPT")
+        ends = []
+        for index in range(count):
+            entry = GPT_ENTRY.unpack_from(gpt.entries, index * entry_size)
+            if entry[0] != bytes(16):
+                ends.append(entry[3])
+        offset = (number - 1) * entry_size
+        kind, unique, first, last, attributes, name = GPT_ENTRY.unpack_from(gpt.entries, offset)
+        if kind == bytes(16) or last != max(ends) or last > last_usable:
+            raise DataDiskError(f"partition {number} is not the last on the disk")
+        entry_sectors = -(-count * entry_size // sector)
+        backup_entries = total - 1 - entry_sectors
+        align = max(1, BLANK_BYTES // sector)  # the end on a MiB, as partitioning tools like it
+        new_last = max(last, (backup_entries // align) * align - 1)
+        GPT_ENTRY.pack_into(gpt.entries, offset, kind, unique, first, new_last, attributes, name)
+        crc = zlib.crc32(gpt.entries)
+        entries = bytes(gpt.entries).ljust(entry_sectors * sector, b"\0")
+        primary = _header(gpt, backup=total - 1, last_usable=new_last, entries_crc=crc)
+        secondary = _header(
+            gpt,
+            current=total - 1,
+            backup=1,
+            last_usable=new_last,
+            entries_lba=backup_entries,
+            entries_crc=crc,
+        )
+        # The old backup (now inside the grown partition) zeroed, the new one written, then the
+        # primary: a disk cut off half way still has one valid GPT.
+        handle.seek((backup - entry_sectors) * sector)
+        handle.write(bytes((entry_sectors + 1) * sector))
+        handle.seek(backup_entries * sector)
+        handle.write(entries + secondary.ljust(sector, b"\0"))
+        handle.flush()
+        os.fsync(handle.fileno())
+        handle.seek(2 * sector)
+        handle.write(entries)
+        handle.seek(sector)
+        handle.write(primary)
+        handle.seek(446 + 12)  # the protective MBR's partition: its size in sectors
+        handle.write(struct.pack("<I", min(total - 1, 0xFFFFFFFF)))
+        handle.flush()
+        os.fsync(handle.fileno())
+    return first, new_last
+
+
+def grow_partition(device: str, sys_dir: str = "/sys", dev_dir: str = "/dev") -> bool:
+    """Grow the partition ``device`` (blank, the data disk's) to the end of its disk and tell the
+    kernel (BLKPG: the disk's other partitions, the root among them, stay mounted); False when
+    there was nothing to grow. DataDiskError when it cannot be done."""
+    name = os.path.basename(device)
+    directory = os.path.realpath(f"{sys_dir}/class/block/{name}")
+    disk = os.path.basename(os.path.dirname(directory))
+    try:
+        number = int(_read_sys(f"{directory}/partition"))
+        sector = int(_read_sys(f"{sys_dir}/block/{disk}/queue/logical_block_size"))
+    except (OSError, ValueError) as exc:
+        raise DataDiskError(f"{device}: cannot read its partition number: {exc}") from None
+    grown = grow_gpt(f"{dev_dir}/{disk}", number, sector)
+    if grown is None:
+        return False
+    first, last = grown
+    import ctypes
+
+    partition = ctypes.create_string_buffer(
+        BLKPG_PARTITION.pack(first * sector, (last - first + 1) * sector, number, b"", b"")
+    )
+    arg = BLKPG_ARG.pack(BLKPG_RESIZE_PARTITION, 0, BLKPG_PARTITION.size, ctypes.addressof(partition))
+    descriptor = os.open(f"{dev_dir}/{disk}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(descriptor, BLKPG, arg)
+    except OSError as exc:
+        raise DataDiskError(f"the kernel did not take {device}'s new size: {exc}") from None
+    finally:
+        os.close(descriptor)
+    log.info(
+        "data partition %s grown to the end of %s: %d MiB", device, disk, (last - first + 1) * sector >> 20
+    )
+    return True
+
+
+def _read_sys(path: str) -> str:
+    with open(path) as handle:
+        return handle.read().strip()
 
 
 def format_ext4(device: str, label: str) -> None:
@@ -122,27 +291,41 @@ def format_ext4(device: str, label: str) -> None:
 
 
 def prepare(
-    label: str, serial: str, target: str, wait: float, *, sys_dir: str = "/sys", dev_dir: str = "/dev"
+    label: str,
+    serial: str,
+    target: str,
+    wait: float,
+    *,
+    partname: str = "",
+    sys_dir: str = "/sys",
+    dev_dir: str = "/dev",
 ) -> DataDisk:
     """Find the data disk (waiting up to ``wait`` seconds for it), format it if it is blank and
-    found by serial, mount it on ``target``. DataDiskError when there is none or it cannot be used."""
+    found by partition name or serial, mount it on ``target``. DataDiskError when there is none or
+    it cannot be used."""
     import time
 
     from auraed.system.namespaces import mount
 
     deadline = time.monotonic() + wait
-    while (found := find(label, serial, sys_dir, dev_dir)) is None:
+    while (found := find(label, serial, sys_dir, dev_dir, partname)) is None:
         if time.monotonic() >= deadline:
-            raise DataDiskError(f"no disk labelled {label} nor with serial {serial!r} in {wait:g} s")
+            named = f", no partition named {partname!r}" if partname else ""
+            raise DataDiskError(f"no disk labelled {label}{named} nor with serial {serial!r} in {wait:g} s")
         time.sleep(0.05)
     device, how = found
     formatted = False
-    if how.startswith("serial"):
+    if not how.startswith("label"):
         if not is_blank(device):
             raise DataDiskError(
-                f"{device} (serial {serial}) is not blank and holds no ext4 labelled {label}: "
+                f"{device} ({how}) is not blank and holds no ext4 labelled {label}: "
                 "not formatting it (zero its first MiB, or label its ext4 file system, to use it)"
             )
+        if how.startswith("partition"):
+            try:
+                grow_partition(device, sys_dir, dev_dir)
+            except (DataDiskError, OSError) as exc:
+                log.warning("data partition %s not grown (%s): formatting it as it is", device, exc)
         log.info("data disk %s (%s) is blank: formatting it ext4, label %s", device, how, label)
         format_ext4(device, label)
         formatted = True

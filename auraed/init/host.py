@@ -76,6 +76,7 @@ class HostProfile(NamedTuple):
     tls_dir: str
     client_dir: str
     dhcp_script: str
+    data_partname: str = ""  # the GPT name of a data partition (host-image's disk.img: aurae-data)
 
     @classmethod
     def load(cls, root: str = "/") -> HostProfile | None:
@@ -93,6 +94,7 @@ class HostProfile(NamedTuple):
             tls_dir=str(data["tls_dir"]),
             client_dir=str(data["client_dir"]),
             dhcp_script=str(data["dhcp_script"]),
+            data_partname=str(disk.get("partname", "")),
         )
 
 
@@ -114,7 +116,9 @@ class HostBoot:
 
         p = self.profile
         try:
-            self.disk = datadisk.prepare(p.data_label, p.data_serial, p.state_dir, DATA_DISK_WAIT)
+            self.disk = datadisk.prepare(
+                p.data_label, p.data_serial, p.state_dir, DATA_DISK_WAIT, partname=p.data_partname
+            )
         except (datadisk.DataDiskError, OSError) as exc:
             self.disk_problem = str(exc)
             log.error("data disk: %s; the state is in memory and lost at power-off", exc)

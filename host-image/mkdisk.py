@@ -1,0 +1,172 @@
+"""The host image's ``disk.img``: a raw GPT disk to write to a machine's disk and boot (UEFI).
+
+Made from the build's own outputs, without root, loop devices or mounts (host-image/mkhost.py calls
+:func:`make_disk` at the end of a build):
+
+1. ``BOOTX64.EFI``: a Unified Kernel Image -- systemd-boot-efi's ``linuxx64.efi.stub`` (the .deb the
+   build fetches like the others) with ``vmlinuz``, ``initramfs.img``, the kernel command line
+   (:data:`CMDLINE`) and an os-release added as PE sections by ``objcopy`` (binutils). The firmware
+   runs it from the removable-media path ``\\EFI\\BOOT\\BOOTX64.EFI``: no boot loader, no boot entry,
+   no configuration file.
+2. the ESP: a FAT32 image made by ``mkfs.fat`` (dosfstools) on a plain file, filled by mtools'
+   ``mmd``/``mcopy``.
+3. the disk: a sparse file, partitioned by ``sgdisk`` (gdisk), the ESP and ``rootfs.img`` written at
+   their partitions' offsets. The third partition, GPT name ``aurae-data``, stays all zeros: the
+   first boot formats it (auraed/init/datadisk.py) because it is blank, never otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+MIB = 1024 * 1024
+SECTOR = 512
+DISK_MIB = 1024  # the whole image; the data partition takes what the others leave
+ESP_MIB = 64
+ROOT_ALIGN_MIB = 16  # the root partition: rootfs.img rounded up to this
+ESP_NAME = "aurae-esp"
+ROOT_NAME = "aurae-root"
+DATA_NAME = "aurae-data"
+ESP_TYPE = "ef00"  # EFI system partition
+ROOT_TYPE = "8304"  # Linux x86-64 root (the Discoverable Partitions Specification's)
+DATA_TYPE = "8300"  # Linux filesystem
+READ_ONLY_ATTRIBUTE = 60  # GPT attribute bit: read-only
+# The serial console last: it is /dev/console, where PID 1's status screen and the first boot's
+# client configuration go (a server's console: IPMI/BMC serial-over-LAN); kernel messages go to both.
+# With Secure Boot off, a boot entry's own options replace this line (systemd-stub's rule).
+CMDLINE = f"console=tty0 console=ttyS0,115200 auraed.root=PARTLABEL={ROOT_NAME} auraed.rootwait=30"
+STUB = "usr/lib/systemd/boot/efi/linuxx64.efi.stub"
+OS_RELEASE = 'ID=aurae-host\nNAME="auraed host image"\nPRETTY_NAME="auraed host image {digest}"\n'
+
+
+class DiskError(Exception):
+    pass
+
+
+def run(args: list[str], **kwargs: object) -> str:
+    try:
+        result = subprocess.run(args, capture_output=True, text=True, check=False, **kwargs)  # type: ignore[call-overload]
+    except FileNotFoundError as exc:
+        raise DiskError(f"cannot run {args[0]}: {exc.strerror} (run hack/setup)") from exc
+    if result.returncode != 0:
+        raise DiskError(f"{' '.join(args)} failed ({result.returncode}):\n{result.stdout}{result.stderr}")
+    out: str = result.stdout
+    return out
+
+
+def guid(digest: str, what: str) -> str:
+    """A GUID derived from the inputs hash: the same inputs make the same partition table."""
+    return str(uuid.UUID(hashlib.sha256(f"{digest}:{what}".encode()).hexdigest()[:32], version=4))
+
+
+def stub_end(stub: Path) -> int:
+    """The first free virtual address after the stub's sections (objdump's VMA + size)."""
+    end = 0
+    for line in run(["objdump", "-h", "-w", str(stub)], env={**os.environ, "LC_ALL": "C"}).splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and fields[0].isdigit():
+            end = max(end, int(fields[3], 16) + int(fields[2], 16))
+    if end == 0:
+        raise DiskError(f"objdump shows no sections in {stub}")
+    return end
+
+
+def make_uki(stub: Path, kernel: Path, initramfs: Path, out: Path, *, cmdline: str, os_release: str) -> None:
+    """kernel + initramfs + command line in one EFI program (the sections systemd-stub reads)."""
+    work = out.parent
+    (work / "uki-cmdline").write_text(cmdline + "\0")
+    (work / "uki-osrel").write_text(os_release)
+    sections = [
+        (".osrel", work / "uki-osrel"),
+        (".cmdline", work / "uki-cmdline"),
+        (".initrd", initramfs),
+        (".linux", kernel),  # last: the kernel may use memory past its own size
+    ]
+    args = ["objcopy"]
+    address = stub_end(stub)
+    for name, path in sections:
+        address = (address + 0xFFFF) & ~0xFFFF
+        args += [
+            "--add-section", f"{name}={path}",
+            "--change-section-vma", f"{name}={address:#x}",
+        ]  # fmt: skip
+        address += path.stat().st_size
+    run([*args, str(stub), str(out)])
+    for name in ("uki-cmdline", "uki-osrel"):
+        (work / name).unlink()
+
+
+def make_esp(uki: Path, out: Path, digest: str) -> None:
+    with out.open("wb") as handle:
+        handle.truncate(ESP_MIB * MIB)
+    run(["mkfs.fat", "-F", "32", "-s", "1", "-n", "AURAE-ESP", "-i", digest[:8], "--invariant", str(out)])
+    env = {**os.environ, "MTOOLS_SKIP_CHECK": "1"}
+    run(["mmd", "-i", str(out), "::/EFI", "::/EFI/BOOT"], env=env)
+    run(["mcopy", "-i", str(out), str(uki), "::/EFI/BOOT/BOOTX64.EFI"], env=env)
+
+
+def make_disk(work: Path, stub: Path, digest: str, disk_mib: int = DISK_MIB) -> dict[str, object]:
+    """``work/disk.img`` from ``work``'s vmlinuz, initramfs.img and rootfs.img; returns its layout
+    for the manifest."""
+    uki = work / "BOOTX64.EFI"
+    esp = work / "esp.img"
+    disk = work / "disk.img"
+    os_release = OS_RELEASE.format(digest=digest)
+    make_uki(stub, work / "vmlinuz", work / "initramfs.img", uki, cmdline=CMDLINE, os_release=os_release)
+    try:
+        make_esp(uki, esp, digest)
+        uki_size = uki.stat().st_size
+    finally:
+        uki.unlink(missing_ok=True)
+    rootfs = work / "rootfs.img"
+    root_mib = -(-rootfs.stat().st_size // (ROOT_ALIGN_MIB * MIB)) * ROOT_ALIGN_MIB
+    if 1 + ESP_MIB + root_mib + 64 + 1 > disk_mib:
+        raise DiskError(f"a {disk_mib} MiB disk leaves under 64 MiB for the data partition")
+    with disk.open("wb") as handle:
+        handle.truncate(disk_mib * MIB)
+    run([
+        "sgdisk", "--clear", f"--disk-guid={guid(digest, 'disk')}",
+        f"--new=1:1M:+{ESP_MIB}M", f"--typecode=1:{ESP_TYPE}", f"--change-name=1:{ESP_NAME}",
+        f"--partition-guid=1:{guid(digest, ESP_NAME)}",
+        f"--new=2:0:+{root_mib}M", f"--typecode=2:{ROOT_TYPE}", f"--change-name=2:{ROOT_NAME}",
+        f"--partition-guid=2:{guid(digest, ROOT_NAME)}", f"--attributes=2:set:{READ_ONLY_ATTRIBUTE}",
+        "--new=3:0:0", f"--typecode=3:{DATA_TYPE}", f"--change-name=3:{DATA_NAME}",
+        f"--partition-guid=3:{guid(digest, DATA_NAME)}",
+        str(disk),
+    ])  # fmt: skip
+    layout = partitions(disk)
+    with disk.open("r+b") as target:
+        for name, source in ((ESP_NAME, esp), (ROOT_NAME, rootfs)):
+            start, size = layout[name]
+            if source.stat().st_size > size:
+                raise DiskError(f"{source.name} does not fit partition {name}")
+            target.seek(start)
+            with source.open("rb") as data:
+                shutil.copyfileobj(data, target, MIB)
+    esp.unlink()
+    run(["sgdisk", "--verify", str(disk)])
+    return {
+        "size": disk_mib * MIB,
+        "boot": "UEFI: \\EFI\\BOOT\\BOOTX64.EFI, a unified kernel image (systemd-stub)",
+        "uki_bytes": uki_size,
+        "cmdline": CMDLINE,
+        "partitions": {name: {"offset": start, "size": size} for name, (start, size) in layout.items()},
+    }
+
+
+def partitions(disk: Path) -> dict[str, tuple[int, int]]:
+    """GPT name -> (byte offset, byte size), from ``sgdisk --print``."""
+    found: dict[str, tuple[int, int]] = {}
+    for line in run(["sgdisk", "--print", str(disk)], env={**os.environ, "LC_ALL": "C"}).splitlines():
+        fields = line.split()
+        if len(fields) >= 7 and fields[0].isdigit() and fields[1].isdigit():
+            first, last = int(fields[1]), int(fields[2])
+            found[fields[-1]] = (first * SECTOR, (last - first + 1) * SECTOR)
+    if set(found) != {ESP_NAME, ROOT_NAME, DATA_NAME}:
+        raise DiskError(f"unexpected partitions in {disk}: {sorted(found)}")
+    return found
