@@ -30,14 +30,17 @@ template has no NIC (cloud-hypervisor's NIC needs a tap, and one made for it wou
 vm.create; the guest's identity waits for eth0). The files each VM has for itself (its serial log,
 its identity socket) are named relative to the VMM's working directory, its run directory: the
 snapshot's config names ``console.log`` and ``identity.sock``, and every clone opens its own.
-The identity port is the virtio-console in Socket mode, its host end ``identity.sock``
-(cloud-hypervisor listens; its virtio-console has one port and no names: no
-VIRTIO_CONSOLE_F_MULTIPORT).
+The identity port is vsock (cloud-hypervisor has no virtio-serial; its virtio-console has one
+unnamed port and refuses Socket mode: NoSocketOptionSupportForConsoleDevice): the guest listens on
+port IDENTITY_VSOCK_PORT, the host connects to ``identity.sock`` (cloud-hypervisor's hybrid vsock:
+``CONNECT <port>``, answered ``OK <port>``): once the template is booted, and once each clone is
+resumed (a connection does not survive a snapshot; the guest takes its identity on a new one).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -66,12 +69,14 @@ MEMORY_RANGES = "memory-ranges"  # the RAM in a snapshot directory
 # Pages read from the snapshot as the clone touches them (userfaultfd); CopyOnWrite would map the
 # file private, as QEMU's clones do, but is untested without KVM.
 MEMORY_RESTORE_MODE = "OnDemand"
-# Where a guest finds its identity port on cloud-hypervisor (its console has no port names).
-IDENTITY_PORT_ARG = "auraed.identity_port=hvc0"
-IDENTITY_CONSOLE_PROBLEM = (
-    "guest templates on cloud-hypervisor need the guest to find its identity port on the "
-    "virtio-console (/dev/hvc0): cloud-hypervisor's console has one unnamed port, and the guest "
-    "image's auraed looks for a virtio-serial port named org.aurae.identity"
+# The identity port on cloud-hypervisor: vsock, the guest's CID and the port it listens on.
+GUEST_CID = 3
+IDENTITY_VSOCK_PORT = 1024
+IDENTITY_PORT_ARG = f"auraed.identity_port=vsock:{IDENTITY_VSOCK_PORT}"
+IDENTITY_VSOCK_PROBLEM = (
+    "guest templates on cloud-hypervisor need the guest to take its identity over vsock (listening "
+    f"on port {IDENTITY_VSOCK_PORT}): cloud-hypervisor has no virtio-serial, and the guest image's "
+    "auraed looks for a virtio-serial port named org.aurae.identity"
 )
 
 
@@ -101,7 +106,7 @@ def vm_config(spec: LaunchSpec, console_path: Path, kernel_cmdline: str) -> dict
         "rng": {"src": "/dev/urandom"},
     }
     if template:
-        config["console"] = {"mode": "Socket", "socket": common.IDENTITY_SOCKET}
+        config["vsock"] = {"cid": GUEST_CID, "socket": common.IDENTITY_SOCKET}
     if spec.disks:
         config["disks"] = [
             {"path": d.path, "readonly": not d.writable, "id": f"disk{i}", "serial": d.serial}
@@ -206,14 +211,14 @@ class CloudHypervisorBackend:
         binary: str = "cloud-hypervisor",
         kvm_usable: Callable[[], bool] = lambda: False,
         kvm_detail: Callable[[], str] = lambda: "",
-        identity_console: bool = False,
+        identity_vsock: bool = False,
     ) -> None:
         self.binary = binary
         self._kvm_usable = kvm_usable
         self._kvm_detail = kvm_detail
-        # Whether the guests booted here find their identity port on the virtio-console
-        # (IDENTITY_PORT_ARG); until the guest image's auraed does, templates are refused.
-        self.identity_console = identity_console
+        # Whether the guests booted here take their identity over vsock (IDENTITY_PORT_ARG); until
+        # the guest image's auraed does, templates are refused (guests then boot cold).
+        self.identity_vsock = identity_vsock
 
     def problem(self) -> str | None:
         if shutil.which(self.binary) is None:
@@ -232,8 +237,8 @@ class CloudHypervisorBackend:
         problem = self.problem()
         if problem:
             return problem
-        if not self.identity_console:
-            return IDENTITY_CONSOLE_PROBLEM
+        if not self.identity_vsock:
+            return IDENTITY_VSOCK_PROBLEM
         return None
 
     @staticmethod
@@ -321,7 +326,7 @@ class CloudHypervisorBackend:
                 await client.create(vm_config(spec, console, cmdline))
                 await client.boot()
                 if spec.image is not None:
-                    handle.identity = await self._open_identity(run_dir)
+                    handle.identity = await self._open_identity(handle, spec.timeout)
             state = await self.status(handle)
             if state != "running":
                 raise VmError.internal(f"cloud-hypervisor reports the new VM {state!r}, not running")
@@ -338,30 +343,57 @@ class CloudHypervisorBackend:
 
     async def _restore(self, handle: VmHandle, spec: LaunchSpec) -> float:
         """Restore a clone from its template's snapshot (paused, its devices as the template's,
-        its serial log and identity socket in its own run directory), connect to its identity
-        port, resume it and plug its own NIC; the seconds from vm.restore to resumed."""
+        its serial log and identity socket in its own run directory), resume it, plug its own NIC
+        and connect to its identity port; the seconds from vm.restore to resumed."""
         assert spec.image is not None
         client: ChClient = handle.client
         state_dir = Path(spec.image.state_path)
-        if not (state_dir / "config.json").is_file():
-            raise VmError.precondition(f"restoring the clone: {state_dir} holds no cloud-hypervisor snapshot")
+        problem = await asyncio.to_thread(_snapshot_problem, state_dir, spec)
+        if problem:
+            raise VmError.precondition(f"restoring the clone: {problem}")
         started = time.monotonic()
         await client.restore(restore_config(state_dir))
-        # Before the guest runs, as with QEMU: the port is open on the host's side all along.
-        handle.identity = await self._open_identity(spec.run_dir)
         await client.resume()
         restored = time.monotonic() - started
         if spec.net is not None:
             await client.add_net(net_config(spec.net))
+        handle.identity = await self._open_identity(handle, spec.timeout)
         return restored
 
-    @staticmethod
-    async def _open_identity(run_dir: Path) -> Any:
-        path = run_dir / common.IDENTITY_SOCKET
-        try:
-            return await asyncio.open_unix_connection(path)
-        except OSError as exc:
-            raise VmError.precondition(f"cloud-hypervisor's identity console {path}: {exc}") from None
+    async def _open_identity(self, handle: VmHandle, timeout: float) -> Any:
+        """The identity port, connected through cloud-hypervisor's hybrid vsock once the guest
+        listens on it (the VMM closes a CONNECT to a port nobody listens on: tried again)."""
+        path = handle.control_socket.parent / common.IDENTITY_SOCKET
+        deadline = time.monotonic() + timeout
+        why = "no answer"
+        while True:
+            if handle.process is not None and handle.process.poll() is not None:
+                raise VmError.precondition(
+                    f"cloud-hypervisor ended: {common.vmm_log_tail(path.parent) or 'no output'}"
+                )
+            try:
+                reader, writer = await asyncio.open_unix_connection(path)
+            except OSError as exc:
+                why = str(exc)
+            else:
+                try:
+                    writer.write(f"CONNECT {IDENTITY_VSOCK_PORT}\n".encode())
+                    await writer.drain()
+                    async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                        answer = await reader.readline()
+                except (OSError, TimeoutError) as exc:
+                    answer, why = b"", str(exc) or type(exc).__name__
+                if answer.startswith(b"OK "):
+                    return reader, writer
+                writer.close()
+                why = (
+                    f"the guest does not listen on vsock port {IDENTITY_VSOCK_PORT}"
+                    if not answer
+                    else repr(answer)
+                )
+            if time.monotonic() > deadline:
+                raise VmError.deadline(f"the identity port {path} did not open within {timeout:g} s: {why}")
+            await asyncio.sleep(0.05)
 
     async def _wait_api(self, handle: VmHandle, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -445,6 +477,24 @@ class CloudHypervisorBackend:
             handle.identity = None
         client: ChClient = handle.client
         await client.close()
+
+
+def _snapshot_problem(state_dir: Path, spec: LaunchSpec) -> str | None:
+    """Why the snapshot in ``state_dir`` cannot be ``spec``'s clone (None: it can): its devices
+    and machine are restored as saved, so they must be what the clone was asked to be."""
+    try:
+        config = json.loads((state_dir / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        return f"{state_dir} holds no cloud-hypervisor snapshot ({exc})"
+    saved = (
+        config.get("cpus", {}).get("boot_vcpus"),
+        config.get("memory", {}).get("size"),
+        [d.get("path") for d in config.get("disks", [])],
+    )
+    asked = (spec.vcpus, spec.memory_mib * 1024 * 1024, [d.path for d in spec.disks])
+    if saved != asked:
+        return f"its template was saved with (vCPUs, memory, disks) {saved}, the clone asks for {asked}"
+    return None
 
 
 def _link_memory(state_dir: Path) -> None:

@@ -44,7 +44,10 @@ from auraed.vms import backend as common
 from auraed.vms import network
 from auraed.vms.backend import Backend, LaunchDisk, LaunchNet, LaunchSpec, MemoryImage, VmHandle
 from auraed.vms.cloud_hypervisor import (
-    IDENTITY_CONSOLE_PROBLEM,
+    IDENTITY_VSOCK_PORT as CH_IDENTITY_VSOCK_PORT,
+)
+from auraed.vms.cloud_hypervisor import (
+    IDENTITY_VSOCK_PROBLEM,
     ChApiError,
     ChClient,
     CloudHypervisorBackend,
@@ -118,7 +121,7 @@ SCHEMAS: dict[str, Schema] = {
             "devices": "array:object",
             "user_devices": "array:object",
             "vdpa": "array:object",
-            "vsock": "object",
+            "vsock": "VsockConfig",
             "numa": "array:object",
             "iommu": "boolean",
             "watchdog": "boolean",
@@ -251,6 +254,18 @@ SCHEMAS: dict[str, Schema] = {
             "version": "string",
             "pid": "integer",
             "features": "array:string",
+        },
+    ),
+    "VsockConfig": Schema(
+        required=("cid", "socket"),
+        minimum={"cid": 3},
+        properties={
+            "cid": "integer",
+            "socket": "string",
+            "iommu": "boolean",
+            "pci_segment": "integer",
+            "pci_device_id": "integer",
+            "id": "string",
         },
     ),
     "VmSnapshotConfig": Schema(properties={"destination_url": "string"}),
@@ -393,13 +408,16 @@ class FakeCloudHypervisor:
     """cloud-hypervisor's API as the VMM serves it, checking every request against the schema.
 
     ``guest``: "powers-off" (the guest handles the ACPI power button and powers off, and the VMM
-    process then ends, as the real one does) or "ignores-button". ``fail``: an endpoint answered
+    process then ends, as the real one does), "ignores-button" or "deaf" (it never listens on
+    its identity port). ``fail``: an endpoint answered
     with HTTP 500 and an error text, as the VMM does when an action fails.
 
     Snapshots are written as cloud-hypervisor writes them (config.json: the VmConfig, state.json,
     memory-ranges: the RAM) and a restore reads config.json back, checked against VmConfig. Paths
     in the config are opened relative to the VMM's working directory, as the real one opens them.
-    A console in Socket mode is the guest's identity port: the fake guest on it plays a
+    A vsock device is served as cloud-hypervisor's hybrid vsock (a unix socket where the host
+    asks ``CONNECT <port>`` and gets ``OK <port>`` when the guest listens there, else the
+    connection closed); the fake guest listens on the identity port while it runs and plays a
     template's part (booted, config, ready) once booted, and a clone's (identity, applied) once
     restored and resumed.
     """
@@ -552,7 +570,7 @@ class FakeCloudHypervisor:
             if serial.get("mode") == "File":
                 with open(serial["file"], "a") as f:
                     f.write("fake cloud-hypervisor guest: booted\n")
-            self._open_identity_console()
+            self._open_vsock()
             return 204, None
         if name == "vm.power-button":
             if self.state != "Running":
@@ -588,7 +606,7 @@ class FakeCloudHypervisor:
             if not (source / "memory-ranges").is_file() or not (source / "state.json").is_file():
                 return 400, "Error restoring the VM: the snapshot lacks memory-ranges or state.json"
             self.config, self.state, self.restored = config, "Paused", True
-            self._open_identity_console()
+            self._open_vsock()
             if body.get("resume"):
                 self.state = "Running"
             return 204, None
@@ -625,50 +643,58 @@ class FakeCloudHypervisor:
             return 200, {"id": body.get("id", "_net0"), "bdf": "0000:00:06.0"}
         raise AssertionError(name)
 
-    def _open_identity_console(self) -> None:
-        """A console in Socket mode: listening (as the VMM does) from boot or restore on."""
-        console = (self.config or {}).get("console", {})
-        if console.get("mode") != "Socket":
+    def _open_vsock(self) -> None:
+        """The vsock device's unix socket: listening (as the VMM does) from boot or restore on."""
+        vsock = (self.config or {}).get("vsock")
+        if not vsock:
             return
-        path = Path(console["socket"])  # relative: in the VMM's working directory
+        path = Path(vsock["socket"])  # relative: in the VMM's working directory
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         listener = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
         listener.bind(str(path))
-        listener.listen(1)
-        task = asyncio.get_running_loop().create_task(self._guest_on_console(listener))
+        listener.listen(8)
+        task = asyncio.get_running_loop().create_task(self._serve_vsock(listener))
         self._tasks.add(task)
 
-    async def _guest_on_console(self, listener: pysocket.socket) -> None:
-        """The guest's side of the identity port (auraed/init/identity.py's protocol)."""
-        server_done = asyncio.Event()
-
-        async def guest(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve_vsock(self, listener: pysocket.socket) -> None:
+        async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
-                if not self.restored:
-                    writer.write(b'{"template": "booted"}\n')
-                    self.identity_lines.append(json.loads(await reader.readline()))
-                    writer.write(b'{"template": "ready", "imports_s": 0.5}\n')
-                    await writer.drain()
-                    await reader.read()  # until the host goes (the template is saved, killed)
+                request = (await reader.readline()).decode().split()
+                if request[:1] != ["CONNECT"] or len(request) != 2 or not request[1].isdigit():
+                    self._violation(f"vsock: {request!r} is not CONNECT <port>")
                     return
-                message = json.loads(await reader.readline())
-                self.identity_lines.append(message)
-                nics = (self.config or {}).get("net", [])  # a clone's own NIC, plugged after resume
-                reply = {"identity": "applied", "boot_id": "fake-boot-id", "applied_ms": 1.0}
-                if self.state != "Running":
-                    reply = {"identity": "failed", "error": f"the guest is {self.state}, not running"}
-                elif message["net"].get("mac") not in [n.get("mac") for n in nics]:
-                    reply = {"identity": "failed", "error": "eth0 is missing"}
-                writer.write(json.dumps(reply).encode() + b"\n")
+                # The guest listens on its identity port while it runs (not paused, not before boot).
+                listening = self.state == "Running" and self.guest != "deaf"
+                if int(request[1]) != CH_IDENTITY_VSOCK_PORT or not listening:
+                    return
+                writer.write(b"OK 1073741824\n")
                 await writer.drain()
+                await self._guest(reader, writer)
             finally:
                 writer.close()
-                server_done.set()
 
-        server = await asyncio.start_unix_server(guest, sock=listener)
-        await server_done.wait()
-        server.close()
+        await asyncio.start_unix_server(connection, sock=listener)
+
+    async def _guest(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The guest's side of the identity port (auraed/init/identity.py's protocol)."""
+        if not self.restored:
+            writer.write(b'{"template": "booted"}\n')
+            self.identity_lines.append(json.loads(await reader.readline()))
+            writer.write(b'{"template": "ready", "imports_s": 0.5}\n')
+            await writer.drain()
+            await reader.read()  # until the host goes (the template is saved, then killed)
+            return
+        message = json.loads(await reader.readline())
+        self.identity_lines.append(message)
+        nics = (self.config or {}).get("net", [])  # a clone's own NIC, plugged after its resume
+        reply = {"identity": "applied", "boot_id": "fake-boot-id", "applied_ms": 1.0}
+        if self.state != "Running":
+            reply = {"identity": "failed", "error": f"the guest is {self.state}, not running"}
+        elif message["net"].get("mac") not in [n.get("mac") for n in nics]:
+            reply = {"identity": "failed", "error": "eth0 is missing"}
+        writer.write(json.dumps(reply).encode() + b"\n")
+        await writer.drain()
 
 
 VM_ACTIONS = {"vm.pause", "vm.resume", "vm.snapshot", "vm.restore", "vm.add-net"}
@@ -1036,7 +1062,7 @@ def test_template_and_clone_bodies_are_the_published_schemas(root: Path, images:
     assert validate(config, "VmConfig", "VmConfig") == []
     # Its own files relative to the VMM's working directory (each clone opens its own), no NIC.
     assert config["serial"] == {"mode": "File", "file": "console.log"}
-    assert config["console"] == {"mode": "Socket", "socket": "identity.sock"}
+    assert config["vsock"] == {"cid": 3, "socket": "identity.sock"}
     assert "net" not in config
     assert validate(snapshot_config(build / "state"), "VmSnapshotConfig", "s") == []
     restore = restore_config(build / "state")
@@ -1056,10 +1082,10 @@ def test_cloud_hypervisor_templates_are_refused_where_they_cannot_work(
     # The guest image's auraed finds its identity port by a virtio-serial name, which
     # cloud-hypervisor's console cannot give: refused, so guests boot cold instead.
     default = CloudHypervisorBackend(binary=str(fake_binary), kvm_usable=lambda: True)
-    assert default.template_problem() == IDENTITY_CONSOLE_PROBLEM
-    no_kvm = CloudHypervisorBackend(binary=str(fake_binary), identity_console=True)
+    assert default.template_problem() == IDENTITY_VSOCK_PROBLEM
+    no_kvm = CloudHypervisorBackend(binary=str(fake_binary), identity_vsock=True)
     assert "KVM" in (no_kvm.template_problem() or "")
-    ready = CloudHypervisorBackend(binary=str(fake_binary), kvm_usable=lambda: True, identity_console=True)
+    ready = CloudHypervisorBackend(binary=str(fake_binary), kvm_usable=lambda: True, identity_vsock=True)
     assert ready.template_problem() is None
     image = MemoryImage(str(root / "memory"), str(root / "state"), clone=True)
     pod_clone = LaunchSpec(
@@ -1075,7 +1101,7 @@ async def ch_templates(root: Path, fake_binary: Path) -> AsyncIterator[tuple[Vms
     backends: dict[str, Backend] = {
         "qemu": QemuBackend(),
         "cloud-hypervisor": CloudHypervisorBackend(
-            binary=str(fake_binary), kvm_usable=lambda: True, identity_console=True
+            binary=str(fake_binary), kvm_usable=lambda: True, identity_vsock=True
         ),
     }
     store = Store(root / "state" / "auraed.db")
@@ -1101,14 +1127,14 @@ def shape_of(images: dict[str, Path]) -> TemplateShape:
     )
 
 
-async def clone_vm(vms: Vms, images: dict[str, Path], name: str) -> None:
+async def clone_vm(vms: Vms, images: dict[str, Path], name: str, memory_mib: int = 128) -> None:
     spec = parse_vm(
         pb.VirtualMachine(
             name=name,
             kernel=str(images["vmlinux"]),
             initramfs=str(images["initramfs.img"]),
             root_disk=str(images["rootfs.img"]),
-            memory_mib=128,
+            memory_mib=memory_mib,
             vcpus=1,
             network=True,
             role="guest",
@@ -1138,8 +1164,8 @@ async def test_a_template_saved_and_a_clone_restored_through_the_rest_api(
     calls = [c for c in calls_of(made) if c != "GET vm.info"]
     assert calls == ["GET vmm.ping", "PUT vm.create", "PUT vm.boot", "PUT vm.pause", "PUT vm.snapshot"]
     create = made[1]["body"]
-    assert "net" not in create and create["console"] == {"mode": "Socket", "socket": "identity.sock"}
-    assert "auraed.identity_port=hvc0" in create["payload"]["cmdline"]
+    assert "net" not in create and create["vsock"] == {"cid": 3, "socket": "identity.sock"}
+    assert "auraed.identity_port=vsock:1024" in create["payload"]["cmdline"]
     assert "auraed.template=1" in create["payload"]["cmdline"]
     assert made[-1]["body"] == {"destination_url": f"file://{build}/state"}
 
@@ -1250,3 +1276,33 @@ async def test_errors_of_save_and_restore_are_clear(
     assert caught.value.kind is ErrorKind.FAILED_PRECONDITION
     assert "holds no cloud-hypervisor snapshot" in caught.value.message
     await vms.free("c3")
+
+    # A clone whose machine is not its template's snapshot is refused before any VMM is asked.
+    await clone_vm(vms, images, "c4", memory_mib=256)
+    with pytest.raises(VmError) as caught:
+        await vms.start("c4", image=template.image(), template="good", timeout=30)
+    assert caught.value.kind is ErrorKind.FAILED_PRECONDITION
+    assert "its template was saved with (vCPUs, memory, disks) (1, 134217728" in caught.value.message
+    await vms.free("c4")
+
+
+async def test_a_guest_that_never_listens_on_its_identity_port_is_a_deadline(
+    root: Path, fake_binary: Path, images: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_CH_GUEST", "deaf")
+    backend = CloudHypervisorBackend(binary=str(fake_binary), kvm_usable=lambda: True, identity_vsock=True)
+    build = root / "build-1"
+    build.mkdir()
+    spec = LaunchSpec(
+        "template-deaf", 1, 128, str(images["vmlinux"]), "", (), "auraed.template=1", None, build,
+        timeout=1.0, image=MemoryImage(str(build / "memory"), str(build / "state"), clone=False),
+    )  # fmt: skip
+    started = time.monotonic()
+    with pytest.raises(VmError) as caught:
+        await backend.start(spec)
+    assert 1.0 <= time.monotonic() - started < 5
+    assert caught.value.kind is ErrorKind.DEADLINE_EXCEEDED
+    assert "does not listen on vsock port 1024" in caught.value.message
+    assert common.processes_referencing(build) == []
+    (log,) = build.glob("api-requests-*.jsonl")
+    assert_clean([json.loads(line) for line in log.read_text().splitlines()])
