@@ -84,7 +84,6 @@ class ChApiError(Exception):
     def __init__(self, method: str, path: str, status: int, body: str) -> None:
         super().__init__(f"cloud-hypervisor {method} {path}: HTTP {status}: {body[:500]}")
         self.status = status
-        self.path = path
 
 
 def vm_config(spec: LaunchSpec, console_path: Path, kernel_cmdline: str) -> dict[str, Any]:
@@ -128,8 +127,8 @@ def snapshot_config(state_dir: Path) -> dict[str, Any]:
 
 
 def restore_config(state_dir: Path) -> dict[str, Any]:
-    """vm.restore's RestoreConfig for a clone of the snapshot in ``state_dir``; resumed separately
-    (after the host has connected to its identity port)."""
+    """vm.restore's RestoreConfig for a clone of the snapshot in ``state_dir``; resumed by its own
+    vm.resume (``resume`` left out), so that a failed restore is told from a failed resume."""
     return {"source_url": f"file://{state_dir}", "memory_restore_mode": MEMORY_RESTORE_MODE}
 
 
@@ -498,7 +497,8 @@ def _snapshot_problem(state_dir: Path, spec: LaunchSpec) -> str | None:
 
 
 def _link_memory(state_dir: Path) -> None:
-    """``memory`` beside the snapshot: its RAM (memory-ranges) under the name templates use."""
+    """``memory`` beside the snapshot: its RAM (memory-ranges) under the name templates use
+    (templates.MEMORY_FILE, whose RAM file size is reported as the template's resident memory)."""
     memory = state_dir.parent / "memory"
     common.remove_quietly(memory)
     os.link(state_dir / MEMORY_RANGES, memory)
