@@ -159,7 +159,9 @@ class Backend(Protocol):
 
     async def save(self, handle: VmHandle, state_path: Path) -> float:
         """Pause a template's guest and write its device state (not its RAM, which is its memory
-        file) to ``state_path``; the seconds it took. The VMM is left paused."""
+        file) to ``state_path``; the seconds it took. The VMM is left paused. (cloud-hypervisor:
+        ``state_path`` is the directory of its snapshot, RAM included, the memory file a link to
+        that RAM.)"""
         ...
 
     async def start(self, spec: LaunchSpec) -> VmHandle: ...

@@ -14,12 +14,35 @@ requests would pin a worker thread for every call to a VMM that might hang.
 
 NetConfig carries ``ip``/``mask``: cloud-hypervisor sets them on the tap, and its defaults
 (192.168.249.1/24) would otherwise land on the host; we pass exactly the tap's own host address.
+
+Templates and clones (vms/templates.py), in the API's terms:
+  template: vm.create + vm.boot as any VM, then (the guest ready) vm.pause and vm.snapshot
+    (VmSnapshotConfig ``destination_url`` ``file://<build>/state``: cloud-hypervisor writes its
+    config.json, state.json and memory-ranges there); ``<build>/memory`` is a hard link to
+    memory-ranges (the template's RAM, as with QEMU). The VMM is left paused and then killed.
+  clone: a new process with ``--api-socket`` only (no boot config), vm.restore (RestoreConfig
+    ``source_url`` ``file://<template build>/state``, ``memory_restore_mode`` OnDemand), vm.resume,
+    then vm.add-net: its own tap, address and MAC.
+What the published RestoreConfig allows is source_url, prefault, memory_restore_mode (Copy,
+OnDemand, CopyOnWrite), resume and zone_updates: nothing changes a restored VM's devices. So a
+template has no NIC (cloud-hypervisor's NIC needs a tap, and one made for it would get the
+192.168.249.1/24 default), and each clone's NIC is hotplugged after its resume (NetConfig, as at
+vm.create; the guest's identity waits for eth0). The files each VM has for itself (its serial log,
+its identity socket) are named relative to the VMM's working directory, its run directory: the
+snapshot's config names ``console.log`` and ``identity.sock``, and every clone opens its own.
+The identity port is vsock (cloud-hypervisor has no virtio-serial; its virtio-console has one
+unnamed port and refuses Socket mode: NoSocketOptionSupportForConsoleDevice): the guest listens on
+port IDENTITY_VSOCK_PORT, the host connects to ``identity.sock`` (cloud-hypervisor's hybrid vsock:
+``CONNECT <port>``, answered ``OK <port>``): once the template is booted, and once each clone is
+resumed (a connection does not survive a snapshot; the guest takes its identity on a new one).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -31,7 +54,7 @@ import httpx
 from auraed.system import processes
 from auraed.system.tasks import run_to_end
 from auraed.vms import backend as common
-from auraed.vms.backend import ExitInfo, LaunchSpec, VmHandle
+from auraed.vms.backend import ExitInfo, LaunchNet, LaunchSpec, VmHandle
 from auraed.vms.errors import VmError
 from auraed.vms.model import RunInfo
 
@@ -41,6 +64,20 @@ API_SOCKET = "api.sock"
 API_BASE = "http://localhost/api/v1"
 REQUEST_TIMEOUT = 10.0
 CLEANUP_WAIT = 5.0
+SNAPSHOT_TIMEOUT = 60.0  # vm.snapshot writes all of the guest's RAM
+MEMORY_RANGES = "memory-ranges"  # the RAM in a snapshot directory
+# Pages read from the snapshot as the clone touches them (userfaultfd); CopyOnWrite would map the
+# file private, as QEMU's clones do, but is untested without KVM.
+MEMORY_RESTORE_MODE = "OnDemand"
+# The identity port on cloud-hypervisor: vsock, the guest's CID and the port it listens on.
+GUEST_CID = 3
+IDENTITY_VSOCK_PORT = 1024
+IDENTITY_PORT_ARG = f"auraed.identity_port=vsock:{IDENTITY_VSOCK_PORT}"
+IDENTITY_VSOCK_PROBLEM = (
+    "guest templates on cloud-hypervisor need the guest to take its identity over vsock (listening "
+    f"on port {IDENTITY_VSOCK_PORT}): cloud-hypervisor has no virtio-serial, and the guest image's "
+    "auraed looks for a virtio-serial port named org.aurae.identity"
+)
 
 
 class ChApiError(Exception):
@@ -50,7 +87,12 @@ class ChApiError(Exception):
 
 
 def vm_config(spec: LaunchSpec, console_path: Path, kernel_cmdline: str) -> dict[str, Any]:
-    """The VmConfig body of vm.create for a LaunchSpec (pure: checked against the API schema in tests)."""
+    """The VmConfig body of vm.create for a LaunchSpec (pure: checked against the API schema in tests).
+
+    A template's (``spec.image``) names its serial log and identity socket relative to the VMM's
+    working directory (its clones restore this config in theirs) and has no NIC (see the module).
+    """
+    template = spec.image is not None
     payload: dict[str, Any] = {"kernel": spec.kernel, "cmdline": kernel_cmdline}
     if spec.initramfs:
         payload["initramfs"] = spec.initramfs
@@ -58,26 +100,36 @@ def vm_config(spec: LaunchSpec, console_path: Path, kernel_cmdline: str) -> dict
         "payload": payload,
         "cpus": {"boot_vcpus": spec.vcpus, "max_vcpus": spec.vcpus},
         "memory": {"size": spec.memory_mib * 1024 * 1024},
-        "serial": {"mode": "File", "file": str(console_path)},
+        "serial": {"mode": "File", "file": console_path.name if template else str(console_path)},
         "console": {"mode": "Off"},
         "rng": {"src": "/dev/urandom"},
     }
+    if template:
+        config["vsock"] = {"cid": GUEST_CID, "socket": common.IDENTITY_SOCKET}
     if spec.disks:
         config["disks"] = [
             {"path": d.path, "readonly": not d.writable, "id": f"disk{i}", "serial": d.serial}
             for i, d in enumerate(spec.disks)
         ]
-    if spec.net is not None:
-        config["net"] = [
-            {
-                "tap": spec.net.tap,
-                "ip": spec.net.host_ip,
-                "mask": spec.net.netmask,
-                "mac": spec.net.mac,
-                "id": "net0",
-            }
-        ]
+    if spec.net is not None and not template:
+        config["net"] = [net_config(spec.net)]
     return config
+
+
+def net_config(net: LaunchNet) -> dict[str, Any]:
+    """A NetConfig (vm.create's ``net`` entry, or vm.add-net's body for a clone)."""
+    return {"tap": net.tap, "ip": net.host_ip, "mask": net.netmask, "mac": net.mac, "id": "net0"}
+
+
+def snapshot_config(state_dir: Path) -> dict[str, Any]:
+    """vm.snapshot's VmSnapshotConfig: the directory cloud-hypervisor writes the snapshot into."""
+    return {"destination_url": f"file://{state_dir}"}
+
+
+def restore_config(state_dir: Path) -> dict[str, Any]:
+    """vm.restore's RestoreConfig for a clone of the snapshot in ``state_dir``; resumed by its own
+    vm.resume (``resume`` left out), so that a failed restore is told from a failed resume."""
+    return {"source_url": f"file://{state_dir}", "memory_restore_mode": MEMORY_RESTORE_MODE}
 
 
 class ChClient:
@@ -91,9 +143,11 @@ class ChClient:
             timeout=REQUEST_TIMEOUT,
         )
 
-    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    async def _call(
+        self, method: str, path: str, body: dict[str, Any] | None = None, timeout: float = REQUEST_TIMEOUT
+    ) -> Any:
         try:
-            response = await self._http.request(method, f"/{path}", json=body)
+            response = await self._http.request(method, f"/{path}", json=body, timeout=timeout)
         except httpx.HTTPError as exc:
             raise ChApiError(method, path, 0, f"{type(exc).__name__}: {exc}") from None
         if response.status_code >= 300:
@@ -126,6 +180,23 @@ class ChClient:
     async def shutdown_vmm(self) -> None:
         await self._call("PUT", "vmm.shutdown")
 
+    async def pause(self) -> None:
+        await self._call("PUT", "vm.pause")
+
+    async def resume(self) -> None:
+        await self._call("PUT", "vm.resume")
+
+    async def snapshot(self, config: dict[str, Any]) -> None:
+        await self._call("PUT", "vm.snapshot", config, timeout=SNAPSHOT_TIMEOUT)
+
+    async def restore(self, config: dict[str, Any]) -> None:
+        await self._call("PUT", "vm.restore", config, timeout=SNAPSHOT_TIMEOUT)
+
+    async def add_net(self, config: dict[str, Any]) -> dict[str, Any] | None:
+        """Hotplug a NIC: its PciDeviceInfo (200), or None when cold-added (204)."""
+        answer = await self._call("PUT", "vm.add-net", config)
+        return dict(answer) if answer else None
+
     async def close(self) -> None:
         await self._http.aclose()
 
@@ -139,10 +210,14 @@ class CloudHypervisorBackend:
         binary: str = "cloud-hypervisor",
         kvm_usable: Callable[[], bool] = lambda: False,
         kvm_detail: Callable[[], str] = lambda: "",
+        identity_vsock: bool = False,
     ) -> None:
         self.binary = binary
         self._kvm_usable = kvm_usable
         self._kvm_detail = kvm_detail
+        # Whether the guests booted here take their identity over vsock (IDENTITY_PORT_ARG); until
+        # the guest image's auraed does, templates are refused (guests then boot cold).
+        self.identity_vsock = identity_vsock
 
     def problem(self) -> str | None:
         if shutil.which(self.binary) is None:
@@ -158,7 +233,28 @@ class CloudHypervisorBackend:
         return ["console=ttyS0"]
 
     def template_problem(self) -> str | None:
-        return "guest templates are made with QEMU only (cloud-hypervisor's snapshot/restore is not used yet)"
+        problem = self.problem()
+        if problem:
+            return problem
+        if not self.identity_vsock:
+            return IDENTITY_VSOCK_PROBLEM
+        return None
+
+    @staticmethod
+    def launch_problem(spec: LaunchSpec) -> str | None:
+        """Why ``spec`` cannot be started here (None: it can)."""
+        if spec.image is None:
+            return None
+        if spec.shared_dir:
+            return "a template or a clone cannot have a shared directory on cloud-hypervisor"
+        if spec.image.clone and spec.net is not None and spec.net.netns:
+            # vm.add-net opens the tap by name in the VMM's namespace (one of that name would be
+            # made on the host); handing it the tap's fd is not in the published API.
+            return (
+                "a clone's tap in a pod's network namespace cannot be given to cloud-hypervisor: "
+                "vm.add-net opens a tap by name in the VMM's own namespace"
+            )
+        return None
 
     def grow_problem(self, run: RunInfo) -> str | None:
         # Its vm.resize needs room set at boot (cpus.max_vcpus, memory.hotplug_size), which cannot
@@ -169,19 +265,40 @@ class CloudHypervisorBackend:
         raise VmError.precondition(self.grow_problem(handle.run_info()) or "")
 
     async def save(self, handle: VmHandle, state_path: Path) -> float:
-        raise VmError.precondition(self.template_problem() or "")
+        """Pause the template and snapshot it into the directory ``state_path`` (config.json,
+        state.json, memory-ranges); ``memory`` beside it becomes a link to its RAM. Left paused."""
+        client: ChClient = handle.client
+        started = time.monotonic()
+        await asyncio.to_thread(state_path.mkdir, mode=0o700, exist_ok=True)
+        try:
+            await client.pause()
+            await client.snapshot(snapshot_config(state_path))
+        except ChApiError as exc:
+            raise VmError.internal(f"saving the template: {exc}{self._log_of(handle)}") from None
+        try:
+            await asyncio.to_thread(_link_memory, state_path)
+        except OSError as exc:
+            raise VmError.internal(f"saving the template: its snapshot has no RAM file: {exc}") from None
+        return time.monotonic() - started
+
+    @staticmethod
+    def _log_of(handle: VmHandle) -> str:
+        tail = common.vmm_log_tail(handle.control_socket.parent)
+        return f"; VMM log: {tail}" if tail else ""
 
     def console_log_path(self, run_dir: Path) -> Path:
         return run_dir / common.CONSOLE_LOG
 
     async def start(self, spec: LaunchSpec) -> VmHandle:
-        problem = self.problem()
+        problem = self.problem() or self.launch_problem(spec)
         if problem:
             raise VmError.precondition(problem)
         run_dir = spec.run_dir
         socket = run_dir / API_SOCKET
         console = self.console_log_path(run_dir)
         common.remove_quietly(socket)
+        if spec.image is not None:
+            common.remove_quietly(run_dir / common.IDENTITY_SOCKET)
         # cloud-hypervisor appends to a File serial: start each boot on an empty log.
         console.write_bytes(b"")
         argv = [self.binary, "--api-socket", f"path={socket}"]
@@ -200,19 +317,82 @@ class CloudHypervisorBackend:
         )
         try:
             await self._wait_api(handle, spec.timeout)
-            cmdline = " ".join([*self.kernel_args(), spec.cmdline]).strip()
-            await client.create(vm_config(spec, console, cmdline))
-            await client.boot()
+            if spec.image is not None and spec.image.clone:
+                handle.restored_in = await self._restore(handle, spec)
+            else:
+                args = [*self.kernel_args(), *([IDENTITY_PORT_ARG] if spec.image is not None else [])]
+                cmdline = " ".join([*args, spec.cmdline]).strip()
+                await client.create(vm_config(spec, console, cmdline))
+                await client.boot()
+                if spec.image is not None:
+                    handle.identity = await self._open_identity(handle, spec.timeout)
             state = await self.status(handle)
             if state != "running":
                 raise VmError.internal(f"cloud-hypervisor reports the new VM {state!r}, not running")
         except ChApiError as exc:
             await self.kill(handle)
-            raise VmError.precondition(f"{exc}; VMM log: {common.vmm_log_tail(run_dir) or 'empty'}") from None
+            what = "restoring the clone: " if spec.image is not None and spec.image.clone else ""
+            raise VmError.precondition(
+                f"{what}{exc}; VMM log: {common.vmm_log_tail(run_dir) or 'empty'}"
+            ) from None
         except BaseException:
             await run_to_end(self.kill(handle))
             raise
         return handle
+
+    async def _restore(self, handle: VmHandle, spec: LaunchSpec) -> float:
+        """Restore a clone from its template's snapshot (paused, its devices as the template's,
+        its serial log and identity socket in its own run directory), resume it, plug its own NIC
+        and connect to its identity port; the seconds from vm.restore to resumed."""
+        assert spec.image is not None
+        client: ChClient = handle.client
+        state_dir = Path(spec.image.state_path)
+        problem = await asyncio.to_thread(_snapshot_problem, state_dir, spec)
+        if problem:
+            raise VmError.precondition(f"restoring the clone: {problem}")
+        started = time.monotonic()
+        await client.restore(restore_config(state_dir))
+        await client.resume()
+        restored = time.monotonic() - started
+        if spec.net is not None:
+            await client.add_net(net_config(spec.net))
+        handle.identity = await self._open_identity(handle, spec.timeout)
+        return restored
+
+    async def _open_identity(self, handle: VmHandle, timeout: float) -> Any:
+        """The identity port, connected through cloud-hypervisor's hybrid vsock once the guest
+        listens on it (the VMM closes a CONNECT to a port nobody listens on: tried again)."""
+        path = handle.control_socket.parent / common.IDENTITY_SOCKET
+        deadline = time.monotonic() + timeout
+        why = "no answer"
+        while True:
+            if handle.process is not None and handle.process.poll() is not None:
+                raise VmError.precondition(
+                    f"cloud-hypervisor ended: {common.vmm_log_tail(path.parent) or 'no output'}"
+                )
+            try:
+                reader, writer = await asyncio.open_unix_connection(path)
+            except OSError as exc:
+                why = str(exc)
+            else:
+                try:
+                    writer.write(f"CONNECT {IDENTITY_VSOCK_PORT}\n".encode())
+                    await writer.drain()
+                    async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                        answer = await reader.readline()
+                except (OSError, TimeoutError) as exc:
+                    answer, why = b"", str(exc) or type(exc).__name__
+                if answer.startswith(b"OK "):
+                    return reader, writer
+                writer.close()
+                why = (
+                    f"the guest does not listen on vsock port {IDENTITY_VSOCK_PORT}"
+                    if not answer
+                    else repr(answer)
+                )
+            if time.monotonic() > deadline:
+                raise VmError.deadline(f"the identity port {path} did not open within {timeout:g} s: {why}")
+            await asyncio.sleep(0.05)
 
     async def _wait_api(self, handle: VmHandle, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -291,5 +471,34 @@ class CloudHypervisorBackend:
         return common.reattach(self.name, run, ChClient)
 
     async def close(self, handle: VmHandle) -> None:
+        if handle.identity is not None:
+            handle.identity[1].close()
+            handle.identity = None
         client: ChClient = handle.client
         await client.close()
+
+
+def _snapshot_problem(state_dir: Path, spec: LaunchSpec) -> str | None:
+    """Why the snapshot in ``state_dir`` cannot be ``spec``'s clone (None: it can): its devices
+    and machine are restored as saved, so they must be what the clone was asked to be."""
+    try:
+        config = json.loads((state_dir / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        return f"{state_dir} holds no cloud-hypervisor snapshot ({exc})"
+    saved = (
+        config.get("cpus", {}).get("boot_vcpus"),
+        config.get("memory", {}).get("size"),
+        [d.get("path") for d in config.get("disks", [])],
+    )
+    asked = (spec.vcpus, spec.memory_mib * 1024 * 1024, [d.path for d in spec.disks])
+    if saved != asked:
+        return f"its template was saved with (vCPUs, memory, disks) {saved}, the clone asks for {asked}"
+    return None
+
+
+def _link_memory(state_dir: Path) -> None:
+    """``memory`` beside the snapshot: its RAM (memory-ranges) under the name templates use
+    (templates.MEMORY_FILE, whose RAM file size is reported as the template's resident memory)."""
+    memory = state_dir.parent / "memory"
+    common.remove_quietly(memory)
+    os.link(state_dir / MEMORY_RANGES, memory)

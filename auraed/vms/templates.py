@@ -124,7 +124,8 @@ class TemplateRecord:
         return MemoryImage(str(self.build_dir / MEMORY_FILE), str(self.build_dir / STATE_FILE), clone=True)
 
     def files_present(self) -> bool:
-        return all((self.build_dir / n).is_file() for n in (MEMORY_FILE, STATE_FILE))
+        # The state is a file (QEMU's migration stream) or a directory (cloud-hypervisor's snapshot).
+        return (self.build_dir / MEMORY_FILE).is_file() and (self.build_dir / STATE_FILE).exists()
 
     def memory_resident_bytes(self) -> int:
         """What the template's RAM file holds in memory (tmpfs pages), shared by its clones."""
@@ -223,16 +224,19 @@ class Templates:
         """
         shape = TemplateShape.of(spec)
         if spec.template == AUTO:
-            name = AUTO_PREFIX + shape.key()[:12]
+            name = auto_name(shape, backend_name)
         else:
             name = spec.template
-            self.check_shape(spec)
+            self.check_shape(dataclasses.replace(spec, backend=backend_name))
         return await self.ensure(name, shape, backend_name, auto=spec.template == AUTO)
 
     def check_shape(self, spec: VmSpec) -> None:
         """A VM naming a template must be of its shape (FAILED_PRECONDITION naming the difference)."""
         shape = TemplateShape.of(spec)
-        known = self.get(spec.template).shape
+        template = self.get(spec.template)
+        if spec.backend and template.backend != spec.backend:
+            raise VmError.precondition(_other_backend(template, spec.name, spec.backend))
+        known = template.shape
         if known != shape:
             raise VmError.precondition(
                 f"VM {spec.name} ({shape.describe()}, kernel args {list(shape.kernel_args)}) does not "
@@ -250,6 +254,9 @@ class Templates:
                 check_file("template file", path)
             digest = await asyncio.to_thread(self.digest, shape, backend)
             record = self._records.get(name)
+            if record is not None and record.backend != backend_name:
+                # A snapshot is one VMM's own format: never restored by the other, nor remade.
+                raise VmError.precondition(_other_backend(record, "", backend_name))
             if (
                 record is not None
                 and record.state == TemplateState.READY
@@ -424,6 +431,22 @@ class Templates:
                 self._save(record)
         if self._records:
             log.info("recovered %d VM templates", len(self._records))
+
+
+def auto_name(shape: TemplateShape, backend: str) -> str:
+    """The name of the host's template of ``shape`` on ``backend`` (QEMU's as it always was)."""
+    key = (
+        shape.key() if backend == "qemu" else hashlib.sha256(f"{shape.key()}\n{backend}".encode()).hexdigest()
+    )
+    return AUTO_PREFIX + key[:12]
+
+
+def _other_backend(template: TemplateRecord, vm: str, backend: str) -> str:
+    who = f"VM {vm} runs" if vm else "the clone would run"
+    return (
+        f"VM template {template.name} was made with {template.backend}, and {who} on {backend}: "
+        f"a template is restored only by the backend that saved it"
+    )
 
 
 # -- a clone's identity -------------------------------------------------------------------------

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import os
 import shutil
 import signal
+import socket as pysocket
 import subprocess
 import sys
 import tempfile
@@ -40,11 +42,34 @@ from auraed.errors import ErrorKind
 from auraed.state.store import Store
 from auraed.vms import backend as common
 from auraed.vms import network
-from auraed.vms.backend import Backend, LaunchDisk, LaunchSpec, VmHandle
-from auraed.vms.cloud_hypervisor import ChApiError, ChClient, CloudHypervisorBackend, vm_config
+from auraed.vms.backend import Backend, LaunchDisk, LaunchNet, LaunchSpec, MemoryImage, VmHandle
+from auraed.vms.cloud_hypervisor import (
+    IDENTITY_VSOCK_PORT as CH_IDENTITY_VSOCK_PORT,
+)
+from auraed.vms.cloud_hypervisor import (
+    IDENTITY_VSOCK_PROBLEM,
+    ChApiError,
+    ChClient,
+    CloudHypervisorBackend,
+    net_config,
+    restore_config,
+    snapshot_config,
+    vm_config,
+)
 from auraed.vms.errors import VmError
 from auraed.vms.model import State, parse_vm
 from auraed.vms.qemu import QemuBackend
+from auraed.vms.templates import (
+    AUTO_PREFIX,
+    TemplateRecord,
+    Templates,
+    TemplateShape,
+    TemplateState,
+    auto_name,
+    identity_message,
+    send_identity,
+)
+from auraed.vms.templates import KIND as TEMPLATE_KIND
 from auraed.vms.vms import KIND, Vms, choose_backend
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,6 +89,7 @@ ENUMS: dict[str, tuple[str, ...]] = {
     "ImageType": ("FlatVmdk", "FixedVhd", "Qcow2", "Raw", "Vhdx", "Unknown"),
     "LockGranularity": ("ByteRange", "Full"),
     "CoreSchedulingMode": ("Vm", "Vcpu", "Off"),
+    "MemoryRestoreMode": ("Copy", "OnDemand", "CopyOnWrite"),
 }
 
 
@@ -95,7 +121,7 @@ SCHEMAS: dict[str, Schema] = {
             "devices": "array:object",
             "user_devices": "array:object",
             "vdpa": "array:object",
-            "vsock": "object",
+            "vsock": "VsockConfig",
             "numa": "array:object",
             "iommu": "boolean",
             "watchdog": "boolean",
@@ -230,6 +256,30 @@ SCHEMAS: dict[str, Schema] = {
             "features": "array:string",
         },
     ),
+    "VsockConfig": Schema(
+        required=("cid", "socket"),
+        minimum={"cid": 3},
+        properties={
+            "cid": "integer",
+            "socket": "string",
+            "iommu": "boolean",
+            "pci_segment": "integer",
+            "pci_device_id": "integer",
+            "id": "string",
+        },
+    ),
+    "VmSnapshotConfig": Schema(properties={"destination_url": "string"}),
+    "RestoreConfig": Schema(
+        required=("source_url",),
+        properties={
+            "source_url": "string",
+            "prefault": "boolean",
+            "memory_restore_mode": "enum:MemoryRestoreMode",
+            "resume": "boolean",
+            "zone_updates": "array:object",
+        },
+    ),
+    "PciDeviceInfo": Schema(required=("id", "bdf"), properties={"id": "string", "bdf": "string"}),
     "VmInfo": Schema(
         required=("config", "state"),
         properties={
@@ -258,6 +308,11 @@ ENDPOINTS: dict[tuple[str, str], Endpoint] = {
     ("PUT", "vm.boot"): Endpoint(None, 204),
     ("PUT", "vm.shutdown"): Endpoint(None, 204),
     ("PUT", "vm.power-button"): Endpoint(None, 204),
+    ("PUT", "vm.pause"): Endpoint(None, 204),
+    ("PUT", "vm.resume"): Endpoint(None, 204),
+    ("PUT", "vm.snapshot"): Endpoint("VmSnapshotConfig", 204),
+    ("PUT", "vm.restore"): Endpoint("RestoreConfig", 204),
+    ("PUT", "vm.add-net"): Endpoint("NetConfig", 200, "PciDeviceInfo"),
 }
 KNOWN_PATHS = {path for _, path in ENDPOINTS}
 
@@ -344,6 +399,7 @@ REASONS = {
     400: "Bad Request",
     404: "Not Found",
     405: "Method Not Allowed",
+    409: "Conflict",
     500: "Internal Server Error",
 }
 
@@ -352,12 +408,29 @@ class FakeCloudHypervisor:
     """cloud-hypervisor's API as the VMM serves it, checking every request against the schema.
 
     ``guest``: "powers-off" (the guest handles the ACPI power button and powers off, and the VMM
-    process then ends, as the real one does) or "ignores-button".
+    process then ends, as the real one does), "ignores-button" or "deaf" (it never listens on
+    its identity port). ``fail``: an endpoint answered
+    with HTTP 500 and an error text, as the VMM does when an action fails.
+
+    Snapshots are written as cloud-hypervisor writes them (config.json: the VmConfig, state.json,
+    memory-ranges: the RAM) and a restore reads config.json back, checked against VmConfig. Paths
+    in the config are opened relative to the VMM's working directory, as the real one opens them.
+    A vsock device is served as cloud-hypervisor's hybrid vsock (a unix socket where the host
+    asks ``CONNECT <port>`` and gets ``OK <port>`` when the guest listens there, else the
+    connection closed); the fake guest listens on the identity port while it runs and plays a
+    template's part (booted, config, ready) once booted, and a clone's (identity, applied) once
+    restored and resumed.
     """
 
-    def __init__(self, socket: Path, *, guest: str = "powers-off", log: Path | None = None) -> None:
+    def __init__(
+        self, socket: Path, *, guest: str = "powers-off", log: Path | None = None, fail: str = ""
+    ) -> None:
         self.socket = socket
         self.guest = guest
+        self.fail = fail
+        self.restored = False
+        self.identity_lines: list[dict[str, Any]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
         self.log = log
         self.requests: list[dict[str, Any]] = []
         self.violations: list[str] = []
@@ -451,6 +524,7 @@ class FakeCloudHypervisor:
             record["body"] = body
             problems = validate(body, endpoint.body, endpoint.body)
             problems += semantic_problems(body) if endpoint.body == "VmConfig" and not problems else []
+            problems += _tap_problems(0, body) if endpoint.body == "NetConfig" and not problems else []
             if problems:
                 self.violations += [f"{method} {target}: {p}" for p in problems]
                 return 400, problems  # the real VMM answers with its error text
@@ -462,6 +536,10 @@ class FakeCloudHypervisor:
         return status, answer
 
     def _act(self, name: str, body: Any) -> tuple[int, Any]:
+        if name == self.fail:
+            return 500, f"Error from the VMM: {name} failed (fake)"
+        if name in VM_ACTIONS:
+            return self._vm_action(name, body)
         if name == "vmm.ping":
             return 200, {
                 "build_version": "v48.0-fake",
@@ -492,6 +570,7 @@ class FakeCloudHypervisor:
             if serial.get("mode") == "File":
                 with open(serial["file"], "a") as f:
                     f.write("fake cloud-hypervisor guest: booted\n")
+            self._open_vsock()
             return 204, None
         if name == "vm.power-button":
             if self.state != "Running":
@@ -511,6 +590,119 @@ class FakeCloudHypervisor:
             return 204, None
         raise AssertionError(name)
 
+    def _vm_action(self, name: str, body: Any) -> tuple[int, Any]:
+        """vm.pause, vm.resume, vm.snapshot, vm.restore and vm.add-net, as the VMM answers them."""
+        if name == "vm.restore":
+            if self.state is not None:
+                return 404, None  # "the VM is already created"
+            source = _file_url(body["source_url"])
+            if source is None or not (source / "config.json").is_file():
+                return 400, f"Error restoring the VM: no snapshot at {body['source_url']}"
+            config = json.loads((source / "config.json").read_text())
+            problems = validate(config, "VmConfig", "config.json") + semantic_problems(config)
+            if problems:
+                self.violations += [f"vm.restore: {p}" for p in problems]
+                return 400, problems
+            if not (source / "memory-ranges").is_file() or not (source / "state.json").is_file():
+                return 400, "Error restoring the VM: the snapshot lacks memory-ranges or state.json"
+            self.config, self.state, self.restored = config, "Paused", True
+            self._open_vsock()
+            if body.get("resume"):
+                self.state = "Running"
+            return 204, None
+        if self.state is None:
+            return 404, None
+        if name == "vm.pause":
+            if self.state != "Running":
+                return 405, None
+            self.state = "Paused"
+            return 204, None
+        if name == "vm.resume":
+            if self.state != "Paused":
+                return 405, None
+            self.state = "Running"
+            return 204, None
+        if name == "vm.snapshot":
+            if self.state != "Paused":
+                return 405, "Error snapshotting the VM: it is not paused"
+            target = _file_url(body.get("destination_url", ""))
+            if target is None or not target.is_dir():
+                return 500, f"Error snapshotting the VM: {body.get('destination_url')!r} is no directory"
+            assert self.config is not None
+            (target / "config.json").write_text(json.dumps(self.config))
+            (target / "state.json").write_text(json.dumps({"fake": "device state"}))
+            with (target / "memory-ranges").open("wb") as ram:
+                ram.truncate(self.config["memory"]["size"])
+            return 204, None
+        if name == "vm.add-net":
+            assert self.config is not None
+            nets = self.config.setdefault("net", [])
+            if any(n.get("id") == body.get("id") for n in nets):
+                return 409, None
+            nets.append(body)
+            return 200, {"id": body.get("id", "_net0"), "bdf": "0000:00:06.0"}
+        raise AssertionError(name)
+
+    def _open_vsock(self) -> None:
+        """The vsock device's unix socket: listening (as the VMM does) from boot or restore on."""
+        vsock = (self.config or {}).get("vsock")
+        if not vsock:
+            return
+        path = Path(vsock["socket"])  # relative: in the VMM's working directory
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        listener = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+        listener.bind(str(path))
+        listener.listen(8)
+        task = asyncio.get_running_loop().create_task(self._serve_vsock(listener))
+        self._tasks.add(task)
+
+    async def _serve_vsock(self, listener: pysocket.socket) -> None:
+        async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                request = (await reader.readline()).decode().split()
+                if request[:1] != ["CONNECT"] or len(request) != 2 or not request[1].isdigit():
+                    self._violation(f"vsock: {request!r} is not CONNECT <port>")
+                    return
+                # The guest listens on its identity port while it runs (not paused, not before boot).
+                listening = self.state == "Running" and self.guest != "deaf"
+                if int(request[1]) != CH_IDENTITY_VSOCK_PORT or not listening:
+                    return
+                writer.write(b"OK 1073741824\n")
+                await writer.drain()
+                await self._guest(reader, writer)
+            finally:
+                writer.close()
+
+        await asyncio.start_unix_server(connection, sock=listener)
+
+    async def _guest(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The guest's side of the identity port (auraed/init/identity.py's protocol)."""
+        if not self.restored:
+            writer.write(b'{"template": "booted"}\n')
+            self.identity_lines.append(json.loads(await reader.readline()))
+            writer.write(b'{"template": "ready", "imports_s": 0.5}\n')
+            await writer.drain()
+            await reader.read()  # until the host goes (the template is saved, then killed)
+            return
+        message = json.loads(await reader.readline())
+        self.identity_lines.append(message)
+        nics = (self.config or {}).get("net", [])  # a clone's own NIC, plugged after its resume
+        reply = {"identity": "applied", "boot_id": "fake-boot-id", "applied_ms": 1.0}
+        if self.state != "Running":
+            reply = {"identity": "failed", "error": f"the guest is {self.state}, not running"}
+        elif message["net"].get("mac") not in [n.get("mac") for n in nics]:
+            reply = {"identity": "failed", "error": "eth0 is missing"}
+        writer.write(json.dumps(reply).encode() + b"\n")
+        await writer.drain()
+
+
+VM_ACTIONS = {"vm.pause", "vm.resume", "vm.snapshot", "vm.restore", "vm.add-net"}
+
+
+def _file_url(url: str) -> Path | None:
+    return Path(url.removeprefix("file://")) if url.startswith("file:///") else None
+
 
 def fake_vmm_main(argv: list[str]) -> None:
     """The fake as a VMM process: ``<binary> --api-socket path=<socket>``."""
@@ -518,7 +710,12 @@ def fake_vmm_main(argv: list[str]) -> None:
         sys.exit(f"fake cloud-hypervisor: unexpected arguments {argv}")
     socket = Path(argv[1].removeprefix("path="))
     log = socket.parent / f"api-requests-{os.getpid()}.jsonl"
-    fake = FakeCloudHypervisor(socket, guest=os.environ.get("FAKE_CH_GUEST", "powers-off"), log=log)
+    fake = FakeCloudHypervisor(
+        socket,
+        guest=os.environ.get("FAKE_CH_GUEST", "powers-off"),
+        log=log,
+        fail=os.environ.get("FAKE_CH_FAIL", ""),
+    )
     asyncio.run(fake.serve_until_exit())
 
 
@@ -838,3 +1035,274 @@ async def test_vm_lifecycle_through_the_backend_and_a_fake_vmm_process(
 
     await ch_vms.free("chvm")
     assert not network.tap_exists(tap)
+
+
+# -- templates and clones ---------------------------------------------------------------------------
+
+
+def calls_of(requests: list[dict[str, Any]]) -> list[str]:
+    return [f"{r['method']} {r['path'].removeprefix(API_PREFIX)}" for r in requests]
+
+
+def requests_in(directory: Path) -> list[dict[str, Any]]:
+    """What the (one) fake VMM process that ran in ``directory`` was asked."""
+    (log,) = directory.glob("api-requests-*.jsonl")
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_template_and_clone_bodies_are_the_published_schemas(root: Path, images: dict[str, Path]) -> None:
+    build = root / "build-1"
+    template = LaunchSpec(
+        "template-t", 1, 128, str(images["vmlinux"]), str(images["initramfs.img"]),
+        (LaunchDisk(str(images["rootfs.img"]), False, "root"),), "auraed.template=1",
+        LaunchNet("", "52:54:00:a0:00:00", "", "", ""), build,
+        image=MemoryImage(str(build / "memory"), str(build / "state"), clone=False),
+    )  # fmt: skip
+    config = vm_config(template, build / "console.log", "console=ttyS0 auraed.template=1")
+    assert validate(config, "VmConfig", "VmConfig") == []
+    # Its own files relative to the VMM's working directory (each clone opens its own), no NIC.
+    assert config["serial"] == {"mode": "File", "file": "console.log"}
+    assert config["vsock"] == {"cid": 3, "socket": "identity.sock"}
+    assert "net" not in config
+    assert validate(snapshot_config(build / "state"), "VmSnapshotConfig", "s") == []
+    restore = restore_config(build / "state")
+    assert restore == {"source_url": f"file://{build}/state", "memory_restore_mode": "OnDemand"}
+    assert validate(restore, "RestoreConfig", "r") == []
+    net = net_config(LaunchNet("aurae-t0", "52:54:00:00:00:01", "10.1.0.1", "10.1.0.2", "255.255.255.252"))
+    assert validate(net, "NetConfig", "n") == []
+    # What the published RestoreConfig does not have: a clone's devices cannot be changed there.
+    assert validate({**restore, "net_fds": [{"id": "net0", "num_fds": 1}]}, "RestoreConfig", "r") == [
+        "r: RestoreConfig has no property 'net_fds'"
+    ]
+
+
+def test_cloud_hypervisor_templates_are_refused_where_they_cannot_work(
+    root: Path, fake_binary: Path, images: dict[str, Path]
+) -> None:
+    # The guest image's auraed finds its identity port by a virtio-serial name, which
+    # cloud-hypervisor's console cannot give: refused, so guests boot cold instead.
+    default = CloudHypervisorBackend(binary=str(fake_binary), kvm_usable=lambda: True)
+    assert default.template_problem() == IDENTITY_VSOCK_PROBLEM
+    no_kvm = CloudHypervisorBackend(binary=str(fake_binary), identity_vsock=True)
+    assert "KVM" in (no_kvm.template_problem() or "")
+    ready = CloudHypervisorBackend(binary=str(fake_binary), kvm_usable=lambda: True, identity_vsock=True)
+    assert ready.template_problem() is None
+    image = MemoryImage(str(root / "memory"), str(root / "state"), clone=True)
+    pod_clone = LaunchSpec(
+        "c", 1, 128, str(images["vmlinux"]), "", (), "",
+        LaunchNet("aurae-p0", "52:54:00:00:00:01", "10.1.0.1", "10.1.0.2", "255.255.255.252", "/run/netns/p"),
+        root, image=image,
+    )  # fmt: skip
+    assert "network namespace" in (ready.launch_problem(pod_clone) or "")
+
+
+@pytest.fixture
+async def ch_templates(root: Path, fake_binary: Path) -> AsyncIterator[tuple[Vms, Templates]]:
+    backends: dict[str, Backend] = {
+        "qemu": QemuBackend(),
+        "cloud-hypervisor": CloudHypervisorBackend(
+            binary=str(fake_binary), kvm_usable=lambda: True, identity_vsock=True
+        ),
+    }
+    store = Store(root / "state" / "auraed.db")
+    vms = Vms(store, backends, runtime_dir=root / "run", pool=free_pool(), default_stop_timeout=2.0)
+    templates = Templates(store, backends, vms.templates_dir, 10.0, lambda: {"config.toml": "fake"})
+    try:
+        yield vms, templates
+    finally:
+        await vms.close()
+        common.kill_processes_referencing(root)
+        for _, doc in store.list(KIND):
+            if doc.get("net"):
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(
+                        network.delete_tap, doc["net"]["tap"], f"auraed-vm {doc['run_dir']}"
+                    )
+        store.close()
+
+
+def shape_of(images: dict[str, Path]) -> TemplateShape:
+    return TemplateShape(
+        str(images["vmlinux"]), str(images["initramfs.img"]), str(images["rootfs.img"]), 1, 128, ()
+    )
+
+
+async def clone_vm(vms: Vms, images: dict[str, Path], name: str, memory_mib: int = 128) -> None:
+    spec = parse_vm(
+        pb.VirtualMachine(
+            name=name,
+            kernel=str(images["vmlinux"]),
+            initramfs=str(images["initramfs.img"]),
+            root_disk=str(images["rootfs.img"]),
+            memory_mib=memory_mib,
+            vcpus=1,
+            network=True,
+            role="guest",
+            backend="cloud-hypervisor",
+        )
+    )
+    await vms.allocate(spec)
+
+
+async def test_a_template_saved_and_a_clone_restored_through_the_rest_api(
+    ch_templates: tuple[Vms, Templates], images: dict[str, Path]
+) -> None:
+    vms, templates = ch_templates
+    shape = shape_of(images)
+    template = await templates.ensure("cht", shape, "cloud-hypervisor", auto=False)
+    assert (template.state, template.backend) == (TemplateState.READY, "cloud-hypervisor")
+    assert template.files_present() and template.save_seconds > 0 and template.imports_seconds == 0.5
+    build = template.build_dir
+    assert sorted(p.name for p in (build / "state").iterdir()) == [
+        "config.json",
+        "memory-ranges",
+        "state.json",
+    ]
+    assert os.stat(build / "memory").st_ino == os.stat(build / "state" / "memory-ranges").st_ino
+    made = requests_in(build)
+    assert_clean(made)
+    calls = [c for c in calls_of(made) if c != "GET vm.info"]
+    assert calls == ["GET vmm.ping", "PUT vm.create", "PUT vm.boot", "PUT vm.pause", "PUT vm.snapshot"]
+    create = made[1]["body"]
+    assert "net" not in create and create["vsock"] == {"cid": 3, "socket": "identity.sock"}
+    assert "auraed.identity_port=vsock:1024" in create["payload"]["cmdline"]
+    assert "auraed.template=1" in create["payload"]["cmdline"]
+    assert made[-1]["body"] == {"destination_url": f"file://{build}/state"}
+
+    # A clone: a new VMM with no boot config, restored, resumed, its own NIC plugged.
+    await clone_vm(vms, images, "clone1")
+    record, _ = await vms.start("clone1", image=template.image(), template="cht", timeout=30)
+    net = record.net
+    assert net is not None and record.template == "cht" and record.restore_ms is not None
+    handle = vms.handle("clone1")
+    assert handle is not None and handle.identity is not None
+    message = identity_message(
+        "clone1",
+        "clone1",
+        {"iface": "eth0", "ip": f"{net.guest_ip}/30", "gateway": net.host_ip, "mac": net.mac},
+        {},
+    )
+    reply = await send_identity(handle, message)
+    assert reply["identity"] == "applied"
+    stopped = await vms.stop("clone1", timeout=5)
+    assert stopped.state == State.STOPPED
+    restored = requests_of(handle)
+    assert_clean(restored)
+    calls = [c for c in calls_of(restored) if c != "GET vm.info"]
+    assert calls == [
+        "GET vmm.ping",
+        "PUT vm.restore",
+        "PUT vm.resume",
+        "PUT vm.add-net",
+        "PUT vm.power-button",
+    ]
+    by_call = dict(zip(calls_of(restored), restored, strict=True))
+    assert by_call["PUT vm.restore"]["body"] == {
+        "source_url": f"file://{build}/state",
+        "memory_restore_mode": "OnDemand",
+    }
+    assert by_call["PUT vm.add-net"]["body"] == {
+        "tap": net.tap,
+        "ip": net.host_ip,
+        "mask": "255.255.255.252",
+        "mac": net.mac,
+        "id": "net0",
+    }
+    # The clone's own files are in its own run directory, not the template's.
+    assert (Path(record.run_dir) / "identity.sock").exists()
+    await vms.free("clone1")
+
+
+async def test_a_template_is_restored_only_by_the_backend_that_saved_it(
+    ch_templates: tuple[Vms, Templates], images: dict[str, Path], root: Path
+) -> None:
+    vms, templates = ch_templates
+    shape = shape_of(images)
+    await templates.ensure("cht", shape, "cloud-hypervisor", auto=False)
+    with pytest.raises(VmError) as caught:
+        await templates.ensure("cht", shape, "qemu", auto=False)
+    assert caught.value.kind is ErrorKind.FAILED_PRECONDITION
+    assert "made with cloud-hypervisor" in caught.value.message and "on qemu" in caught.value.message
+    # A QEMU-made template (as the store has it) is refused for a cloud-hypervisor clone.
+    qemu_made = TemplateRecord(
+        name="qt", shape=shape, backend="qemu", run_dir=str(root / "run" / "templates" / "qt"),
+        state=TemplateState.READY,
+    )  # fmt: skip
+    vms.store.put(TEMPLATE_KIND, "qt", qemu_made.to_doc())
+    again = Templates(vms.store, vms.backends, vms.templates_dir, 10.0, dict)
+    with pytest.raises(VmError) as caught:
+        await again.ensure("qt", shape, "cloud-hypervisor", auto=False)
+    assert caught.value.kind is ErrorKind.FAILED_PRECONDITION
+    assert "made with qemu" in caught.value.message
+    await clone_vm(vms, images, "c2")
+    with pytest.raises(VmError) as caught:
+        again.check_shape(dataclasses.replace(vms.get("c2").spec, template="qt"))
+    assert "VM c2 runs on cloud-hypervisor" in caught.value.message
+    # The host's own templates of one shape are one per backend (QEMU's named as before).
+    assert auto_name(shape, "qemu") == AUTO_PREFIX + shape.key()[:12]
+    assert auto_name(shape, "cloud-hypervisor") != auto_name(shape, "qemu")
+    await vms.free("c2")
+
+
+async def test_errors_of_save_and_restore_are_clear(
+    ch_templates: tuple[Vms, Templates], images: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    vms, templates = ch_templates
+    shape = shape_of(images)
+    monkeypatch.setenv("FAKE_CH_FAIL", "vm.snapshot")
+    with pytest.raises(VmError) as caught:
+        await templates.ensure("bad", shape, "cloud-hypervisor", auto=False)
+    assert caught.value.kind is ErrorKind.INTERNAL
+    assert caught.value.message.startswith("saving the template: cloud-hypervisor PUT vm.snapshot: HTTP 500")
+    assert "vm.snapshot failed (fake)" in caught.value.message
+    failed = templates.get("bad")
+    assert failed.state == TemplateState.FAILED and not failed.build_dir.exists()
+
+    monkeypatch.setenv("FAKE_CH_FAIL", "")
+    template = await templates.ensure("good", shape, "cloud-hypervisor", auto=False)
+    await clone_vm(vms, images, "c3")
+    monkeypatch.setenv("FAKE_CH_FAIL", "vm.restore")
+    with pytest.raises(VmError) as caught:
+        await vms.start("c3", image=template.image(), template="good", timeout=30)
+    assert caught.value.kind is ErrorKind.FAILED_PRECONDITION
+    assert "restoring the clone: cloud-hypervisor PUT vm.restore: HTTP 500" in caught.value.message
+    assert common.processes_referencing(Path(vms.get("c3").run_dir)) == []
+
+    # A snapshot that is gone is said so before any VMM is asked.
+    monkeypatch.setenv("FAKE_CH_FAIL", "")
+    gone = MemoryImage(template.image().memory_path, str(template.build_dir / "nothing"), clone=True)
+    with pytest.raises(VmError) as caught:
+        await vms.start("c3", image=gone, template="good", timeout=30)
+    assert caught.value.kind is ErrorKind.FAILED_PRECONDITION
+    assert "holds no cloud-hypervisor snapshot" in caught.value.message
+    await vms.free("c3")
+
+    # A clone whose machine is not its template's snapshot is refused before any VMM is asked.
+    await clone_vm(vms, images, "c4", memory_mib=256)
+    with pytest.raises(VmError) as caught:
+        await vms.start("c4", image=template.image(), template="good", timeout=30)
+    assert caught.value.kind is ErrorKind.FAILED_PRECONDITION
+    assert "its template was saved with (vCPUs, memory, disks) (1, 134217728" in caught.value.message
+    await vms.free("c4")
+
+
+async def test_a_guest_that_never_listens_on_its_identity_port_is_a_deadline(
+    root: Path, fake_binary: Path, images: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_CH_GUEST", "deaf")
+    backend = CloudHypervisorBackend(binary=str(fake_binary), kvm_usable=lambda: True, identity_vsock=True)
+    build = root / "build-1"
+    build.mkdir()
+    spec = LaunchSpec(
+        "template-deaf", 1, 128, str(images["vmlinux"]), "", (), "auraed.template=1", None, build,
+        timeout=1.0, image=MemoryImage(str(build / "memory"), str(build / "state"), clone=False),
+    )  # fmt: skip
+    started = time.monotonic()
+    with pytest.raises(VmError) as caught:
+        await backend.start(spec)
+    assert 1.0 <= time.monotonic() - started < 5
+    assert caught.value.kind is ErrorKind.DEADLINE_EXCEEDED
+    assert "does not listen on vsock port 1024" in caught.value.message
+    assert common.processes_referencing(build) == []
+    (log,) = build.glob("api-requests-*.jsonl")
+    assert_clean([json.loads(line) for line in log.read_text().splitlines()])
