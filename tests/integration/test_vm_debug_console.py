@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from auraed.api.aurae.vms import v0 as vms
-from auraed.client.client import AuraeClient, ClientError
+from auraed.client.client import AuraeClient, ClientError, client_config_text
 from auraed.vms.backend import DEBUG_SOCKET
 from tests.conftest import DaemonFactory, DaemonProcess
 from tests.integration.test_vms import free_test_pool
@@ -105,6 +107,33 @@ async def free_every_vm(daemon: DaemonProcess) -> None:
             await aurae.call(VMS, "Free", vms.VmServiceFreeRequest(name=status.vm.name, timeout_ms=0))
 
 
+async def check_aer(daemon: DaemonProcess) -> None:
+    """aer, its stdin a pipe: sent as typed, its end as ^D; aer ends with the shell's status."""
+    crt, key = daemon.pki.clients["aurae-client"]
+    config = daemon.root / "aer-config"
+    config.write_text(client_config_text(daemon.pki.ca_crt, crt, key, daemon.socket))
+    aer = [sys.executable, "-m", "auraed.aer", "--config", str(config), "vm", "console", "g1"]
+    shell_run = await asyncio.to_thread(
+        subprocess.run, [*aer, "--shell"], input="echo $((6*7)); exit 3\n", capture_output=True,
+        text=True, timeout=READ_TIMEOUT,
+    )  # fmt: skip
+    assert shell_run.returncode == 3, shell_run.stderr
+    assert "42" in shell_run.stdout.replace("\r", "").split("\n"), shell_run.stdout
+    plain = await asyncio.to_thread(
+        subprocess.run, [*aer, "--tail", "3"], capture_output=True, text=True, timeout=READ_TIMEOUT
+    )
+    assert plain.returncode == 0 and plain.stdout.strip(), plain  # unchanged without --shell
+
+
+def check_log(log: str) -> None:
+    """Each session named with its caller and VM, the refusal too; never what was typed."""
+    assert "debug shell on VM g1 opened for aurae-client" in log
+    closed = r"debug shell on VM g1 closed for aurae-client after .* the shell exited with 7"
+    assert re.search(closed, log)
+    assert "refused /aurae.vms.v0.VmService/DebugShell for identity reader" in log
+    assert "6*7" not in log and "new:$$" not in log
+
+
 async def test_a_debug_shell_in_a_guest_authorized_logged_and_off_by_default(
     daemon_factory: DaemonFactory, guest_image: Path
 ) -> None:
@@ -149,17 +178,14 @@ async def test_a_debug_shell_in_a_guest_authorized_logged_and_off_by_default(
             await again.close()  # the call ends; the guest hangs its shell up
             assert again.exit_code is None
 
+        await check_aer(daemon)
+
         async with daemon.client("reader") as reader:
             assert (await reader.call(VMS, "List", vms.VmServiceListRequest())).vms
             error = await refused(reader, "g1")
             assert error.code == "PERMISSION_DENIED" and "DebugShell" in error.message
 
-        log = daemon.log()
-        assert "debug shell on VM g1 opened for aurae-client" in log
-        closed = r"debug shell on VM g1 closed for aurae-client after .* the shell exited with 7"
-        assert re.search(closed, log)
-        assert "refused /aurae.vms.v0.VmService/DebugShell for identity reader" in log
-        assert "6*7" not in log and "new:$$" not in log
+        check_log(daemon.log())
         await free_every_vm(daemon)
         assert not run_dir.exists()
     finally:
