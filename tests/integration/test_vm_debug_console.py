@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
+import select
 import subprocess
 import sys
+import termios
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -107,6 +110,31 @@ async def free_every_vm(daemon: DaemonProcess) -> None:
             await aurae.call(VMS, "Free", vms.VmServiceFreeRequest(name=status.vm.name, timeout_ms=0))
 
 
+def on_a_terminal(argv: list[str]) -> int:
+    """aer on a pty of ours, as a person would run it: raw mode while it runs (^C a key for the
+    guest), the terminal's modes as they were once it ends; its exit status."""
+    master, slave = os.openpty()
+    try:
+        before = termios.tcgetattr(slave)
+        process = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+        output = b""
+        deadline = time.monotonic() + READ_TIMEOUT
+        sent = False
+        while process.poll() is None:
+            assert time.monotonic() < deadline, output
+            if select.select([master], [], [], 0.1)[0]:
+                output += os.read(master, 65536)
+            if not sent and not termios.tcgetattr(slave)[3] & termios.ICANON:  # raw: aer is up
+                os.write(master, b"sleep 30\x03echo $((6*7)); exit 5\r")
+                sent = True
+        assert b"42" in output, output
+        assert termios.tcgetattr(slave) == before
+        return process.returncode
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
 async def check_aer(daemon: DaemonProcess) -> None:
     """aer, its stdin a pipe: sent as typed, its end as ^D; aer ends with the shell's status."""
     crt, key = daemon.pki.clients["aurae-client"]
@@ -119,6 +147,7 @@ async def check_aer(daemon: DaemonProcess) -> None:
     )  # fmt: skip
     assert shell_run.returncode == 3, shell_run.stderr
     assert "42" in shell_run.stdout.replace("\r", "").split("\n"), shell_run.stdout
+    assert await asyncio.to_thread(on_a_terminal, [*aer, "--shell"]) == 5
     plain = await asyncio.to_thread(
         subprocess.run, [*aer, "--tail", "3"], capture_output=True, text=True, timeout=READ_TIMEOUT
     )
@@ -171,8 +200,12 @@ async def test_a_debug_shell_in_a_guest_authorized_logged_and_off_by_default(
             assert shell.exit_code == 7
 
             again = Shell(aurae, "g1")
-            again.type("echo new:$$\n")
+            again.type("echo new:$$; stty size\n")
             await again.lines_until(r"^new:\d+")
+            assert "40 120" in await again.lines_until(r"^40 120\r?$")  # the size the session opened with
+            again.queue.put_nowait(Request(size=vms.TerminalSize(rows=33, columns=99)))
+            again.type("stty size\n")
+            await again.lines_until(r"^33 99\r?$")  # a resize reaches the guest's pty
             error = await refused(aurae, "g1")
             assert error.code == "FAILED_PRECONDITION" and "open already" in error.message
             await again.close()  # the call ends; the guest hangs its shell up
