@@ -21,6 +21,17 @@ SHARE_MOUNT = "/run/aurae/share"
 # it does its imports, says so on this virtio-serial port, and waits there for the identity each
 # of its clones is given (auraed/init/identity.py in the guest, auraed/vms/templates.py on the host).
 IDENTITY_PORT = "org.aurae.identity"
+# The debug console (the host's vm_debug_console): a virtio-serial port of this name, on which the
+# guest's PID 1 runs a shell for the host's VmService.DebugShell, told by ``auraed.debug_console=1``.
+# Both directions carry frames (``debug_frame``): a type byte, a 2-byte big-endian length, the
+# payload. Host to guest: DEBUG_OPEN first in each session (a new shell: one that runs is hung up
+# first, the host's end may have been closed and opened again between two looks), then
+# DEBUG_INPUT (bytes for the shell's terminal) and DEBUG_SIZE (rows, columns: 2 bytes each).
+# Guest to host: DEBUG_OUTPUT (what the terminal printed), DEBUG_EXIT (the shell ended: its
+# status, 4 bytes signed; what comes after it until the next DEBUG_OPEN is dropped).
+DEBUG_PORT = "org.aurae.debug"
+DEBUG_INPUT, DEBUG_SIZE, DEBUG_OUTPUT, DEBUG_EXIT, DEBUG_OPEN = 0, 1, 2, 3, 4
+DEBUG_FRAME_MAX = 65535
 
 
 class BootArgs(NamedTuple):
@@ -35,6 +46,7 @@ class BootArgs(NamedTuple):
     poweroff: bool = False
     share: str = ""  # a virtio-fs tag to mount at SHARE_MOUNT
     template: bool = False
+    debug_console: bool = False  # run a shell on DEBUG_PORT
 
     @classmethod
     def parse(cls, cmdline: str) -> BootArgs:
@@ -55,6 +67,7 @@ class BootArgs(NamedTuple):
             poweroff=_flag(values.get("poweroff", "")),
             template=_flag(values.get("template", "")),
             share=values.get("share", ""),
+            debug_console=_flag(values.get("debug_console", "")),
         )
 
     @property
@@ -64,3 +77,30 @@ class BootArgs(NamedTuple):
 
 def _flag(value: str) -> bool:
     return value.lower() in ("1", "yes", "on", "true")
+
+
+def debug_frame(kind: int, payload: bytes) -> bytes:
+    """One frame of the debug port's protocol (see DEBUG_PORT); payloads over DEBUG_FRAME_MAX split."""
+    out = bytearray()
+    for start in range(0, max(len(payload), 1), DEBUG_FRAME_MAX):
+        chunk = payload[start : start + DEBUG_FRAME_MAX]
+        out += bytes((kind,)) + len(chunk).to_bytes(2, "big") + chunk
+    return bytes(out)
+
+
+class DebugFrames:
+    """Frames out of a byte stream, fed as it comes: ``feed`` returns the (kind, payload) complete."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
+        self._buffer += data
+        frames = []
+        while len(self._buffer) >= 3:
+            size = int.from_bytes(self._buffer[1:3], "big")
+            if len(self._buffer) < 3 + size:
+                break
+            frames.append((self._buffer[0], self._buffer[3 : 3 + size]))
+            self._buffer = self._buffer[3 + size :]
+        return frames

@@ -178,6 +178,14 @@ class DaemonConfig:
         default=10,
         metadata=_help("DIMM slots of a q35 VM (-m slots): each memory growth takes one; 1 to 255"),
     )
+    vm_debug_console: bool = field(
+        default=False,
+        metadata=_help(
+            "give QEMU VMs booted cold a debug console: a second virtio-serial port on which the "
+            "guest's PID 1 runs a shell (VmService.DebugShell, aer vm console NAME --shell); for VMs "
+            "started after it is on. Authorized by method like every call; each session is logged"
+        ),
+    )
     vm_guest_port: int = field(default=8443, metadata=_help("port the guests' auraed listens on (mTLS)"))
     qemu_binary: str = field(default="qemu-system-x86_64", metadata=_help("QEMU system emulator"))
     virtiofsd_binary: str = field(

@@ -259,6 +259,8 @@ class Pid1:
                 self._step("network (ip=)", lambda: host.configure_network(bool(self.args.hostname)))
             self.timings["network"] = time.monotonic() - step
             self._step("shared directory", self.mount_share)
+        if machine and self.args.debug_console:
+            self._step("debug console", self.start_debug_console)
         if machine and not self.layout.power_buttons:
             self._step("power button modules", self.load_power_button_modules)
         self._step("power button", self.open_power_buttons)
@@ -437,6 +439,13 @@ class Pid1:
 
         bring_loopback_up()
         powerbutton.load_modules(modules=(VIRTIO_CONSOLE_MODULE,))
+
+    def start_debug_console(self) -> None:
+        """The host's vm_debug_console: a shell on the debug port, served by a thread of its own."""
+        from auraed.init import debugshell, powerbutton
+
+        powerbutton.load_modules(modules=(VIRTIO_CONSOLE_MODULE,))
+        debugshell.start(self.layout.path("sys"), self.layout.path("dev"))
 
     def open_power_buttons(self) -> None:
         """Open the power buttons now, to be watched once the loop runs (see ``self._buttons``)."""

@@ -14,7 +14,7 @@ import grpc
 
 from auraed.config import AuthorizationPolicy
 from auraed.server.gate import CallGate
-from auraed.wire.handlers import Context, first_handler, handler_parts
+from auraed.wire.handlers import Context, first_handler, handler_parts, peer_identities
 from auraed.wire.status import capped
 
 log = logging.getLogger(__name__)
@@ -48,20 +48,6 @@ class RefusalLog:
         self._seen[key] = (now, 0)
         more = f" ({unlogged} more like it since the last report)" if unlogged else ""
         log.warning("refused %s for %s: %s%s", method, who, why, more)
-
-
-# The auth context properties naming a client, as grpc fills them from the verified certificate:
-# its CN and its DNS SANs. Not "x509_subject_alternative_name", which mixes in URI, e-mail and IP
-# SANs: a certificate made for one of those (a SPIFFE ID, a mail address) must not pass for a
-# listed identity of the same spelling.
-IDENTITY_PROPERTIES = ("x509_common_name", "peer_dns")
-
-
-def peer_identities(context: Context) -> list[str]:
-    """The client certificate's CN followed by its DNS SANs, as TLS verified them."""
-    auth = context.auth_context()
-    names = [v.decode(errors="replace") for key in IDENTITY_PROPERTIES for v in auth.get(key, [])]
-    return list(dict.fromkeys(names))
 
 
 def allowed_patterns(policy: AuthorizationPolicy, identities: list[str]) -> tuple[str, ...]:

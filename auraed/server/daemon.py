@@ -396,7 +396,7 @@ class Daemon:
             self.metrics.add_states(
                 "auraed_vms", "VMs by state", vm_states, lambda: [r.state for r in vms.all()]
             )
-        return generic_handler(VMS, VmServicer(vms, self.guests))
+        return generic_handler(VMS, VmServicer(vms, self.guests, config.vm_debug_console))
 
     def _metrics_sink(self) -> MetricsSink:
         return self.metrics if self.metrics is not None else NO_METRICS

@@ -10,8 +10,7 @@ from typing import Protocol
 
 from auraed.api.aurae.system import v0 as pb
 from auraed.errors import AuraeError
-from auraed.server.authz import peer_identities
-from auraed.wire.handlers import Context
+from auraed.wire.handlers import Context, peer_identities
 
 SERVICE_NAME = "aurae.system.v0.SystemService"
 MAX_REASON_CHARS = 256  # a reason is one line of the daemon's log, not a document

@@ -29,6 +29,7 @@ from auraed.vms.model import RunInfo
 
 CONSOLE_LOG = "console.log"
 IDENTITY_SOCKET = "identity.sock"  # the host's end of a template's or a clone's identity port
+DEBUG_SOCKET = "debug.sock"  # the host's end of the debug console's port (vm_debug_console)
 VMM_LOG = "vmm.log"
 KILL_WAIT = 10.0  # seconds to wait for a SIGKILLed VMM to be gone
 

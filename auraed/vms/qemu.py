@@ -20,7 +20,11 @@
   (see kernel_args); ``grow`` hotplugs vCPUs (``device_add`` of a slot ``query-hotpluggable-cpus``
   reports free) and memory (a ``pc-dimm`` over a new memory object: a shared memfd when the VM's
   RAM is, for virtiofsd, else plain RAM). microvm has no hotplug at all; templates and clones
-  start without room (a clone's command line must be its template's).
+  start without room (a clone's command line must be its template's);
+- with ``debug_console`` (vm_debug_console) a VM booted cold gets a second virtio-serial port,
+  ``auraed.bootargs.DEBUG_PORT``, on a unix socket QEMU listens on (``debug.sock`` in the run dir),
+  and ``auraed.debug_console=1`` on its kernel command line (the guest's PID 1 then runs a shell
+  there); templates and clones never (a clone's devices must be its template's).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from auraed.bootargs import IDENTITY_PORT, SHARE_TAG
+from auraed.bootargs import DEBUG_PORT, IDENTITY_PORT, SHARE_TAG
 from auraed.errors import ErrorKind
 from auraed.system import processes
 from auraed.system.tasks import run_to_end
@@ -68,6 +72,7 @@ HOTPLUG_MEMORY_ARG = "memhp_default_state=online"
 NO_SWIOTLB_ARG = "swiotlb=noforce"
 DIMM_PREFIX = "dimm"
 DIMM_MEMORY_PREFIX = "mem-dimm"
+DEBUG_CONSOLE_ARG = "auraed.debug_console=1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,9 +108,10 @@ def build_command(
     kernel_cmdline: str,
     tap_fd: int = -1,
     room: Room | None = None,
+    debug_console: bool = False,
 ) -> list[str]:
     """The QEMU command line for a VM (pure: tested without QEMU); ``room``: what it can grow to
-    (q35 only)."""
+    (q35 only); ``debug_console``: the debug port (never for a template or a clone)."""
     if machine not in MACHINES:
         raise ValueError(f"unknown machine {machine!r}")
     mmio = machine == "microvm"
@@ -172,6 +178,13 @@ def build_command(
         ]  # fmt: skip
     if image is not None:
         argv += image_arguments(spec, image, mmio)
+    elif debug_console:
+        serial = "virtio-serial-device" if mmio else "virtio-serial-pci"
+        argv += [
+            "-device", f"{serial},id=debug-bus",
+            "-chardev", f"socket,id=debug,path={spec.run_dir / common.DEBUG_SOCKET},server=on,wait=off",
+            "-device", f"virtserialport,bus=debug-bus.0,chardev=debug,name={DEBUG_PORT}",
+        ]  # fmt: skip
     return argv
 
 
@@ -210,6 +223,7 @@ class QemuBackend:
         max_vcpus: int = 0,
         max_memory_mib: int = 0,
         memory_slots: int = 10,
+        debug_console: bool = False,
     ) -> None:
         if machine not in MACHINES:
             raise VmError(ErrorKind.INVALID_ARGUMENT, f"vm_machine: {machine!r} is not one of {MACHINES}")
@@ -221,6 +235,7 @@ class QemuBackend:
         self.max_vcpus = max_vcpus
         self.max_memory_mib = max_memory_mib
         self.memory_slots = memory_slots
+        self.debug_console = debug_console
 
     def room(self, spec: LaunchSpec) -> Room:
         """The room ``spec`` gets to grow: none on microvm, nor for a template or a clone (all 0)."""
@@ -264,8 +279,11 @@ class QemuBackend:
         run_dir = spec.run_dir
         qmp_socket = run_dir / QMP_SOCKET
         console = self.console_log_path(run_dir)
-        common.remove_quietly(qmp_socket)
-        cmdline = " ".join([*self.kernel_args(), spec.cmdline]).strip()
+        common.remove_quietly(qmp_socket, run_dir / common.DEBUG_SOCKET)
+        debug = self.debug_console and spec.image is None
+        # Before the VM's own words: a kernel_args "auraed.debug_console=0" overrides it.
+        words = [*self.kernel_args(), *([DEBUG_CONSOLE_ARG] if debug else []), spec.cmdline]
+        cmdline = " ".join(words).strip()
         accelerator = self.accelerator
         tap_fd = state_fd = -1
         if spec.shared_dir:
@@ -293,6 +311,7 @@ class QemuBackend:
                 console_path=console,
                 kernel_cmdline=cmdline,
                 tap_fd=tap_fd,
+                debug_console=debug,
             )
             log.debug("starting VM %s: %s", spec.name, " ".join(argv))
             # To completion: a QEMU spawned by a thread its caller stopped waiting for would run on.

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 from auraed.api.aurae.vms import v0 as pb
 from auraed.names import seconds_from_ms, validate_label
+from auraed.vms.debug import DebugConsoles
 from auraed.vms.errors import VmError
 from auraed.vms.guests import Guests
 from auraed.vms.model import (
@@ -21,7 +22,7 @@ from auraed.vms.model import (
 )
 from auraed.vms.templates import AUTO_PREFIX, TemplateRecord
 from auraed.vms.vms import DEFAULT_START_TIMEOUT, TAIL_LINE_MAX, Vms, VmView
-from auraed.wire.handlers import Context
+from auraed.wire.handlers import Context, peer_identities
 
 SERVICE_NAME = "aurae.vms.v0.VmService"
 MAX_TAIL = 1_000_000
@@ -104,9 +105,10 @@ def template_message(record: TemplateRecord, clones: list[str]) -> pb.TemplateSt
 
 
 class VmServicer:
-    def __init__(self, vms: Vms, guests: Guests) -> None:
+    def __init__(self, vms: Vms, guests: Guests, debug_console: bool = False) -> None:
         self._vms = vms
         self._guests = guests
+        self._debug = DebugConsoles(vms, debug_console)
 
     async def allocate(
         self, request: pb.VmServiceAllocateRequest, context: Context
@@ -178,6 +180,25 @@ class VmServicer:
             resize_ms=round(resized.seconds * 1000),
         )
 
+    async def debug_shell(
+        self, requests: AsyncIterator[pb.VmServiceDebugShellRequest], context: Context
+    ) -> AsyncIterator[pb.VmServiceDebugShellResponse]:
+        stream = aiter(requests)
+        first = await anext(stream, None)
+        if first is None or not first.name:
+            raise VmError.invalid("name", "the first message must name the VM")
+        name = validate_label(first.name, "name")
+        who = ",".join(peer_identities(context)) or "an unidentified client"
+
+        async def inputs() -> AsyncIterator[tuple[bytes, tuple[int, int] | None]]:
+            if first.input:
+                yield first.input, None
+            async for request in stream:
+                yield request.input, _size_of(request)
+
+        async for item in self._debug.session(name, who, _size_of(first), inputs()):
+            yield pb.VmServiceDebugShellResponse(output=item.data, exit_code=item.exit_code)
+
     async def create_template(
         self, request: pb.VmServiceCreateTemplateRequest, context: Context
     ) -> pb.VmServiceCreateTemplateResponse:
@@ -223,3 +244,8 @@ class VmServicer:
     ) -> pb.VmServiceRemoveTemplateResponse:
         await self._guests.remove_template(validate_label(request.name, "name"))
         return pb.VmServiceRemoveTemplateResponse()
+
+
+def _size_of(request: pb.VmServiceDebugShellRequest) -> tuple[int, int] | None:
+    size = request.size
+    return (size.rows, size.columns) if size is not None and size.rows and size.columns else None

@@ -38,6 +38,7 @@ def build(
             max_vcpus=config.vm_max_vcpus,
             max_memory_mib=config.vm_max_memory_mib,
             memory_slots=config.vm_memory_slots,
+            debug_console=config.vm_debug_console,
         ),
         "cloud-hypervisor": CloudHypervisorBackend(
             binary=config.cloud_hypervisor_binary,
@@ -45,6 +46,8 @@ def build(
             kvm_detail=lambda: probe.detail,
         ),
     }
+    if config.vm_debug_console:
+        log.warning("VMs: vm_debug_console is on: QEMU VMs booted cold get a debug shell (DebugShell)")
     log.info(
         "VMs: QEMU %s (%s), KVM %s, address pool %s",
         config.qemu_binary,

@@ -14,6 +14,19 @@ import grpc
 # grpc ships no type information; at run time this is grpc.aio.ServicerContext.
 Context: TypeAlias = Any
 
+# The auth context properties naming a client, as grpc fills them from the verified certificate:
+# its CN and its DNS SANs. Not "x509_subject_alternative_name", which mixes in URI, e-mail and IP
+# SANs: a certificate made for one of those (a SPIFFE ID, a mail address) must not pass for a
+# listed identity of the same spelling.
+IDENTITY_PROPERTIES = ("x509_common_name", "peer_dns")
+
+
+def peer_identities(context: Context) -> list[str]:
+    """The client certificate's CN followed by its DNS SANs, as TLS verified them."""
+    auth = context.auth_context()
+    names = [v.decode(errors="replace") for key in IDENTITY_PROPERTIES for v in auth.get(key, [])]
+    return list(dict.fromkeys(names))
+
 
 def first_handler(
     handlers: Sequence[grpc.GenericRpcHandler], details: grpc.HandlerCallDetails

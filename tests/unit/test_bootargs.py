@@ -49,3 +49,22 @@ def test_odd_values_parse_without_raising() -> None:
 def test_a_shared_directory_is_named_by_its_tag() -> None:
     assert BootArgs.parse("auraed.role=guest auraed.share=aurae-share").share == "aurae-share"
     assert BootArgs.parse("auraed.role=guest").share == ""
+
+
+def test_the_debug_console_flag_and_its_frames() -> None:
+    from auraed.bootargs import DEBUG_FRAME_MAX, DEBUG_INPUT, DEBUG_SIZE, DebugFrames, debug_frame
+
+    assert BootArgs.parse("auraed.role=guest auraed.debug_console=1").debug_console
+    assert not BootArgs.parse("auraed.debug_console=1 auraed.debug_console=0").debug_console
+    assert not BootArgs.parse("auraed.role=guest").debug_console
+    stream = debug_frame(DEBUG_SIZE, b"\x00\x18\x00\x50") + debug_frame(
+        DEBUG_INPUT, b"x" * (DEBUG_FRAME_MAX + 5)
+    )
+    frames = DebugFrames()
+    got = [f for i in range(0, len(stream), 7) for f in frames.feed(stream[i : i + 7])]
+    assert got == [
+        (DEBUG_SIZE, b"\x00\x18\x00\x50"),
+        (DEBUG_INPUT, b"x" * DEBUG_FRAME_MAX),
+        (DEBUG_INPUT, b"x" * 5),
+    ]
+    assert debug_frame(DEBUG_INPUT, b"") == b"\x00\x00\x00"

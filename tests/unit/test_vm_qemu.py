@@ -194,3 +194,31 @@ def test_what_cannot_grow_says_why() -> None:
     problem = q35.grow_problem(run("q35", 0))
     assert problem is not None and "without room" in problem
     assert q35.grow_problem(run("q35", 2)) is None
+
+
+@pytest.mark.parametrize(
+    ("machine", "bus"), [("microvm", "virtio-serial-device"), ("q35", "virtio-serial-pci")]
+)
+def test_the_debug_console_is_a_port_only_when_on_and_never_for_a_template(machine: str, bus: str) -> None:
+    def debug_words(argv: list[str]) -> list[str]:
+        return [w for w in argv if "debug" in w and not w.startswith(f"{SPEC.name},debug-threads")]
+
+    off = build_command(
+        SPEC, binary="qemu-system-x86_64", machine=machine, accelerator="tcg",
+        qmp_socket=Path("/q"), console_path=Path("/c"), kernel_cmdline="console=ttyS0",
+    )  # fmt: skip
+    assert debug_words(off) == []
+    assert not any("virtserialport" in w or "virtio-serial" in w for w in off)
+    on = build_command(
+        SPEC, binary="qemu-system-x86_64", machine=machine, accelerator="tcg",
+        qmp_socket=Path("/q"), console_path=Path("/c"), kernel_cmdline="console=ttyS0", debug_console=True,
+    )  # fmt: skip
+    assert f"{bus},id=debug-bus" in option(on, "-device")
+    assert "socket,id=debug,path=/run/aurae/vms/web/debug.sock,server=on,wait=off" in option(on, "-chardev")
+    assert "virtserialport,bus=debug-bus.0,chardev=debug,name=org.aurae.debug" in option(on, "-device")
+    template = dataclasses.replace(SPEC, image=MemoryImage("/t/ram", "/t/state", clone=False))
+    made = build_command(
+        template, binary="qemu-system-x86_64", machine=machine, accelerator="tcg",
+        qmp_socket=Path("/q"), console_path=Path("/c"), kernel_cmdline="console=ttyS0", debug_console=True,
+    )  # fmt: skip
+    assert debug_words(made) == []

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from auraed.api.aurae.vms import v0 as vms_pb
 from auraed.client.cli.arguments import add_command, add_group, grace_ms, unsigned
-from auraed.client.cli.calls import VMS, call, call_timeout, grace_slack, session
+from auraed.client.cli.calls import VMS, CliError, call, call_timeout, grace_slack, session
 from auraed.client.cli.output import console, emit, print_json, report
 from auraed.client.client import AuraeClient
 
@@ -108,6 +108,12 @@ def cmd_vm_list(args: argparse.Namespace) -> int:
 
 
 def cmd_vm_console(args: argparse.Namespace) -> int:
+    if args.shell:
+        if args.follow or args.tail is not None:
+            raise CliError("vm console: --shell takes neither --follow nor --tail")
+        from auraed.client.cli.vm_shell import cmd_vm_shell  # termios, tty: only for a shell
+
+        return cmd_vm_shell(args)
     request = vms_pb.VmServiceGetConsoleRequest(name=args.name, tail=args.tail, follow=args.follow)
     timeout = call_timeout(args, open_ended=True)
 
@@ -236,8 +242,16 @@ def add_commands(subparsers: Any) -> None:
         help="memory in MiB, at least (default: as now)",
     )
     add_command(vm, "ls", cmd_vm_list, "the VMs, with state read from their VMM")
-    console_ = add_command(vm, "console", cmd_vm_console, "the serial console")
+    console_ = add_command(
+        vm, "console", cmd_vm_console, "the serial console (--shell: a shell in the guest)"
+    )
     console_.add_argument("name", metavar="NAME")
     console_.add_argument("-f", "--follow", action="store_true")
     console_.add_argument("--tail", type=unsigned(32), default=None, metavar="N")
+    console_.add_argument(
+        "--shell",
+        action="store_true",
+        help="an interactive shell in the guest over its debug port (the host's vm_debug_console; "
+        "raw terminal: exit or ^D ends it)",
+    )
     _add_template_commands(vm)

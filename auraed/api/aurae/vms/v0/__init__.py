@@ -7,11 +7,14 @@ __all__ = (
     "Disk",
     "Template",
     "TemplateStatus",
+    "TerminalSize",
     "VirtualMachine",
     "VmServiceAllocateRequest",
     "VmServiceAllocateResponse",
     "VmServiceCreateTemplateRequest",
     "VmServiceCreateTemplateResponse",
+    "VmServiceDebugShellRequest",
+    "VmServiceDebugShellResponse",
     "VmServiceFreeRequest",
     "VmServiceFreeResponse",
     "VmServiceGetConsoleRequest",
@@ -252,6 +255,21 @@ default_message_pool.register_message("aurae.vms.v0", "TemplateStatus", Template
 
 
 @dataclass(eq=False, repr=False)
+class TerminalSize(betterproto2.Message):
+    @betterproto2.staticproperty
+    @staticmethod
+    def DESCRIPTOR() -> Descriptor:
+        return V0_VMS_VMS_PROTO_DESCRIPTOR.message_types_by_name["TerminalSize"]
+
+    rows: "int" = betterproto2.field(1, betterproto2.TYPE_UINT32)
+
+    columns: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
+
+
+default_message_pool.register_message("aurae.vms.v0", "TerminalSize", TerminalSize)
+
+
+@dataclass(eq=False, repr=False)
 class VirtualMachine(betterproto2.Message):
     @betterproto2.staticproperty
     @staticmethod
@@ -388,6 +406,57 @@ class VmServiceCreateTemplateResponse(betterproto2.Message):
 
 default_message_pool.register_message(
     "aurae.vms.v0", "VmServiceCreateTemplateResponse", VmServiceCreateTemplateResponse
+)
+
+
+@dataclass(eq=False, repr=False)
+class VmServiceDebugShellRequest(betterproto2.Message):
+    @betterproto2.staticproperty
+    @staticmethod
+    def DESCRIPTOR() -> Descriptor:
+        return V0_VMS_VMS_PROTO_DESCRIPTOR.message_types_by_name["VmServiceDebugShellRequest"]
+
+    name: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The VM, in the first message only (required there).
+    """
+
+    input: "bytes" = betterproto2.field(2, betterproto2.TYPE_BYTES)
+    """
+    Bytes for the shell's terminal, as typed (raw mode: control characters included).
+    """
+
+    size: "TerminalSize | None" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, optional=True)
+    """
+    The terminal's size, in the first message and whenever it changes.
+    """
+
+
+default_message_pool.register_message(
+    "aurae.vms.v0", "VmServiceDebugShellRequest", VmServiceDebugShellRequest
+)
+
+
+@dataclass(eq=False, repr=False)
+class VmServiceDebugShellResponse(betterproto2.Message):
+    @betterproto2.staticproperty
+    @staticmethod
+    def DESCRIPTOR() -> Descriptor:
+        return V0_VMS_VMS_PROTO_DESCRIPTOR.message_types_by_name["VmServiceDebugShellResponse"]
+
+    output: "bytes" = betterproto2.field(1, betterproto2.TYPE_BYTES)
+    """
+    What the shell's terminal printed.
+    """
+
+    exit_code: "int | None" = betterproto2.field(2, betterproto2.TYPE_INT32, optional=True)
+    """
+    The shell's exit status, in the last message once it ended.
+    """
+
+
+default_message_pool.register_message(
+    "aurae.vms.v0", "VmServiceDebugShellResponse", VmServiceDebugShellResponse
 )
 
 
@@ -795,5 +864,5 @@ default_message_pool.register_message("aurae.vms.v0", "VmStatus", VmStatus)
 
 
 V0_VMS_VMS_PROTO_DESCRIPTOR = default_google_proto_descriptor_pool.AddSerializedFile(
-    b'\n\x10v0/vms/vms.proto\x12\x0caurae.vms.v0"N\n\x04Disk\x12\x12\n\x04path\x18\x01 \x01(\tR\x04path\x12\x1a\n\x08writable\x18\x02 \x01(\x08R\x08writable\x12\x16\n\x06serial\x18\x03 \x01(\tR\x06serial"\xe6\x02\n\x0eVirtualMachine\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n\x05vcpus\x18\x02 \x01(\rR\x05vcpus\x12\x1d\n\nmemory_mib\x18\x03 \x01(\x04R\tmemoryMib\x12\x16\n\x06kernel\x18\x04 \x01(\tR\x06kernel\x12\x1c\n\tinitramfs\x18\x05 \x01(\tR\tinitramfs\x12\x1b\n\troot_disk\x18\x06 \x01(\tR\x08rootDisk\x123\n\x0bextra_disks\x18\x07 \x03(\x0b2\x12.aurae.vms.v0.DiskR\nextraDisks\x12\x1f\n\x0bkernel_args\x18\x08 \x03(\tR\nkernelArgs\x12\x18\n\x07network\x18\t \x01(\x08R\x07network\x12\x18\n\x07backend\x18\n \x01(\tR\x07backend\x12\x12\n\x04role\x18\x0b \x01(\tR\x04role\x12\x1a\n\x08template\x18\x0c \x01(\tR\x08template"\xba\x05\n\x08VmStatus\x12,\n\x02vm\x18\x01 \x01(\x0b2\x1c.aurae.vms.v0.VirtualMachineR\x02vm\x12+\n\x05state\x18\x02 \x01(\x0e2\x15.aurae.vms.v0.VmStateR\x05state\x12\x18\n\x07backend\x18\x03 \x01(\tR\x07backend\x12%\n\x0ebackend_status\x18\x04 \x01(\tR\rbackendStatus\x12\x10\n\x03pid\x18\x05 \x01(\x05R\x03pid\x12\x10\n\x03tap\x18\x06 \x01(\tR\x03tap\x12!\n\x0chost_address\x18\x07 \x01(\tR\x0bhostAddress\x12#\n\rguest_address\x18\x08 \x01(\tR\x0cguestAddress\x12\x10\n\x03mac\x18\t \x01(\tR\x03mac\x12\x18\n\x07address\x18\n \x01(\tR\x07address\x12!\n\x0cconsole_path\x18\x0b \x01(\tR\x0bconsolePath\x12 \n\x0baccelerator\x18\x0c \x01(\tR\x0baccelerator\x12\x1d\n\nstarted_at\x18\r \x01(\x01R\tstartedAt\x12$\n\x0bfinished_at\x18\x0e \x01(\x01H\x00R\nfinishedAt\x88\x01\x01\x12 \n\texit_code\x18\x0f \x01(\x05H\x01R\x08exitCode\x88\x01\x01\x12\x1b\n\x06signal\x18\x10 \x01(\x05H\x02R\x06signal\x88\x01\x01\x12\x16\n\x06reason\x18\x11 \x01(\tR\x06reason\x12!\n\x0cconsole_tail\x18\x12 \x03(\tR\x0bconsoleTail\x12\x1a\n\x08template\x18\x13 \x01(\tR\x08template\x12"\n\nrestore_ms\x18\x14 \x01(\x01H\x03R\trestoreMs\x88\x01\x01B\x0e\n\x0c_finished_atB\x0c\n\n_exit_codeB\t\n\x07_signalB\r\n\x0b_restore_ms"H\n\x18VmServiceAllocateRequest\x12,\n\x02vm\x18\x01 \x01(\x0b2\x1c.aurae.vms.v0.VirtualMachineR\x02vm"K\n\x19VmServiceAllocateResponse\x12.\n\x06status\x18\x01 \x01(\x0b2\x16.aurae.vms.v0.VmStatusR\x06status"]\n\x14VmServiceFreeRequest\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12"\n\ntimeout_ms\x18\x02 \x01(\rH\x00R\ttimeoutMs\x88\x01\x01B\r\n\x0b_timeout_ms"\x17\n\x15VmServiceFreeResponse"\x88\x01\n\x15VmServiceStartRequest\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12(\n\x10wait_for_console\x18\x02 \x01(\tR\x0ewaitForConsole\x12"\n\ntimeout_ms\x18\x03 \x01(\rH\x00R\ttimeoutMs\x88\x01\x01B\r\n\x0b_timeout_ms"\x8c\x01\n\x16VmServiceStartResponse\x12\x18\n\x07address\x18\x01 \x01(\tR\x07address\x12.\n\x06status\x18\x02 \x01(\x0b2\x16.aurae.vms.v0.VmStatusR\x06status\x12(\n\x10console_ready_ms\x18\x03 \x01(\x04R\x0econsoleReadyMs"a\n\x16VmServiceResizeRequest\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n\x05vcpus\x18\x02 \x01(\rR\x05vcpus\x12\x1d\n\nmemory_mib\x18\x03 \x01(\x04R\tmemoryMib"\xc1\x01\n\x17VmServiceResizeResponse\x12.\n\x06status\x18\x01 \x01(\x0b2\x16.aurae.vms.v0.VmStatusR\x06status\x12*\n\x11guest_online_cpus\x18\x02 \x01(\rR\x0fguestOnlineCpus\x12-\n\x13guest_mem_total_kib\x18\x03 \x01(\x04R\x10guestMemTotalKib\x12\x1b\n\tresize_ms\x18\x04 \x01(\x04R\x08resizeMs"]\n\x14VmServiceStopRequest\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12"\n\ntimeout_ms\x18\x02 \x01(\rH\x00R\ttimeoutMs\x88\x01\x01B\r\n\x0b_timeout_ms"G\n\x15VmServiceStopResponse\x12.\n\x06status\x18\x01 \x01(\x0b2\x16.aurae.vms.v0.VmStatusR\x06status"*\n\x14VmServiceListRequest\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name"A\n\x15VmServiceListResponse\x12(\n\x03vms\x18\x01 \x03(\x0b2\x16.aurae.vms.v0.VmStatusR\x03vms"j\n\x1aVmServiceGetConsoleRequest\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12\x17\n\x04tail\x18\x02 \x01(\rH\x00R\x04tail\x88\x01\x01\x12\x16\n\x06follow\x18\x03 \x01(\x08R\x06followB\x07\n\x05_tail"1\n\x1bVmServiceGetConsoleResponse\x12\x12\n\x04line\x18\x01 \x01(\tR\x04line"\xc7\x01\n\x08Template\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n\x05vcpus\x18\x02 \x01(\rR\x05vcpus\x12\x1d\n\nmemory_mib\x18\x03 \x01(\x04R\tmemoryMib\x12\x16\n\x06kernel\x18\x04 \x01(\tR\x06kernel\x12\x1c\n\tinitramfs\x18\x05 \x01(\tR\tinitramfs\x12\x1b\n\troot_disk\x18\x06 \x01(\tR\x08rootDisk\x12\x1f\n\x0bkernel_args\x18\x07 \x03(\tR\nkernelArgs"\xb2\x03\n\x0eTemplateStatus\x122\n\x08template\x18\x01 \x01(\x0b2\x16.aurae.vms.v0.TemplateR\x08template\x12\x14\n\x05state\x18\x02 \x01(\tR\x05state\x12\x16\n\x06reason\x18\x03 \x01(\tR\x06reason\x12\x18\n\x07backend\x18\x04 \x01(\tR\x07backend\x12\x18\n\x07machine\x18\x05 \x01(\tR\x07machine\x12 \n\x0baccelerator\x18\x06 \x01(\tR\x0baccelerator\x12\x16\n\x06digest\x18\x07 \x01(\tR\x06digest\x12\x12\n\x04auto\x18\x08 \x01(\x08R\x04auto\x12\x1d\n\ncreated_at\x18\t \x01(\x01R\tcreatedAt\x12\x19\n\x08build_ms\x18\n \x01(\x04R\x07buildMs\x12\x1d\n\nimports_ms\x18\x0b \x01(\x04R\timportsMs\x12\x17\n\x07save_ms\x18\x0c \x01(\x04R\x06saveMs\x122\n\x15memory_resident_bytes\x18\r \x01(\x04R\x13memoryResidentBytes\x12\x16\n\x06clones\x18\x0e \x03(\tR\x06clones"T\n\x1eVmServiceCreateTemplateRequest\x122\n\x08template\x18\x01 \x01(\x0b2\x16.aurae.vms.v0.TemplateR\x08template"W\n\x1fVmServiceCreateTemplateResponse\x124\n\x06status\x18\x01 \x01(\x0b2\x1c.aurae.vms.v0.TemplateStatusR\x06status"3\n\x1dVmServiceListTemplatesRequest\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name"\\\n\x1eVmServiceListTemplatesResponse\x12:\n\ttemplates\x18\x01 \x03(\x0b2\x1c.aurae.vms.v0.TemplateStatusR\ttemplates"4\n\x1eVmServiceRemoveTemplateRequest\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name"!\n\x1fVmServiceRemoveTemplateResponse*\xd3\x01\n\x07VmState\x12\x16\n\x14VM_STATE_UNSPECIFIED\x12\x16\n\x12VM_STATE_ALLOCATED\x10\x01\x12\x15\n\x11VM_STATE_STARTING\x10\x02\x12\x14\n\x10VM_STATE_RUNNING\x10\x03\x12\x13\n\x0fVM_STATE_PAUSED\x10\x04\x12\x15\n\x11VM_STATE_STOPPING\x10\x05\x12\x14\n\x10VM_STATE_STOPPED\x10\x06\x12\x13\n\x0fVM_STATE_EXITED\x10\x07\x12\x14\n\x10VM_STATE_CRASHED\x10\x082\xb5\x07\n\tVmService\x12[\n\x08Allocate\x12&.aurae.vms.v0.VmServiceAllocateRequest\x1a\'.aurae.vms.v0.VmServiceAllocateResponse\x12O\n\x04Free\x12".aurae.vms.v0.VmServiceFreeRequest\x1a#.aurae.vms.v0.VmServiceFreeResponse\x12R\n\x05Start\x12#.aurae.vms.v0.VmServiceStartRequest\x1a$.aurae.vms.v0.VmServiceStartResponse\x12O\n\x04Stop\x12".aurae.vms.v0.VmServiceStopRequest\x1a#.aurae.vms.v0.VmServiceStopResponse\x12O\n\x04List\x12".aurae.vms.v0.VmServiceListRequest\x1a#.aurae.vms.v0.VmServiceListResponse\x12c\n\nGetConsole\x12(.aurae.vms.v0.VmServiceGetConsoleRequest\x1a).aurae.vms.v0.VmServiceGetConsoleResponse0\x01\x12U\n\x06Resize\x12$.aurae.vms.v0.VmServiceResizeRequest\x1a%.aurae.vms.v0.VmServiceResizeResponse\x12m\n\x0eCreateTemplate\x12,.aurae.vms.v0.VmServiceCreateTemplateRequest\x1a-.aurae.vms.v0.VmServiceCreateTemplateResponse\x12j\n\rListTemplates\x12+.aurae.vms.v0.VmServiceListTemplatesRequest\x1a,.aurae.vms.v0.VmServiceListTemplatesResponse\x12m\n\x0eRemoveTemplate\x12,.aurae.vms.v0.VmServiceRemoveTemplateRequest\x1a-.aurae.vms.v0.VmServiceRemoveTemplateResponseb\x06proto3'
+    b'\n\x10v0/vms/vms.proto\x12\x0caurae.vms.v0"N\n\x04Disk\x12\x12\n\x04path\x18\x01 \x01(\tR\x04path\x12\x1a\n\x08writable\x18\x02 \x01(\x08R\x08writable\x12\x16\n\x06serial\x18\x03 \x01(\tR\x06serial"\xe6\x02\n\x0eVirtualMachine\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n\x05vcpus\x18\x02 \x01(\rR\x05vcpus\x12\x1d\n\nmemory_mib\x18\x03 \x01(\x04R\tmemoryMib\x12\x16\n\x06kernel\x18\x04 \x01(\tR\x06kernel\x12\x1c\n\tinitramfs\x18\x05 \x01(\tR\tinitramfs\x12\x1b\n\troot_disk\x18\x06 \x01(\tR\x08rootDisk\x123\n\x0bextra_disks\x18\x07 \x03(\x0b2\x12.aurae.vms.v0.DiskR\nextraDisks\x12\x1f\n\x0bkernel_args\x18\x08 \x03(\tR\nkernelArgs\x12\x18\n\x07network\x18\t \x01(\x08R\x07network\x12\x18\n\x07backend\x18\n \x01(\tR\x07backend\x12\x12\n\x04role\x18\x0b \x01(\tR\x04role\x12\x1a\n\x08template\x18\x0c \x01(\tR\x08template"\xba\x05\n\x08VmStatus\x12,\n\x02vm\x18\x01 \x01(\x0b2\x1c.aurae.vms.v0.VirtualMachineR\x02vm\x12+\n\x05state\x18\x02 \x01(\x0e2\x15.aurae.vms.v0.VmStateR\x05state\x12\x18\n\x07backend\x18\x03 \x01(\tR\x07backend\x12%\n\x0ebackend_status\x18\x04 \x01(\tR\rbackendStatus\x12\x10\n\x03pid\x18\x05 \x01(\x05R\x03pid\x12\x10\n\x03tap\x18\x06 \x01(\tR\x03tap\x12!\n\x0chost_address\x18\x07 \x01(\tR\x0bhostAddress\x12#\n\rguest_address\x18\x08 \x01(\tR\x0cguestAddress\x12\x10\n\x03mac\x18\t \x01(\tR\x03mac\x12\x18\n\x07address\x18\n \x01(\tR\x07address\x12!\n\x0cconsole_path\x18\x0b \x01(\tR\x0bconsolePath\x12 \n\x0baccelerator\x18\x0c \x01(\tR\x0baccelerator\x12\x1d\n\nstarted_at\x18\r \x01(\x01R\tstartedAt\x12$\n\x0bfinished_at\x18\x0e \x01(\x01H\x00R\nfinishedAt\x88\x01\x01\x12 \n\texit_code\x18\x0f \x01(\x05H\x01R\x08exitCode\x88\x01\x01\x12\x1b\n\x06signal\x18\x10 \x01(\x05H\x02R\x06signal\x88\x01\x01\x12\x16\n\x06reason\x18\x11 \x01(\tR\x06reason\x12!\n\x0cconsole_tail\x18\x12 \x03(\tR\x0bconsoleTail\x12\x1a\n\x08template\x18\x13 \x01(\tR\x08template\x12"\n\nrestore_ms\x18\x14 \x01(\x01H\x03R\trestoreMs\x88\x01\x01B\x0e\n\x0c_finished_atB\x0c\n\n_exit_codeB\t\n\x07_signalB\r\n\x0b_restore_ms"H\n\x18VmServiceAllocateRequest\x12,\n\x02vm\x18\x01 \x01(\x0b2\x1c.aurae.vms.v0.VirtualMachineR\x02vm"K\n\x19VmServiceAllocateResponse\x12.\n\x06status\x18\x01 \x01(\x0b2\x16.aurae.vms.v0.VmStatusR\x06status"]\n\x14VmServiceFreeRequest\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12"\n\ntimeout_ms\x18\x02 \x01(\rH\x00R\ttimeoutMs\x88\x01\x01B\r\n\x0b_timeout_ms"\x17\n\x15VmServiceFreeResponse"\x88\x01\n\x15VmServiceStartRequest\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12(\n\x10wait_for_console\x18\x02 \x01(\tR\x0ewaitForConsole\x12"\n\ntimeout_ms\x18\x03 \x01(\rH\x00R\ttimeoutMs\x88\x01\x01B\r\n\x0b_timeout_ms"\x8c\x01\n\x16VmServiceStartResponse\x12\x18\n\x07address\x18\x01 \x01(\tR\x07address\x12.\n\x06status\x18\x02 \x01(\x0b2\x16.aurae.vms.v0.VmStatusR\x06status\x12(\n\x10console_ready_ms\x18\x03 \x01(\x04R\x0econsoleReadyMs"a\n\x16VmServiceResizeRequest\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n\x05vcpus\x18\x02 \x01(\rR\x05vcpus\x12\x1d\n\nmemory_mib\x18\x03 \x01(\x04R\tmemoryMib"\xc1\x01\n\x17VmServiceResizeResponse\x12.\n\x06status\x18\x01 \x01(\x0b2\x16.aurae.vms.v0.VmStatusR\x06status\x12*\n\x11guest_online_cpus\x18\x02 \x01(\rR\x0fguestOnlineCpus\x12-\n\x13guest_mem_total_kib\x18\x03 \x01(\x04R\x10guestMemTotalKib\x12\x1b\n\tresize_ms\x18\x04 \x01(\x04R\x08resizeMs"]\n\x14VmServiceStopRequest\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12"\n\ntimeout_ms\x18\x02 \x01(\rH\x00R\ttimeoutMs\x88\x01\x01B\r\n\x0b_timeout_ms"G\n\x15VmServiceStopResponse\x12.\n\x06status\x18\x01 \x01(\x0b2\x16.aurae.vms.v0.VmStatusR\x06status"*\n\x14VmServiceListRequest\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name"A\n\x15VmServiceListResponse\x12(\n\x03vms\x18\x01 \x03(\x0b2\x16.aurae.vms.v0.VmStatusR\x03vms"j\n\x1aVmServiceGetConsoleRequest\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12\x17\n\x04tail\x18\x02 \x01(\rH\x00R\x04tail\x88\x01\x01\x12\x16\n\x06follow\x18\x03 \x01(\x08R\x06followB\x07\n\x05_tail"1\n\x1bVmServiceGetConsoleResponse\x12\x12\n\x04line\x18\x01 \x01(\tR\x04line"<\n\x0cTerminalSize\x12\x12\n\x04rows\x18\x01 \x01(\rR\x04rows\x12\x18\n\x07columns\x18\x02 \x01(\rR\x07columns"\x84\x01\n\x1aVmServiceDebugShellRequest\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n\x05input\x18\x02 \x01(\x0cR\x05input\x123\n\x04size\x18\x03 \x01(\x0b2\x1a.aurae.vms.v0.TerminalSizeH\x00R\x04size\x88\x01\x01B\x07\n\x05_size"e\n\x1bVmServiceDebugShellResponse\x12\x16\n\x06output\x18\x01 \x01(\x0cR\x06output\x12 \n\texit_code\x18\x02 \x01(\x05H\x00R\x08exitCode\x88\x01\x01B\x0c\n\n_exit_code"\xc7\x01\n\x08Template\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n\x05vcpus\x18\x02 \x01(\rR\x05vcpus\x12\x1d\n\nmemory_mib\x18\x03 \x01(\x04R\tmemoryMib\x12\x16\n\x06kernel\x18\x04 \x01(\tR\x06kernel\x12\x1c\n\tinitramfs\x18\x05 \x01(\tR\tinitramfs\x12\x1b\n\troot_disk\x18\x06 \x01(\tR\x08rootDisk\x12\x1f\n\x0bkernel_args\x18\x07 \x03(\tR\nkernelArgs"\xb2\x03\n\x0eTemplateStatus\x122\n\x08template\x18\x01 \x01(\x0b2\x16.aurae.vms.v0.TemplateR\x08template\x12\x14\n\x05state\x18\x02 \x01(\tR\x05state\x12\x16\n\x06reason\x18\x03 \x01(\tR\x06reason\x12\x18\n\x07backend\x18\x04 \x01(\tR\x07backend\x12\x18\n\x07machine\x18\x05 \x01(\tR\x07machine\x12 \n\x0baccelerator\x18\x06 \x01(\tR\x0baccelerator\x12\x16\n\x06digest\x18\x07 \x01(\tR\x06digest\x12\x12\n\x04auto\x18\x08 \x01(\x08R\x04auto\x12\x1d\n\ncreated_at\x18\t \x01(\x01R\tcreatedAt\x12\x19\n\x08build_ms\x18\n \x01(\x04R\x07buildMs\x12\x1d\n\nimports_ms\x18\x0b \x01(\x04R\timportsMs\x12\x17\n\x07save_ms\x18\x0c \x01(\x04R\x06saveMs\x122\n\x15memory_resident_bytes\x18\r \x01(\x04R\x13memoryResidentBytes\x12\x16\n\x06clones\x18\x0e \x03(\tR\x06clones"T\n\x1eVmServiceCreateTemplateRequest\x122\n\x08template\x18\x01 \x01(\x0b2\x16.aurae.vms.v0.TemplateR\x08template"W\n\x1fVmServiceCreateTemplateResponse\x124\n\x06status\x18\x01 \x01(\x0b2\x1c.aurae.vms.v0.TemplateStatusR\x06status"3\n\x1dVmServiceListTemplatesRequest\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name"\\\n\x1eVmServiceListTemplatesResponse\x12:\n\ttemplates\x18\x01 \x03(\x0b2\x1c.aurae.vms.v0.TemplateStatusR\ttemplates"4\n\x1eVmServiceRemoveTemplateRequest\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name"!\n\x1fVmServiceRemoveTemplateResponse*\xd3\x01\n\x07VmState\x12\x16\n\x14VM_STATE_UNSPECIFIED\x12\x16\n\x12VM_STATE_ALLOCATED\x10\x01\x12\x15\n\x11VM_STATE_STARTING\x10\x02\x12\x14\n\x10VM_STATE_RUNNING\x10\x03\x12\x13\n\x0fVM_STATE_PAUSED\x10\x04\x12\x15\n\x11VM_STATE_STOPPING\x10\x05\x12\x14\n\x10VM_STATE_STOPPED\x10\x06\x12\x13\n\x0fVM_STATE_EXITED\x10\x07\x12\x14\n\x10VM_STATE_CRASHED\x10\x082\x9c\x08\n\tVmService\x12[\n\x08Allocate\x12&.aurae.vms.v0.VmServiceAllocateRequest\x1a\'.aurae.vms.v0.VmServiceAllocateResponse\x12O\n\x04Free\x12".aurae.vms.v0.VmServiceFreeRequest\x1a#.aurae.vms.v0.VmServiceFreeResponse\x12R\n\x05Start\x12#.aurae.vms.v0.VmServiceStartRequest\x1a$.aurae.vms.v0.VmServiceStartResponse\x12O\n\x04Stop\x12".aurae.vms.v0.VmServiceStopRequest\x1a#.aurae.vms.v0.VmServiceStopResponse\x12O\n\x04List\x12".aurae.vms.v0.VmServiceListRequest\x1a#.aurae.vms.v0.VmServiceListResponse\x12c\n\nGetConsole\x12(.aurae.vms.v0.VmServiceGetConsoleRequest\x1a).aurae.vms.v0.VmServiceGetConsoleResponse0\x01\x12U\n\x06Resize\x12$.aurae.vms.v0.VmServiceResizeRequest\x1a%.aurae.vms.v0.VmServiceResizeResponse\x12e\n\nDebugShell\x12(.aurae.vms.v0.VmServiceDebugShellRequest\x1a).aurae.vms.v0.VmServiceDebugShellResponse(\x010\x01\x12m\n\x0eCreateTemplate\x12,.aurae.vms.v0.VmServiceCreateTemplateRequest\x1a-.aurae.vms.v0.VmServiceCreateTemplateResponse\x12j\n\rListTemplates\x12+.aurae.vms.v0.VmServiceListTemplatesRequest\x1a,.aurae.vms.v0.VmServiceListTemplatesResponse\x12m\n\x0eRemoveTemplate\x12,.aurae.vms.v0.VmServiceRemoveTemplateRequest\x1a-.aurae.vms.v0.VmServiceRemoveTemplateResponseb\x06proto3'
 )
