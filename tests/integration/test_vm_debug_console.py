@@ -19,7 +19,7 @@ import subprocess
 import sys
 import termios
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -110,6 +110,10 @@ async def free_every_vm(daemon: DaemonProcess) -> None:
             await aurae.call(VMS, "Free", vms.VmServiceFreeRequest(name=status.vm.name, timeout_ms=0))
 
 
+PROMPT = b"debug# "
+"""The guest shell's prompt (its PS1), as it reaches a terminal."""
+
+
 def on_a_terminal(argv: list[str]) -> int:
     """aer on a pty of ours, as a person would run it: raw mode while it runs (^C a key for the
     guest), the terminal's modes as they were once it ends; its exit status."""
@@ -119,14 +123,31 @@ def on_a_terminal(argv: list[str]) -> int:
         process = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
         output = b""
         deadline = time.monotonic() + READ_TIMEOUT
-        sent = False
+        # Each key once the shell is ready for it: typed before, a ^C could reach a shell not yet
+        # handling SIGINT, and the line after it be flushed with the interrupted input.
+        steps: list[tuple[Callable[[], bool], bytes]] = [
+            (lambda: output.count(PROMPT) >= 1, b"sleep 30\r"),
+            (lambda: b"sleep 30" in output, b"\x03"),
+            (lambda: output.count(PROMPT) >= 2, b"echo $((6*7)); exit 5\r"),  # prompted again
+        ]
         while process.poll() is None:
             assert time.monotonic() < deadline, output
             if select.select([master], [], [], 0.1)[0]:
                 output += os.read(master, 65536)
-            if not sent and not termios.tcgetattr(slave)[3] & termios.ICANON:  # raw: aer is up
-                os.write(master, b"sleep 30\x03echo $((6*7)); exit 5\r")
-                sent = True
+            raw = not termios.tcgetattr(slave)[3] & termios.ICANON  # aer is up
+            if raw and steps and steps[0][0]():
+                if steps[0][1] == b"\x03":
+                    time.sleep(1.0)  # the sleep has started in the guest
+                os.write(master, steps.pop(0)[1])
+        # What aer wrote just before it ended is still to be read (it raced the loop's last poll).
+        while select.select([master], [], [], 0.2)[0]:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: every slave end closed
+                break
+            if not chunk:
+                break
+            output += chunk
         assert b"42" in output, output
         assert termios.tcgetattr(slave) == before
         return process.returncode

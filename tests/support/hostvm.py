@@ -27,7 +27,9 @@ from auraed.init.hostpki import BEGIN, END
 from auraed.vms import network
 from auraed.vms.qemu import MICROVM, host_tsc_khz
 
-READY_MARKER = "health      SERVING"
+READY_MARKER = "(shown on the console at first boot)"
+"""The end of the status screen PID 1 prints once the daemon serves (its last line): waiting for
+its first line instead raced the rest of the screen (the CA fingerprint) to the console."""
 TEST_RANGE = ipaddress.IPv4Network("10.213.64.0/18")  # the host-image tests' share of the VM pool
 
 
