@@ -35,8 +35,8 @@ each per round, the order rotating from round to round, each after ``--gap-ms`` 
   which the host writes from the guest's Logs stream; read every 5 ms from StartContainer's
   reply) -> StopContainer (timeout 0: SIGKILL at once) -> RemoveContainer -> StopPodSandbox (the
   guest stopped, CNI DEL) -> RemovePodSandbox (the VM freed, tap, namespaces, cgroup and files
-  removed). Every pod boots a fresh guest: a cold boot (guest templates do not exist yet), and
-  so every CreateContainer places the whole image in it.
+  removed). Every pod boots a fresh guest: a cold boot (templates do not serve vm pods yet: their
+  virtio-fs share needs shared RAM), and so every CreateContainer places the whole image in it.
 * ``bare`` (RunPodSandbox's peer): the same kernel with the same QEMU command line (auraed's own:
   machine, accelerator, 1 vCPU, the same memory) and the bare initramfs, whose /init prints
   AURAE-BARE-BOOT-OK and powers off (bench/guest.py's bare_vm); no network, no disks. VmService
@@ -71,7 +71,8 @@ the daemon stopped, any QEMU still naming a VM's run directory killed, mounts de
 the registry, the CNI bridge, rules and leases and the temp directory removed.
 
 Targets (issue #20): RunPodSandbox of a vm pod at most 1.0x the bare boot (p50) *with the guest
-template*; templates do not exist yet, so only cold boots are measured, and the cold ratio is
+template*; templates do not serve vm pods yet (their share), so only cold boots are measured,
+and the cold ratio is
 reported against that target as what it is (not the template figure); the vm pod's lifecycle
 (with its container) is reported against the cell pod's (no target); nothing leaks.
 """
@@ -622,7 +623,8 @@ def report(
         "leaks_after_rounds": results["leaks_after_rounds"],
         "target": {
             "ratio_p50_run_pod_over_bare_at_most": TARGET_RATIO,
-            "applies_to": "template boots (not measured: guest templates do not exist yet)",
+            "applies_to": "template boots (not measured: templates do not serve vm pods yet, "
+            "their virtio-fs share needs shared RAM)",
             "cold_result": verdict(boot_ratio <= TARGET_RATIO),
             "nothing_leaked": verdict(clean),
         },
@@ -679,7 +681,8 @@ def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
             f"({found['settled_ms']} ms)",
             f"ratio vm pod RunPodSandbox / bare boot, p50: {cold}x (cold; min/min "
             f"{result['ratio_min_run_pod_vm_over_bare']}x)",
-            f"target <= {TARGET_RATIO}x is for template boots, which do not exist yet: cold, it is {met}",
+            f"target <= {TARGET_RATIO}x is for template boots, which do not serve vm pods yet: "
+            f"cold, it is {met}",
             f"ratio vm / cell full lifecycle, p50: {ratios['total']}x (min/min "
             f"{result['ratio_min_lifecycle_total_vm_over_cell']}x); the pod's 4 RPCs alone: "
             f"{pod_ratios['total']}x",
