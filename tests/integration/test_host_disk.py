@@ -25,11 +25,11 @@ import pytest
 from auraed.api.aurae.cells import v0 as cells_pb
 from auraed.api.aurae.discovery import v0 as discovery_pb
 from auraed.api.aurae.system import v0 as system_pb
-from auraed.client import AuraeClient, ClientConfig
+from auraed.client import AuraeClient
 from auraed.init.host import ca_fingerprint
 from tests.integration.test_cells import allocate
 from tests.integration.test_host_image import BOOT_TIMEOUT, CELLS, DISCOVERY, FINGERPRINT, SYSTEM, health
-from tests.support.hostvm import READY_MARKER, HostMachine, build_host_image
+from tests.support.hostvm import READY_MARKER, Booted, HostMachine, build_host_image
 
 pytestmark = pytest.mark.slow
 
@@ -90,18 +90,8 @@ class DiskMachine(HostMachine):
         super().close()
 
 
-class Booted:
-    def __init__(self, machine: DiskMachine, config: ClientConfig, first_ready: float) -> None:
-        self.machine = machine
-        self.config = config
-        self.first_ready = first_ready
-
-    def client(self) -> AuraeClient:
-        return AuraeClient.connect(self.config)
-
-
 @pytest.fixture(scope="module")
-def booted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Booted]:
+def booted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Booted[DiskMachine]]:
     assert OVMF_CODE.is_file(), "Debian's ovmf is missing: run hack/setup"
     machine = DiskMachine(build_host_image())
     try:
@@ -116,12 +106,14 @@ def booted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Booted]:
 
 
 @pytest.fixture
-async def client(booted: Booted) -> AsyncIterator[AuraeClient]:
+async def client(booted: Booted[DiskMachine]) -> AsyncIterator[AuraeClient]:
     async with booted.client() as c:
         yield c
 
 
-async def test_the_disk_boots_by_uefi_and_serves_mtls(booted: Booted, client: AuraeClient) -> None:
+async def test_the_disk_boots_by_uefi_and_serves_mtls(
+    booted: Booted[DiskMachine], client: AuraeClient
+) -> None:
     from grpc_health.v1 import health_pb2
 
     machine = booted.machine
@@ -139,7 +131,9 @@ async def test_the_disk_boots_by_uefi_and_serves_mtls(booted: Booted, client: Au
     assert FINGERPRINT.findall(console) == [ca_fingerprint(booted.config.ca_crt.read_bytes())]
 
 
-async def test_the_data_partition_keeps_state_across_a_reboot(booted: Booted, client: AuraeClient) -> None:
+async def test_the_data_partition_keeps_state_across_a_reboot(
+    booted: Booted[DiskMachine], client: AuraeClient
+) -> None:
     machine = booted.machine
     await allocate(client, "kept", pids=cells_pb.PidsController(max=20))
     mark = machine.mark()
@@ -159,7 +153,9 @@ async def test_the_data_partition_keeps_state_across_a_reboot(booted: Booted, cl
         assert "kept" in {node.cell.name for node in listed.cells}
 
 
-async def test_power_off_ends_qemu_and_the_disk_holds_the_data(booted: Booted, client: AuraeClient) -> None:
+async def test_power_off_ends_qemu_and_the_disk_holds_the_data(
+    booted: Booted[DiskMachine], client: AuraeClient
+) -> None:
     machine = booted.machine
     request = system_pb.SystemServiceShutdownRequest(reason="test power-off")
     assert (await client.call(SYSTEM, "Shutdown", request)).then == "poweroff"

@@ -21,7 +21,7 @@ from auraed.api.aurae.cells import v0 as cells_pb
 from auraed.api.aurae.containers import v0 as containers_pb
 from auraed.api.aurae.discovery import v0 as discovery_pb
 from auraed.api.aurae.system import v0 as system_pb
-from auraed.client import AuraeClient, ClientConfig
+from auraed.client import AuraeClient
 from auraed.images.content import LocalStore
 from auraed.images.images import Images
 from auraed.init.host import ca_fingerprint
@@ -30,7 +30,7 @@ from auraed.state.store import Store
 from auraed.vms.placement import send_image
 from tests.integration import containers_helpers as containers
 from tests.integration.test_cells import allocate, output, start, wait_exited
-from tests.support.hostvm import READY_MARKER, HostMachine, build_host_image
+from tests.support.hostvm import READY_MARKER, Booted, HostMachine, build_host_image
 from tests.support.images import BuiltImage
 
 pytestmark = pytest.mark.slow
@@ -43,18 +43,8 @@ IMAGE = "localhost/busybox:host"
 FINGERPRINT = re.compile(r"CA SHA-256  ([0-9A-F:]{95})")
 
 
-class Booted:
-    def __init__(self, machine: HostMachine, config: ClientConfig, first_ready: float) -> None:
-        self.machine = machine
-        self.config = config
-        self.first_ready = first_ready
-
-    def client(self) -> AuraeClient:
-        return AuraeClient.connect(self.config)
-
-
 @pytest.fixture(scope="module")
-def booted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Booted]:
+def booted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Booted[HostMachine]]:
     machine = HostMachine(build_host_image())
     try:
         machine.start()
@@ -67,7 +57,7 @@ def booted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Booted]:
 
 
 @pytest.fixture
-async def client(booted: Booted) -> AsyncIterator[AuraeClient]:
+async def client(booted: Booted[HostMachine]) -> AsyncIterator[AuraeClient]:
     async with booted.client() as c:
         yield c
 
@@ -84,7 +74,7 @@ async def health(client: AuraeClient) -> int:
     return int(reply.status)
 
 
-async def test_first_boot_serves_mtls_on_tcp(booted: Booted, client: AuraeClient) -> None:
+async def test_first_boot_serves_mtls_on_tcp(booted: Booted[HostMachine], client: AuraeClient) -> None:
     from grpc_health.v1 import health_pb2
 
     console = booted.machine.console
@@ -101,7 +91,7 @@ async def test_first_boot_serves_mtls_on_tcp(booted: Booted, client: AuraeClient
 
 
 async def test_a_cell_and_a_container_run(
-    booted: Booted, client: AuraeClient, busybox_layout: BuiltImage, tmp_path: Path
+    booted: Booted[HostMachine], client: AuraeClient, busybox_layout: BuiltImage, tmp_path: Path
 ) -> None:
     await allocate(client, "web", pids=cells_pb.PidsController(max=50))
     await start(client, "web", "hello", "echo hello from $(cat /proc/1/comm)")
@@ -122,7 +112,9 @@ async def test_a_cell_and_a_container_run(
     assert await containers.logs(client, "hello") == ["hi"]
 
 
-async def test_a_killed_daemon_is_restarted_with_the_machine_up(booted: Booted, client: AuraeClient) -> None:
+async def test_a_killed_daemon_is_restarted_with_the_machine_up(
+    booted: Booted[HostMachine], client: AuraeClient
+) -> None:
     machine = booted.machine
     mark = machine.mark()
     pid = int(re.findall(r"SERVING \(daemon pid (\d+)", machine.console)[-1])
@@ -141,7 +133,7 @@ async def status_of(client: AuraeClient, cell: str, name: str) -> cells_pb.Execu
     return await status(client, cell, name)
 
 
-async def test_reboot_keeps_state_and_pki(booted: Booted, client: AuraeClient) -> None:
+async def test_reboot_keeps_state_and_pki(booted: Booted[HostMachine], client: AuraeClient) -> None:
     machine = booted.machine
     mark = machine.mark()
     request = system_pb.SystemServiceShutdownRequest(reason="test reboot", reboot=True)
@@ -170,7 +162,7 @@ async def list_containers(client: AuraeClient) -> list[containers_pb.ContainerSt
     return list(reply.containers)
 
 
-async def test_power_off_ends_qemu(booted: Booted, client: AuraeClient) -> None:
+async def test_power_off_ends_qemu(booted: Booted[HostMachine], client: AuraeClient) -> None:
     request = system_pb.SystemServiceShutdownRequest(reason="test power-off")
     assert (await client.call(SYSTEM, "Shutdown", request)).then == "poweroff"
     assert await asyncio.to_thread(booted.machine.wait_exit, 90) == 0

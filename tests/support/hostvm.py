@@ -21,8 +21,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Generic, TypeVar
 
-from auraed.client import ClientConfig
+from auraed.client import AuraeClient, ClientConfig
 from auraed.init.hostpki import BEGIN, END
 from auraed.vms import network
 from auraed.vms.qemu import MICROVM, host_tsc_khz
@@ -179,3 +180,18 @@ def _free_block_pool() -> ipaddress.IPv4Network:
     from tests.integration.test_vms import free_test_pool
 
     return free_test_pool(within=TEST_RANGE)
+
+
+M = TypeVar("M", bound=HostMachine)
+
+
+class Booted(Generic[M]):
+    """A booted host machine, the client config its first boot printed, and how long that took."""
+
+    def __init__(self, machine: M, config: ClientConfig, first_ready: float) -> None:
+        self.machine = machine
+        self.config = config
+        self.first_ready = first_ready
+
+    def client(self) -> AuraeClient:
+        return AuraeClient.connect(self.config)
