@@ -39,7 +39,7 @@ from tests.integration.test_orka_workloads import (
     usage,
     workload,
 )
-from tests.integration.test_vms import free_test_pool
+from tests.integration.test_vms import guest_host_args
 from tests.support.cri import mirrors_config, publish
 from tests.support.images import build_busybox_layout
 from tests.support.orka import SchedulerProcess, WorkloadClient
@@ -65,9 +65,7 @@ def vm_node_args(guest_image: Path, pki: PkiPaths, scheduler: SchedulerProcess, 
         *agent_args(scheduler, port=port),
         "--orka-workload-isolation", "vm",
         "--orka-workload-status-interval", "0.5",
-        "--guest-image", str(guest_image),
-        "--ca-key", str(pki.ca_key),
-        "--vm-address-pool", str(free_test_pool()),
+        *guest_host_args(guest_image, pki.ca_key),
     ]  # fmt: skip
 
 

@@ -28,7 +28,7 @@ from auraed.api.aurae.vms import v0 as vms
 from auraed.client.client import AuraeClient, ClientError, client_config_text
 from auraed.vms.backend import DEBUG_SOCKET
 from tests.conftest import DaemonFactory, DaemonProcess
-from tests.integration.test_vms import free_test_pool
+from tests.integration.test_vms import guest_host_args
 
 pytestmark = pytest.mark.slow
 
@@ -94,14 +94,6 @@ async def refused(client: AuraeClient, name: str) -> ClientError:
         async with asyncio.timeout(READ_TIMEOUT):
             await shell.task
     return error.value
-
-
-def guest_args(daemon_guest_image: Path, ca_key: Path) -> list[str]:
-    return [
-        "--guest-image", str(daemon_guest_image),
-        "--ca-key", str(ca_key),
-        "--vm-address-pool", str(free_test_pool()),
-    ]  # fmt: skip
 
 
 async def free_every_vm(daemon: DaemonProcess) -> None:
@@ -193,7 +185,7 @@ async def test_a_debug_shell_in_a_guest_authorized_logged_and_off_by_default(
     assert error.code == "FAILED_PRECONDITION" and "vm_debug_console" in error.message
     off.stop()
 
-    daemon = daemon_factory(*guest_args(guest_image, off.pki.ca_key), config_text=POLICY, name="dbg")
+    daemon = daemon_factory(*guest_host_args(guest_image, off.pki.ca_key), config_text=POLICY, name="dbg")
     try:
         async with daemon.client() as aurae:
             vm = vms.VirtualMachine(name="g1", role="guest", memory_mib=512)

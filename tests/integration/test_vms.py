@@ -65,6 +65,16 @@ def free_test_pool(prefixlen: int = 28, within: ipaddress.IPv4Network = TEST_RAN
     raise AssertionError(f"no free /{prefixlen} in {within} on this host")
 
 
+def guest_host_args(guest_image: Path, ca_key: Path) -> list[str]:
+    """A host daemon's flags for booting guests: the guest image, the CA key that issues each
+    guest its certificate, and a free address pool of the tests' range."""
+    return [
+        "--guest-image", str(guest_image),
+        "--ca-key", str(ca_key),
+        "--vm-address-pool", str(free_test_pool()),
+    ]  # fmt: skip
+
+
 class VmEnv:
     """One test's VMs: store, run directory, pool; every Vms made here is cleaned up."""
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from auraed.pki import PkiPaths
 from tests.conftest import DaemonFactory, DaemonProcess
-from tests.integration.test_vms import free_test_pool
+from tests.integration.test_vms import guest_host_args
 from tests.support.cni import CniNetwork
 
 VMS = "aurae.vms.v0.VmService"
@@ -30,12 +30,7 @@ def vm_daemon(
     return daemon_factory(
         "--cni-conf-dir",
         str(network.conf_dir),
-        "--guest-image",
-        str(guest_image),
-        "--ca-key",
-        str(pki.ca_key),
-        "--vm-address-pool",
-        str(free_test_pool()),
+        *guest_host_args(guest_image, pki.ca_key),
         "--cri-vm-memory-mib",
         str(VM_MEMORY_MIB),
         *extra_args,
