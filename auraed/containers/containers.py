@@ -39,6 +39,7 @@ from auraed.observe.logfile import LogLine, LogWatch, stream_line_batches
 from auraed.state.store import Store, StoreError
 from auraed.system import processes
 from auraed.system.cgroupfs import CgroupError, Cgroupfs
+from auraed.system.fs_usage import FsUsage, measure
 from auraed.system.monitor_protocol import ExitRecord, MonitorSpec, holds_open, read_exit_record
 from auraed.system.processes import ProcessInfo
 from auraed.system.supervisor import ORPHANED, MonitorStartError, Supervisor
@@ -729,6 +730,12 @@ class Containers:
             }
         except CgroupError as exc:
             raise ContainerError.precondition(f"container {record.name}: {exc}") from None
+
+    def writable_usage(self, record: ContainerRecord) -> tuple[Path, FsUsage]:
+        """The container's writable layer and what it uses, measured by walking it (a caller
+        polling often caches it, as the host's CRI does)."""
+        root = self.written(record)
+        return root, measure(root)
 
     def written(self, record: ContainerRecord) -> Path:
         """Where what the container wrote to its root filesystem is kept (its writable layer)."""

@@ -11,7 +11,7 @@ of its own under ``_containers``, namespaces, hostname and /dev/shm of its own.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 CGROUP_PARENT = "_containers"
@@ -57,3 +57,8 @@ class SandboxContext:
 
 HOST_LOCAL = SandboxContext()
 """A container on its own: what every container got before sandboxes."""
+
+
+def in_pid_namespace_of(sandbox: SandboxContext, pid: int) -> SandboxContext:
+    """``sandbox`` with the PID namespace of the process ``pid`` (another container's init)."""
+    return replace(sandbox, namespaces=replace(sandbox.namespaces, pid=Path(f"/proc/{pid}/ns/pid")))

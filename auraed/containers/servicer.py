@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -35,7 +36,7 @@ from auraed.containers.request import (
     SpecError,
     parse_signal,
 )
-from auraed.containers.sandbox import HOST_LOCAL, SandboxContext
+from auraed.containers.sandbox import HOST_LOCAL, SandboxContext, in_pid_namespace_of
 from auraed.images.images import Images, PullProgress
 from auraed.images.model import ImageRecord
 from auraed.names import seconds_from_ms, validate_label
@@ -117,6 +118,9 @@ def container_request(config: pb.ContainerConfig) -> ContainerRequest:
             additional_gids=tuple(security.additional_gids),
             seccomp_profile=security.seccomp_profile,
             oom_score_adj=security.oom_score_adj,
+            privileged=security.privileged,
+            seccomp=_seccomp_section(security.seccomp_json),
+            exact_paths=security.exact_paths,
         ),
         rlimits=tuple(Rlimit(r.type, r.soft, r.hard) for r in config.rlimits),
         sysctls=dict(config.sysctls),
@@ -140,10 +144,28 @@ MACHINE_NAMESPACES = Path("/proc/1/ns")
 IPC one."""
 
 
-def container_sandbox(config: pb.ContainerConfig, groups: PidGroups) -> SandboxContext:
-    """A container on its own, but for the machine's IPC namespace and a group's PID namespace
-    where asked: in a pod's guest VM, the pod's, shared by its containers."""
+def _seccomp_section(text: str) -> dict[str, Any] | None:
+    """``seccomp_json`` as the OCI seccomp section it must be (the runtime checks its rules)."""
+    if not text:
+        return None
+    try:
+        section = json.loads(text)
+    except ValueError as exc:
+        raise ContainerError.invalid("config.security.seccomp_json", f"is not JSON: {exc}") from None
+    if not isinstance(section, dict):
+        raise ContainerError.invalid("config.security.seccomp_json", "is not a JSON object")
+    return section
+
+
+def container_sandbox(
+    config: pb.ContainerConfig, groups: PidGroups, pid_of: ContainerRecord | None
+) -> SandboxContext:
+    """A container on its own, but for the machine's IPC namespace and a group's or another
+    container's PID namespace where asked: in a pod's guest VM, the pod's, shared by its
+    containers, or that of the container a container targets."""
     sandbox = groups.sandbox(config.shared_pid) if config.shared_pid else HOST_LOCAL
+    if pid_of is not None:
+        sandbox = in_pid_namespace_of(sandbox, pid_of.pid)
     if config.host_ipc:
         ipc = MACHINE_NAMESPACES / "ipc"
         sandbox = dataclasses.replace(sandbox, namespaces=dataclasses.replace(sandbox.namespaces, ipc=ipc))
@@ -328,14 +350,26 @@ class ContainerServicer:
         if config is None:
             raise ContainerError.invalid("config", "is required")
         typed = container_request(config)
+        pid_of = self._pid_of(config)
         record = await self._containers.create(
             typed,
             _required(config.image, "config.image"),
             _labels(config.labels, "config.labels"),
             start=request.start,
-            sandbox=await asyncio.to_thread(container_sandbox, config, self._containers.pid_groups),
+            sandbox=await asyncio.to_thread(container_sandbox, config, self._containers.pid_groups, pid_of),
         )
         return pb.ContainerServiceCreateResponse(status=status_message(record))
+
+    def _pid_of(self, config: pb.ContainerConfig) -> ContainerRecord | None:
+        """The running container whose PID namespace ``config.pid_of`` names."""
+        if not config.pid_of:
+            return None
+        if config.shared_pid:
+            raise ContainerError.invalid("config.pid_of", "goes with no shared_pid (one PID namespace)")
+        target = self._containers.get(config.pid_of)
+        if target.state != State.RUNNING or not target.pid:
+            raise ContainerError.precondition(f"config.pid_of: container {target.name} is {target.state}")
+        return target
 
     async def start(
         self, request: pb.ContainerServiceStartRequest, context: Context
@@ -405,8 +439,16 @@ class ContainerServicer:
     async def stats(
         self, request: pb.ContainerServiceStatsRequest, context: Context
     ) -> pb.ContainerServiceStatsResponse:
-        values = await asyncio.to_thread(self._containers.stats, self._find(request.container_id))
-        return pb.ContainerServiceStatsResponse(**values, timestamp=time.time())
+        record = self._find(request.container_id)
+        values = await asyncio.to_thread(self._containers.stats, record)
+        root, writable = await asyncio.to_thread(self._containers.writable_usage, record)
+        return pb.ContainerServiceStatsResponse(
+            **values,
+            timestamp=time.time(),
+            writable_bytes=writable.used_bytes,
+            writable_inodes=writable.inodes_used,
+            writable_path=str(root),
+        )
 
     async def exec(
         self, requests: AsyncIterator[pb.ContainerServiceExecRequest], context: Context

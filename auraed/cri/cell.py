@@ -423,7 +423,9 @@ class CellSandbox:
 
     # -- run -------------------------------------------------------------------------------
 
-    def _plan(self, pod: PodRecord) -> tuple[CellLayout, CgroupLimits, PodNetwork | None]:
+    def _plan(
+        self, pod: PodRecord, overhead: PodResources | None
+    ) -> tuple[CellLayout, CgroupLimits, PodNetwork | None]:
         spec = pod.spec
         own = own_namespaces(spec)
         check_sysctls(spec, own)
@@ -436,13 +438,17 @@ class CellSandbox:
             hostname=spec.hostname or socket.gethostname(),
         )
         network = pod_network(pod, layout.pin(NET)) if layout.network else None
-        return layout, pod_limits(spec.resources, spec.overhead), network
+        return layout, pod_limits(spec.resources, overhead or spec.overhead), network
 
     def check(self, spec: PodSpec) -> None:
         """Every pod can be a cell: what a request asks is checked as its parts are planned."""
 
-    async def run(self, pod: PodRecord, save: Callable[[PodRecord], None]) -> None:
-        layout, limits, network = self._plan(pod)
+    async def run(
+        self, pod: PodRecord, save: Callable[[PodRecord], None], *, overhead: PodResources | None = None
+    ) -> None:
+        """The pod's host side; its cgroup's limits are its resources plus ``overhead`` (the
+        pod's own when None: a vm pod's handler gives what its VM needs)."""
+        layout, limits, network = self._plan(pod, overhead)
         pod.sandbox[SANDBOX_KEY] = layout.to_doc()
         save(pod)  # before anything is made: whatever follows is found and undone after a crash
         try:

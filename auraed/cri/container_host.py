@@ -24,8 +24,9 @@ from auraed.containers.errors import ContainerError
 from auraed.containers.model import ContainerRecord
 from auraed.containers.oci_spec import exec_process
 from auraed.containers.request import ContainerRequest, Resources, SpecError
-from auraed.containers.sandbox import SandboxContext
+from auraed.containers.sandbox import SandboxContext, in_pid_namespace_of
 from auraed.system.cgroupfs import CgroupError, Cgroupfs
+from auraed.system.fs_usage import FsUsage, measure
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +90,10 @@ class ContainerHost(Protocol):
 
     async def create(
         self, request: ContainerRequest, image: str, labels: dict[str, str], *, sandbox: SandboxContext,
-        log_path: Path | None,
-    ) -> ContainerRecord: ...  # fmt: skip
+        log_path: Path | None, pid_of: ContainerRecord | None = None,
+    ) -> ContainerRecord:  # fmt: skip
+        """The container in ``sandbox``; with ``pid_of``, in that running container's PID
+        namespace (one of the same host) instead of the sandbox's."""
 
     async def start(self, record: ContainerRecord) -> ContainerRecord: ...
 
@@ -116,8 +119,9 @@ class ContainerHost(Protocol):
     async def usage(self, record: ContainerRecord) -> CgroupUsage | None:
         """CPU, memory and processes of a running container; None once it has none."""
 
-    def written(self, record: ContainerRecord) -> Path:
-        """Where what the container wrote to its root filesystem is, on the host."""
+    async def writable(self, record: ContainerRecord) -> tuple[Path, FsUsage]:
+        """The container's writable layer (where what it wrote to its root filesystem is, on the
+        machine that holds it) and what it uses."""
 
     async def recover(self, keep: Callable[[str], bool]) -> None:
         """At start: remove the pods' containers that ``keep`` refuses (their CRI record was never
@@ -157,8 +161,10 @@ class LocalHost:
 
     async def create(
         self, request: ContainerRequest, image: str, labels: dict[str, str], *, sandbox: SandboxContext,
-        log_path: Path | None,
+        log_path: Path | None, pid_of: ContainerRecord | None = None,
     ) -> ContainerRecord:  # fmt: skip
+        if pid_of is not None:
+            sandbox = in_pid_namespace_of(sandbox, pid_of.pid)
         return await self.containers.create(request, image, labels, sandbox=sandbox, log_path=log_path)
 
     async def start(self, record: ContainerRecord) -> ContainerRecord:
@@ -195,8 +201,9 @@ class LocalHost:
     async def usage(self, record: ContainerRecord) -> CgroupUsage | None:
         return await asyncio.to_thread(cgroup_usage, self._cgroups, self.containers.cgroup(record))
 
-    def written(self, record: ContainerRecord) -> Path:
-        return self.containers.written(record)
+    async def writable(self, record: ContainerRecord) -> tuple[Path, FsUsage]:
+        root = self.containers.written(record)
+        return root, await asyncio.to_thread(measure, root)
 
     async def recover(self, keep: Callable[[str], bool]) -> None:
         # Only the CRI puts host containers in sandboxes (host-local ones have none).

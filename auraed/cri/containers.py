@@ -32,7 +32,6 @@ from auraed.containers.sandbox import SandboxContext
 from auraed.cri.container_config import ContainerSpec, CriMount, ImageAsked
 from auraed.cri.container_host import AttachInput, CgroupUsage, ContainerHost, ProcessHandle, cgroup_usage
 from auraed.cri.errors import CriError
-from auraed.cri.images import FsUsage, FsUsageCache
 from auraed.cri.model import PodRecord, PodState
 from auraed.cri.pods import MIN_PREFIX, Pods
 from auraed.cri.security import NamespaceScope
@@ -41,6 +40,7 @@ from auraed.cri.vm import pod_vm_name
 from auraed.errors import AuraeError, ErrorKind
 from auraed.state.store import Store
 from auraed.system.cgroupfs import Cgroupfs
+from auraed.system.fs_usage import FsUsage
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ class CriContainers:
         self._cgroups = cgroups
         self._records: dict[str, CriContainerRecord] = {}
         self._watchers: dict[str, asyncio.Task[None]] = {}
-        self._writable: dict[str, FsUsageCache] = {}
+        self._writable: dict[str, tuple[float, Path, FsUsage]] = {}  # id: (when, layer, usage)
         self.events = ContainerEvents()
 
     # -- lookups -----------------------------------------------------------------------------
@@ -279,24 +279,21 @@ class CriContainers:
 
     def _pid_namespace(self, spec: ContainerSpec, sandbox: SandboxContext) -> Path | None:
         """The PID namespace the container joins: the pod's (shared, or the host's for a pod of
-        the host's), none (a new one of its own), or another container's of the pod."""
-        scope = spec.namespaces.pid
-        if scope is NamespaceScope.CONTAINER:
+        the host's), none (a new one of its own, or another container's: see _pid_target)."""
+        if spec.namespaces.pid in (NamespaceScope.CONTAINER, NamespaceScope.TARGET):
             return None
-        if scope is NamespaceScope.TARGET:
-            target = self.find(spec.namespaces.pid_target)
-            host = self._container(target) if target is not None else None
-            if target is None or host is None or target.pod_id != sandbox.sandbox_id or not host.host.pid:
-                raise CriError.not_found(
-                    f"target container {spec.namespaces.pid_target[:100]} (running, in this pod)"
-                )
-            if target.handler != "cell":
-                raise CriError(
-                    ErrorKind.UNIMPLEMENTED,
-                    "a PID namespace of another container is not served in vm pods yet",
-                )
-            return Path(f"/proc/{host.host.pid}/ns/pid")
         return sandbox.namespaces.pid
+
+    def _pid_target(self, spec: ContainerSpec, pod: PodRecord) -> ContainerRecord | None:
+        """The running container of the pod whose PID namespace the container joins (TARGET)."""
+        if spec.namespaces.pid is not NamespaceScope.TARGET:
+            return None
+        target = self.find(spec.namespaces.pid_target)
+        host = self._container(target) if target is not None else None
+        if target is None or host is None or target.pod_id != pod.id or not host.host.pid:
+            target_id = spec.namespaces.pid_target[:100]
+            raise CriError.not_found(f"target container {target_id} (running, in this pod)")
+        return host.host
 
     async def create(self, pod: PodRecord, spec: ContainerSpec) -> Container:
         """A container in ``pod`` (which must be READY), in the pod's sandbox."""
@@ -310,8 +307,9 @@ class CriContainers:
         )
         holder = self._hosts[controller.name]
         host = await holder.create(
-            spec.request, spec.image.image, dict(spec.labels), sandbox=sandbox, log_path=spec.log_path
-        )
+            spec.request, spec.image.image, dict(spec.labels), sandbox=sandbox, log_path=spec.log_path,
+            pid_of=self._pid_target(spec, pod),
+        )  # fmt: skip
         record = CriContainerRecord(
             id=host.id,
             pod_id=pod.id,
@@ -474,9 +472,14 @@ class CriContainers:
         """The container's writable layer and what it uses (measured at most every
         WRITABLE_USAGE_TTL seconds)."""
         host = container.host
-        root = self._host(container.record).written(host)
-        cache = self._writable.setdefault(host.id, FsUsageCache(root, WRITABLE_USAGE_TTL))
-        return root, await cache.usage()
+        now = time.monotonic()
+        cached = self._writable.get(host.id)
+        if cached is None or now - cached[0] >= WRITABLE_USAGE_TTL:
+            root, usage = await self._host(container.record).writable(host)
+            cached = (now, root, usage)
+            if container.record.id in self._records:  # not removed while it was measured
+                self._writable[host.id] = cached
+        return cached[1], cached[2]
 
     async def usage(self, container: Container, *, of_many: bool = False) -> ContainerUsage:
         """The container's usage; a host that cannot be reached for it (a guest that does not

@@ -3,11 +3,12 @@ ContainerService), with the host keeping what the kubelet reads.
 
 The guest has no CRI or pod concept: the host places the image there (only the blobs it lacks),
 then creates the container with the guest's network (the pod network: the guest's eth0 has the
-pod IP), and the guest's IPC namespace (the pod's); PID as the pod asks (the guest's, or one of
-the container's own). For each container the host keeps a record like a host container's, a
-mirror of the guest's status: updated by every call's reply and by a Wait held open while the
-container runs, and saved (kind ``cri_guest_container``) so that a restarted host auraed finds its
-containers again and asks their guests how they are.
+pod IP), and the guest's IPC namespace (the pod's); PID as the pod asks (the pod's in the
+guest, one of the container's own, or another container's that it targets). For each container
+the host keeps a record like a host container's, a mirror of the guest's status: updated by
+every call's reply and by a Wait held open while the container runs, and saved (kind
+``cri_guest_container``) so that a restarted host auraed finds its containers again and asks
+their guests how they are.
 
 The container's output: the guest logs it inside the guest; the host follows the guest's Logs
 stream and writes each line to the container's log path on the host in the CRI format, which is
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import re
 import secrets
@@ -47,6 +49,7 @@ from auraed.errors import AuraeError, ErrorKind
 from auraed.images.images import Images
 from auraed.state.store import Store
 from auraed.system.cri_log import format_cri_timestamp
+from auraed.system.fs_usage import FsUsage
 from auraed.system.tasks import run_to_end
 from auraed.vms.errors import VmError
 from auraed.vms.guest_calls import call_guest, channel_closed, guest_error, place_in_guest, stream_guest
@@ -108,20 +111,13 @@ class _Resume:
     skip: int
 
 
-def _unserved(what: str) -> CriError:
-    return CriError(ErrorKind.UNIMPLEMENTED, f"{what} is not served for containers of vm pods yet")
-
-
 def config_message(
     request: ContainerRequest, image: str, labels: dict[str, str], share_pid: bool
 ) -> pb.ContainerConfig:
     """The guest's ContainerConfig of a CRI container: the guest's network and IPC (the pod's),
-    its PID namespace with ``share_pid``. What a guest cannot be given yet is refused, naming it."""
+    its PID namespace with ``share_pid``; privileged means the guest's devices and capabilities
+    (a vm pod's privilege ends at its VM, as with Kata)."""
     security = request.security
-    if security.privileged:
-        raise _unserved("a privileged container")
-    if security.seccomp is not None:
-        raise _unserved("a Localhost seccomp profile")
     resources = request.resources
     return pb.ContainerConfig(
         name=guest_name(request.name),
@@ -144,6 +140,10 @@ def config_message(
             additional_gids=list(security.additional_gids),
             seccomp_profile=security.seccomp_profile,
             oom_score_adj=security.oom_score_adj,
+            privileged=security.privileged,
+            # A Localhost profile, read and translated on the host: the guest has no such file.
+            seccomp_json=json.dumps(security.seccomp) if security.seccomp is not None else "",
+            exact_paths=security.exact_paths,
         ),
         rlimits=[pb.Rlimit(r.type, r.soft, r.hard) for r in request.rlimits],
         sysctls=dict(request.sysctls),
@@ -372,6 +372,7 @@ class GuestContainers:
         self._shares = shares
         self._containers: dict[str, _Guested] = {}
         self._logs: dict[str, asyncio.Task[None]] = {}
+        self._written: dict[str, tuple[Path, FsUsage]] = {}  # id: its writable layer in the guest
         for doc in store.load(KIND, _Guested.from_doc):
             self._containers[doc.record.id] = doc
 
@@ -406,12 +407,14 @@ class GuestContainers:
 
     async def create(
         self, request: ContainerRequest, image: str, labels: dict[str, str], *, sandbox: SandboxContext,
-        log_path: Path | None,
+        log_path: Path | None, pid_of: ContainerRecord | None = None,
     ) -> ContainerRecord:  # fmt: skip
         """The container in the pod's guest (``sandbox.sandbox_id`` names the pod); the image
-        placed there first. Its PID namespace is the pod's when the sandbox gives it one."""
+        placed there first. Its PID namespace is the pod's when the sandbox gives it one, that of
+        ``pid_of`` (a container of the same guest) when named."""
         vm = self._vm_of(sandbox.sandbox_id)
         config = config_message(request, image, labels, share_pid=sandbox.namespaces.pid is not None)
+        config.pid_of = pid_of.id if pid_of is not None else ""
         host_mounts = (*request.mounts, *pod_file_mounts(request, sandbox))
         share = secrets.token_hex(8) if host_mounts else ""
         if share:
@@ -537,6 +540,7 @@ class GuestContainers:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         self._containers.pop(record.id, None)
+        self._written.pop(record.id, None)
         self._store.delete(KIND, record.id)
         if guested.share:
             await run_to_end(asyncio.to_thread(self._shares.release, record.sandbox_id, guested.share))
@@ -633,18 +637,23 @@ class GuestContainers:
             if exc.kind is ErrorKind.UNAVAILABLE and self._guest_running(guested):
                 raise
             return None
+        now = time.time_ns()
+        self._written[record.id] = (
+            Path(stats.writable_path or record.directory),
+            FsUsage(now, stats.writable_bytes, stats.writable_inodes),
+        )
         return CgroupUsage(
-            timestamp_ns=time.time_ns(),
+            timestamp_ns=now,
             cpu_ns=stats.cpu_usage_usec * 1000,
             memory_working_set=stats.memory_working_set,
             memory_usage=stats.memory_current,
             processes=stats.pids_current,
         )
 
-    def written(self, record: ContainerRecord) -> Path:
-        """The container's directory on the host: what it writes is in its guest, which does not
-        report it (ContainerStats shows 0 used for vm pods' containers)."""
-        return Path(record.directory)
+    async def writable(self, record: ContainerRecord) -> tuple[Path, FsUsage]:
+        """The writable layer in the guest as the guest's last Stats reply gave it (a usage
+        asks it first, in the same call); nothing yet before one."""
+        return self._written.get(record.id, (Path(record.directory), FsUsage(time.time_ns(), 0, 0)))
 
     # -- logs ------------------------------------------------------------------------------
 

@@ -8,13 +8,9 @@ whatever reference pulled it. Repo tags are the image's tagged references, repo 
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from auraed.api.runtime import v1 as cri
 from auraed.cri.errors import CriError
@@ -22,6 +18,7 @@ from auraed.errors import ErrorKind
 from auraed.images.errors import ImageError
 from auraed.images.images import Images
 from auraed.images.model import ImageRecord
+from auraed.system.fs_usage import FsUsageCache
 from auraed.wire.handlers import Context
 
 SERVICE_NAME = "runtime.v1.ImageService"
@@ -91,51 +88,6 @@ def _find(images: Images, reference: str, field: str) -> ImageRecord | None:
         if exc.kind is ErrorKind.INVALID_ARGUMENT:  # worded for the field the kubelet filled in
             raise CriError.invalid(f"{field}.image", exc.message.removeprefix("reference: ")) from None
         raise
-
-
-@dataclass(frozen=True)
-class FsUsage:
-    timestamp_ns: int
-    used_bytes: int
-    inodes_used: int
-
-
-def measure(root: Path) -> FsUsage:
-    """Bytes and inodes under ``root`` (hard links once), without following symlinks."""
-    seen: set[tuple[int, int]] = set()
-    used = 0
-    for directory, dirnames, filenames in os.walk(root):
-        for name in (*dirnames, *filenames):
-            try:
-                st = os.lstat(os.path.join(directory, name))
-            except OSError:
-                continue  # removed while we walked
-            if (st.st_dev, st.st_ino) in seen:
-                continue
-            seen.add((st.st_dev, st.st_ino))
-            used += st.st_blocks * 512
-    return FsUsage(time.time_ns(), used, len(seen))
-
-
-class FsUsageCache:
-    """The image store's usage, measured at most once every ``ttl`` seconds, in a worker thread."""
-
-    def __init__(self, root: Path, ttl: float = FS_USAGE_TTL) -> None:
-        self._root = root
-        self._ttl = ttl
-        self._last: tuple[float, FsUsage] | None = None
-        self._lock = asyncio.Lock()
-
-    @property
-    def root(self) -> Path:
-        return self._root
-
-    async def usage(self) -> FsUsage:
-        async with self._lock:
-            now = time.monotonic()
-            if self._last is None or now - self._last[0] >= self._ttl:
-                self._last = (now, await asyncio.to_thread(measure, self._root))
-            return self._last[1]
 
 
 class ImageServicer:

@@ -23,11 +23,11 @@ from typing import TypeVar
 from auraed.containers.model import State
 from auraed.cri.container_host import CgroupUsage
 from auraed.cri.containers import Container, CriContainers
-from auraed.cri.images import FsUsage
 from auraed.cri.model import PodRecord, PodState
 from auraed.cri.pods import Pods
 from auraed.errors import AuraeError
 from auraed.system.cgroupfs import CgroupError, Cgroupfs, IoCounters
+from auraed.system.fs_usage import FsUsage
 
 T = TypeVar("T")
 SYS_DEV_BLOCK = Path("/sys/dev/block")

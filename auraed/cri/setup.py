@@ -14,8 +14,8 @@ from auraed.cri.container_host import ContainerHost, LocalHost
 from auraed.cri.container_rpcs import ContainerRpcs
 from auraed.cri.containers import CriContainers
 from auraed.cri.guest_containers import GuestContainers
+from auraed.cri.images import FS_USAGE_TTL, ImageServicer
 from auraed.cri.images import SERVICE_NAME as IMAGE_SERVICE
-from auraed.cri.images import FsUsageCache, ImageServicer
 from auraed.cri.info import InfoRpcs
 from auraed.cri.metric_rpcs import MetricRpcs
 from auraed.cri.metrics import PodMetricsSource
@@ -36,6 +36,7 @@ from auraed.images.images import Images
 from auraed.observe.logfile import LogWatch
 from auraed.state.store import Store
 from auraed.system.cgroupfs import Cgroupfs
+from auraed.system.fs_usage import FsUsageCache
 from auraed.vms.guests import Guests
 from auraed.vms.model import VmRecord
 
@@ -117,7 +118,11 @@ async def build(
     controllers: dict[str, SandboxController] = {"cell": cell}
     hosts: dict[str, ContainerHost] = {"cell": LocalHost(containers, cgroups)}
     if guests is not None:
-        sizing = VmSizing(vcpus=config.cri_vm_vcpus, memory_mib=config.cri_vm_memory_mib)
+        sizing = VmSizing(
+            vcpus=config.cri_vm_vcpus,
+            memory_mib=config.cri_vm_memory_mib,
+            vmm_overhead_mib=config.cri_vm_vmm_overhead_mib,
+        )
         shares = PodShares(config.runtime_dir / POD_SHARES_DIR)
         controllers["vm"] = VmSandbox(cell, cni, guests, sizing, shares)
         root = config.state_dir / GUEST_CONTAINERS_DIR
@@ -136,7 +141,7 @@ async def build(
         lambda: [(handler.name, handler.features) for handler in pods.handlers],
         config.cri_default_handler,
     )
-    fs_usage = FsUsageCache(config.state_dir / "images")
+    fs_usage = FsUsageCache(config.state_dir / "images", FS_USAGE_TTL)
     container_rpcs = ContainerRpcs(pod_containers, pods, status_message)
     pod_rpcs = PodRpcs(pods, container_rpcs.container_statuses)
     metric_rpcs = MetricRpcs(PodMetricsSource(pods, pod_containers, cgroups))

@@ -63,24 +63,43 @@ is joined by it, the guest makes the pod's PID namespace (auraed.cri.guest_conta
 
 @dataclasses.dataclass(frozen=True)
 class VmSizing:
-    """A pod guest's size when the pod gives none (the ``cri_vm_*`` settings)."""
+    """A pod guest's size when the pod gives none, and what its VMM takes beyond the guest's
+    RAM (the ``cri_vm_*`` settings)."""
 
     vcpus: int = 1
     memory_mib: int = 768
+    vmm_overhead_mib: int = 160
+
+    @property
+    def vm_overhead_mib(self) -> int:
+        """What a pod's VM takes beyond its containers' memory: the guest's own kernel and
+        auraed, and its VMM."""
+        return GUEST_BASE_MIB + self.vmm_overhead_mib
 
 
 def guest_size(resources: PodResources, overhead: PodResources, default: VmSizing) -> tuple[int, int]:
-    """(vCPUs, MiB) for a pod: its CPU quota over period and memory limit (containers' and
-    overhead), rounded up, the guest's own memory added; the default where the pod says nothing."""
+    """(vCPUs, MiB) for a pod: its CPU quota over period (containers' and overhead), rounded
+    up, and its containers' memory limit with the guest's own memory added; the default where
+    the pod says nothing. The memory overhead is the VM's cost (the guest's own memory is in it,
+    and the VMM's), not memory the guest's containers get."""
     cores = sum(
         part.cpu_quota / part.cpu_period
         for part in (resources, overhead)
         if part.cpu_quota > 0 and part.cpu_period > 0
     )
     vcpus = max(1, math.ceil(cores)) if cores else default.vcpus
-    memory = resources.memory_limit + overhead.memory_limit
+    memory = resources.memory_limit
     memory_mib = GUEST_BASE_MIB + math.ceil(memory / MIB) if memory else default.memory_mib
     return vcpus, memory_mib
+
+
+def cgroup_overhead(overhead: PodResources, sizing: VmSizing) -> PodResources:
+    """The overhead a vm pod's cgroup is given above its containers' limits: the pod's, or
+    what its VM takes beyond them when that is more (below it, the host would OOM-kill the
+    VM's QEMU for the guest's own memory)."""
+    return dataclasses.replace(
+        overhead, memory_limit=max(overhead.memory_limit, sizing.vm_overhead_mib * MIB)
+    )
 
 
 def host_namespaces_asked(spec: PodSpec) -> list[str]:
@@ -146,6 +165,21 @@ class VmSandbox:
                 "run a pod that shares the host's with the cell handler",
             )
 
+    def _warn_of_overhead(self, pod: PodRecord, overhead: PodResources, resources: PodResources) -> None:
+        """A pod with a memory limit whose declared overhead is below what its VM takes: its
+        cgroup here gets enough, but a kubelet bounds its own pod cgroup (above ours) by the
+        declared overhead, and would OOM-kill the VM there."""
+        needed = self._sizing.vm_overhead_mib
+        declared = math.ceil(overhead.memory_limit / MIB)
+        if resources.memory_limit and declared < needed:
+            log.warning(
+                "pod %s declares a memory overhead of %d MiB, below the %d MiB its VM takes beyond its "
+                "containers (the guest's kernel and auraed, QEMU); its cgroup here is given %d MiB of "
+                "overhead; set its RuntimeClass's overhead.podFixed.memory to at least %dMi so that "
+                "the kubelet's pod limit agrees",
+                pod.id[:13], declared, needed, needed, needed,
+            )  # fmt: skip
+
     def _entry(self, pod: PodRecord) -> dict[str, Any] | None:
         entry = pod.sandbox.get(VM_KEY)
         return entry if isinstance(entry, dict) else None
@@ -162,7 +196,8 @@ class VmSandbox:
         """The host side as a cell pod's, then the tap, then the guest. A failure is undone by
         the caller (stop, then remove), which handles whatever part was made."""
         self.check(pod.spec)
-        await self._cell.run(pod, save)
+        self._warn_of_overhead(pod, pod.spec.overhead, pod.spec.resources)
+        await self._cell.run(pod, save, overhead=cgroup_overhead(pod.spec.overhead, self._sizing))
         netns = self._netns(pod)
         attachment = self._cni.attachment(pod.id)
         if attachment is None or attachment.result is None:
@@ -265,7 +300,8 @@ class VmSandbox:
         spec = self._guests.vms.get(name).spec
         if vcpus > spec.vcpus or memory_mib > spec.memory_mib:
             await self._guests.resize(name, max(vcpus, spec.vcpus), max(memory_mib, spec.memory_mib))
-        await self._cell.update_resources(pod, overhead, resources)
+        self._warn_of_overhead(pod, overhead, resources)
+        await self._cell.update_resources(pod, cgroup_overhead(overhead, self._sizing), resources)
 
     def container_sandbox(self, pod: PodRecord) -> SandboxContext:
         """What a container in the pod's guest shares there: the pod's PID namespace when the

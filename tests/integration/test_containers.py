@@ -26,6 +26,7 @@ from tests.integration.containers_helpers import (
     exec_in,
     import_layout,
     logs,
+    refusal,
     run,
     start,
     status,
@@ -401,18 +402,62 @@ async def test_read_only_rootfs_and_capabilities(loaded: AuraeClient) -> None:
     assert lines[-1] != "0"
 
 
+async def test_what_a_host_sends_for_a_pods_container_in_its_guest(loaded: AuraeClient) -> None:
+    """The Security and PID fields a host's CRI gives a guest's ContainerService (here the host's
+    own, the same code): a translated seccomp section, privileged, exact paths, another
+    container's PID namespace."""
+    denied = {
+        "defaultAction": "SCMP_ACT_ALLOW",
+        "syscalls": [{"names": ["mkdir", "mkdirat"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1}],
+    }
+    await run(
+        loaded, "filtered", BUSYBOX, command=["sh", "-c", "mkdir /tmp/d && echo made || echo refused"],
+        security=pb.Security(seccomp_json=json.dumps(denied)),
+    )  # fmt: skip
+    assert await logs(loaded, "filtered", stream="stdout") == ["refused"]
+    await run(
+        loaded, "privileged", BUSYBOX, security=pb.Security(privileged=True, capabilities_drop=["ALL"]),
+        command=["sh", "-c", "grep CapEff /proc/self/status; grep -c ' /proc/timer_list ' /proc/mounts"],
+    )  # fmt: skip
+    capabilities, masked = await logs(loaded, "privileged", stream="stdout")
+    assert capabilities.split()[1] != "0000000000000000" and masked == "0"
+    # Exact paths: none masked (the CRI's empty list); without it, an empty list is the defaults.
+    for name, exact, wanted in (("exact", True, "0"), ("defaults", False, "1")):
+        command = ["sh", "-c", "grep -c ' /proc/timer_list ' /proc/mounts"]
+        await run(loaded, name, BUSYBOX, command=command, security=pb.Security(exact_paths=exact))
+        assert await logs(loaded, name, stream="stdout") == [wanted], name
+    await create(loaded, "target", BUSYBOX, command=["sleep", "300"])
+    await start(loaded, "target")
+    await run(loaded, "joiner", BUSYBOX, command=["ps", "-o", "args"], pid_of="target")
+    assert "sleep 300" in await logs(loaded, "joiner", stream="stdout")
+    for config, code, named in (
+        ({"pid_of": "target", "shared_pid": "pod"}, "INVALID_ARGUMENT", "config.pid_of"),
+        ({"pid_of": "exact"}, "FAILED_PRECONDITION", "exact"),
+        ({"pid_of": "nobody"}, "NOT_FOUND", "nobody"),
+        ({"security": pb.Security(seccomp_json="[1]")}, "INVALID_ARGUMENT", "seccomp_json"),
+        ({"security": pb.Security(seccomp_json="{")}, "INVALID_ARGUMENT", "seccomp_json"),
+    ):
+        refused = await refusal(create(loaded, "refused", BUSYBOX, command=["true"], **config))
+        assert refused.code == code and named in refused.message, (config, refused)
+    for name in ("filtered", "privileged", "exact", "defaults", "joiner", "target"):
+        await delete(loaded, name, force=True)
+
+
 async def test_stats_report_the_cgroup(loaded: AuraeClient) -> None:
     await create(
         loaded,
         "busy",
         BUSYBOX,
-        command=["sh", "-c", "while true; do :; done"],
+        command=["sh", "-c", "head -c 262144 /dev/zero > /written; while true; do :; done"],
         resources=pb.Resources(memory_max=64 << 20, pids_max=20),
     )
     await start(loaded, "busy")
     await asyncio.sleep(0.5)
     stats = await loaded.call(CONTAINERS, "Stats", pb.ContainerServiceStatsRequest(container_id="busy"))
     assert stats.cpu_usage_usec > 0 and stats.memory_current > 0
+    # The writable layer: what the container wrote to its root filesystem, on this machine.
+    assert stats.writable_bytes >= 262144 and stats.writable_inodes >= 1
+    assert (Path(stats.writable_path) / "written").stat().st_size == 262144
     assert stats.memory_max == 64 << 20 and stats.pids_max == 20 and stats.pids_current >= 1
     # Update changes the limits it gives, on the running container's cgroup; the rest stay.
     update = pb.ContainerServiceUpdateRequest(

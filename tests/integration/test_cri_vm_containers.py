@@ -168,6 +168,7 @@ async def test_a_vm_pods_containers_run_in_its_guest(vm_node: Node, tmp_path: Pa
     await the_guest_grows_with_its_pod(pod, server)
     await stats_and_port_forward(pod, server)
     await host_paths_reach_the_guest(pod, tmp_path)
+    await security_and_namespaces_reach_the_guest(pod, tmp_path)
     await attach_writes_to_a_guest_containers_stdin(pod)
     await the_logs_resume_after_kill_9(pod, server)
     await a_dead_guest_ends_its_pod(pod, server)
@@ -311,7 +312,11 @@ async def the_guest_grows_with_its_pod(pod: VmPod, server: str) -> None:
         for c in cgroups_of(node.daemon, pod.pod_id)
         for f in ("memory.limit_in_bytes", "memory.max")
     ]
-    assert any(f.exists() and f.read_text().strip() == str(640 * MIB) for f in limits), limits
+    # The VM's own memory (the guest's 256 MiB and its QEMU's 160) above the containers': the
+    # pod declared no overhead, and a limit of 640 MiB would have the host OOM-kill its QEMU.
+    wanted = str((640 + 256 + 160) * MIB)
+    assert any(f.exists() and f.read_text().strip() == wanted for f in limits), limits
+    assert "below the 416 MiB its VM takes" in node.daemon.log()
     smaller = cri.LinuxContainerResources(memory_limit_in_bytes=600 * MIB)
     await node.call(
         "UpdatePodSandboxResources",
@@ -339,6 +344,48 @@ async def stats_and_port_forward(pod: VmPod, server: str) -> None:
         await connection.close()
     finally:
         await forward.close()
+
+
+async def security_and_namespaces_reach_the_guest(pod: VmPod, tmp_path: Path) -> None:
+    """A Localhost seccomp profile (a file on the host, read there), a container in another's PID
+    namespace (TARGET, as the kubelet's ephemeral containers), and the writable layer the guest
+    measures in ContainerStats."""
+    node = pod.node
+
+    def linux(**context: Any) -> cri.LinuxContainerConfig:
+        return cri.LinuxContainerConfig(
+            resources=cri.LinuxContainerResources(cpu_shares=2),
+            security_context=cri.LinuxContainerSecurityContext(**context),
+        )
+
+    alone_ns = cri.NamespaceOption(pid=cri.NamespaceMode.CONTAINER)
+    alone = await pod.create("alone", ["sleep", "600"], linux=linux(namespace_options=alone_ns))
+    await node.start(alone)
+    targeting = cri.NamespaceOption(pid=cri.NamespaceMode.TARGET, target_id=alone)
+    joiner = await pod.create("joiner", ["ps", "-o", "args"], linux=linux(namespace_options=targeting))
+    await node.start(joiner)
+    await node.wait_state(joiner, EXITED, TIMEOUT)
+    await eventually(lambda: "sleep 600" in pod.lines("joiner"))
+    assert not any("nc -l" in line for line in pod.lines("joiner"))  # not the pod's namespace
+    profile = tmp_path / "no-mkdir.json"
+    denied = [{"names": ["mkdir", "mkdirat"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1}]
+    profile.write_text(json.dumps({"defaultAction": "SCMP_ACT_ALLOW", "syscalls": denied}))
+    localhost = cri.SecurityProfile(
+        profile_type=cri.SecurityProfileProfileType.Localhost, localhost_ref=str(profile)
+    )
+    command = ["sh", "-c", "mkdir /made && echo made || echo refused"]
+    filtered = await pod.create("filtered", command, linux=linux(seccomp=localhost))
+    await node.start(filtered)
+    await node.wait_state(filtered, EXITED, TIMEOUT)
+    await eventually(lambda: pod.lines("filtered") == ["refused"])
+    written = await node.exec_sync(alone, ["sh", "-c", "head -c 262144 /dev/zero > /written"])
+    assert written.exit_code == 0, written
+    stats = (await node.call("ContainerStats", cri.ContainerStatsRequest(container_id=alone))).stats
+    assert stats.writable_layer.used_bytes.value >= 262144 and stats.writable_layer.inodes_used.value >= 1
+    assert stats.writable_layer.fs_id.mountpoint.endswith("/upper")  # the layer in the guest
+    for container in (alone, joiner, filtered):
+        await node.stop(container)
+        await node.remove(container)
 
 
 async def host_paths_reach_the_guest(pod: VmPod, tmp_path: Path) -> None:

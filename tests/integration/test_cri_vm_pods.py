@@ -24,7 +24,7 @@ from auraed.api.runtime import v1 as cri
 from auraed.client import AuraeClient, ClientError
 from auraed.cri.model import PodResources
 from auraed.cri.streaming.client import open_port_forward
-from auraed.cri.vm import VmSizing, guest_size
+from auraed.cri.vm import VmSizing, cgroup_overhead, guest_size
 from auraed.pki import PkiPaths
 from auraed.vms.guests import GUEST_BASE_MIB
 from tests.conftest import DaemonFactory, DaemonProcess
@@ -182,5 +182,11 @@ def test_a_guest_is_sized_from_the_pod_or_the_default() -> None:
     assert guest_size(PodResources(), PodResources(), default) == (2, 600)
     limits = PodResources(cpu_period=100_000, cpu_quota=150_000, memory_limit=128 * MIB)
     overhead = PodResources(cpu_period=100_000, cpu_quota=10_000, memory_limit=16 * MIB)
-    assert guest_size(limits, overhead, default) == (2, GUEST_BASE_MIB + 144)
+    # The overhead's CPU counts (vCPUs run it); its memory is the VM's own cost, not the guest's.
+    assert guest_size(limits, overhead, default) == (2, GUEST_BASE_MIB + 128)
+    # The pod cgroup's overhead: at least what the VM takes beyond its containers.
+    vm_overhead = (GUEST_BASE_MIB + default.vmm_overhead_mib) * MIB
+    assert cgroup_overhead(overhead, default) == PodResources(100_000, 10_000, 0, vm_overhead)
+    ample = PodResources(memory_limit=vm_overhead + MIB)
+    assert cgroup_overhead(ample, default) == ample
     assert guest_size(PodResources(memory_limit=MIB + 1), PodResources(), default) == (2, GUEST_BASE_MIB + 2)

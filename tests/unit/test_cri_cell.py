@@ -131,7 +131,7 @@ def test_a_resize_sets_what_it_names() -> None:
 
 
 def layout_of(pod: PodRecord, sandbox: CellSandbox) -> CellLayout:
-    layout, _, _ = sandbox._plan(pod)
+    layout, _, _ = sandbox._plan(pod, None)
     pod.sandbox[SANDBOX_KEY] = layout.to_doc()
     return layout
 

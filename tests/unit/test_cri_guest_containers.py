@@ -4,15 +4,13 @@ mirror of a guest's status."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-
-import pytest
 
 from auraed.api.aurae.containers import v0 as pb
 from auraed.containers.model import ContainerRecord, State
 from auraed.containers.request import ContainerRequest, Mount, Resources, Security
 from auraed.containers.sandbox import SandboxContext
-from auraed.cri.errors import CriError
 from auraed.cri.guest_containers import (
     GuestContainers,
     _Guested,
@@ -22,7 +20,6 @@ from auraed.cri.guest_containers import (
     mirror,
     pod_file_mounts,
 )
-from auraed.errors import ErrorKind
 from tests.integration.test_cri_containers import stdout_lines
 
 
@@ -61,18 +58,23 @@ def test_the_host_log_keeps_the_cri_format(tmp_path: Path) -> None:
     assert Path(keeper.record.log_file).read_text() == "2025-12-02T00:00:00.500000000Z stderr F oops\n"
 
 
-def test_what_a_guest_cannot_be_given_is_refused_by_name() -> None:
+def test_a_guest_is_given_the_whole_security_context() -> None:
     base = ContainerRequest(name="web_p_n_u_1")
-    for request, named in (
-        (ContainerRequest(name="w_p", security=Security(privileged=True)), "privileged"),
-        (
-            ContainerRequest(name="w_p", security=Security(seccomp={"defaultAction": "SCMP_ACT_ALLOW"})),
-            "seccomp",
-        ),
-    ):
-        with pytest.raises(CriError) as refused:
-            config_message(request, "busybox", {}, share_pid=False)
-        assert refused.value.kind is ErrorKind.UNIMPLEMENTED and named in refused.value.message
+    section = {
+        "defaultAction": "SCMP_ACT_ERRNO",
+        "syscalls": [{"names": ["read"], "action": "SCMP_ACT_ALLOW"}],
+    }
+    exact = Security(privileged=True, seccomp=section, exact_paths=True, masked_paths=())
+    given = config_message(ContainerRequest(name="w_p", security=exact), "busybox", {}, share_pid=False)
+    assert given.security is not None
+    assert (given.security.privileged, given.security.exact_paths) == (True, True)
+    assert json.loads(given.security.seccomp_json) == section
+    plain = config_message(base, "busybox", {}, share_pid=False).security
+    assert plain is not None and (plain.privileged, plain.seccomp_json, plain.exact_paths) == (
+        False,
+        "",
+        False,
+    )
     config = config_message(base, "busybox", {"a": "b"}, share_pid=True)
     attachable = config_message(
         ContainerRequest(name="w_p", stdin=True, stdin_once=True), "busybox", {}, False
