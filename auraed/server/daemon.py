@@ -71,6 +71,15 @@ VMS = "aurae.vms.v0.VmService"
 HEALTH = "grpc.health.v1.Health"
 REFLECTION = reflection.SERVICE_NAME
 SERVER_STOP_GRACE = 2.0  # seconds in-flight calls get once shutdown begins
+QUIET_LIBRARIES = ("pyroute2",)
+"""Libraries whose DEBUG lines the daemon drops when it logs at DEBUG: pyroute2 logs every
+netlink message whole (kilobytes per interface listed), which buries the daemon's own lines."""
+
+
+def _not_library_debug(record: logging.LogRecord) -> bool:
+    # A filter on the handlers, not a level on the library's logger: pyroute2 sets its logger's
+    # level to 0 when it is imported, which is lazily, after this setup.
+    return record.levelno >= logging.INFO or not record.name.startswith(QUIET_LIBRARIES)
 
 
 def setup_logging(config: DaemonConfig, hub: ObserveHub) -> None:
@@ -80,8 +89,9 @@ def setup_logging(config: DaemonConfig, hub: ObserveHub) -> None:
         root.removeHandler(handler)
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root.addHandler(console)
-    root.addHandler(DaemonLogHandler(hub.daemon_log))
+    for handler in (console, DaemonLogHandler(hub.daemon_log)):
+        handler.addFilter(_not_library_debug)
+        root.addHandler(handler)
 
 
 def _register_standard_descriptors() -> None:

@@ -383,6 +383,8 @@ async def security_and_namespaces_reach_the_guest(pod: VmPod, tmp_path: Path) ->
     stats = (await node.call("ContainerStats", cri.ContainerStatsRequest(container_id=alone))).stats
     assert stats.writable_layer.used_bytes.value >= 262144 and stats.writable_layer.inodes_used.value >= 1
     assert stats.writable_layer.fs_id.mountpoint.endswith("/upper")  # the layer in the guest
+    # The daemon logs at DEBUG here; pyroute2 (the pod's tap) would log every netlink message whole.
+    assert "DEBUG pyroute2" not in node.daemon.log()
     for container in (alone, joiner, filtered):
         await node.stop(container)
         await node.remove(container)
