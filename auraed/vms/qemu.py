@@ -73,6 +73,8 @@ NO_SWIOTLB_ARG = "swiotlb=noforce"
 DIMM_PREFIX = "dimm"
 DIMM_MEMORY_PREFIX = "mem-dimm"
 DEBUG_CONSOLE_ARG = "auraed.debug_console=1"
+HOTPLUG_PORT = "hotplug0"
+"""A q35 template's (and so its clones') free PCIe root port: a clone's virtio-fs is plugged there."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +207,10 @@ def image_arguments(spec: LaunchSpec, image: MemoryImage, mmio: bool) -> list[st
         "-chardev", f"socket,id=identity,path={spec.run_dir / common.IDENTITY_SOCKET},server=on,wait=off",
         "-device", f"virtserialport,bus=identity-bus.0,chardev=identity,name={IDENTITY_PORT}",
     ]  # fmt: skip
+    if not mmio:
+        # Empty in the template: what a clone needs that a template cannot hold (vhost-user-fs
+        # is unmigratable in QEMU 7.2) is plugged into it after the restore.
+        argv += ["-device", f"pcie-root-port,id={HOTPLUG_PORT},chassis=1"]
     if image.clone:
         argv += ["-incoming", "defer"]
     return argv

@@ -222,3 +222,20 @@ def test_the_debug_console_is_a_port_only_when_on_and_never_for_a_template(machi
         qmp_socket=Path("/q"), console_path=Path("/c"), kernel_cmdline="console=ttyS0", debug_console=True,
     )  # fmt: skip
     assert debug_words(made) == []
+
+
+@pytest.mark.parametrize("machine", ["microvm", "q35"])
+def test_a_q35_template_and_its_clones_have_one_free_root_port_for_hotplug(machine: str) -> None:
+    for clone in (False, True):
+        spec = dataclasses.replace(SPEC, image=MemoryImage("/t/ram", "/t/state", clone=clone))
+        argv = build_command(
+            spec, binary="qemu-system-x86_64", machine=machine, accelerator="tcg",
+            qmp_socket=Path("/q"), console_path=Path("/c"), kernel_cmdline="console=ttyS0",
+        )  # fmt: skip
+        ports = [d for d in option(argv, "-device") if d.startswith("pcie-root-port")]
+        assert ports == ([] if machine == "microvm" else ["pcie-root-port,id=hotplug0,chassis=1"])
+    cold = build_command(
+        SPEC, binary="qemu-system-x86_64", machine=machine, accelerator="tcg",
+        qmp_socket=Path("/q"), console_path=Path("/c"), kernel_cmdline="console=ttyS0",
+    )  # fmt: skip
+    assert not [d for d in option(cold, "-device") if d.startswith("pcie-root-port")]
