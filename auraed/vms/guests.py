@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from auraed.bootargs import GUEST_CONFIG_SERIAL
+from auraed.bootargs import GUEST_CONFIG_SERIAL, SHARE_TAG
 from auraed.errors import AuraeError, ErrorKind
 from auraed.metrics.sink import NO_METRICS, MetricsSink
 from auraed.pki import (
@@ -392,7 +392,13 @@ class Guests:
         if wait_for_console:
             return "a console marker was asked for (a clone prints no boot)"
         if record.spec.shared_dir:
-            return "it has a shared directory (virtio-fs maps the guest's RAM shared; a clone's is private)"
+            backend = self.vms.backends.get(record.backend)
+            why: str | None = "its backend cannot plug a shared directory into a clone"
+            check = getattr(backend, "shared_clone_problem", None)
+            if check is not None:
+                why = check()
+            if why:
+                return f"it has a shared directory: {why}"
         return None
 
     async def _clone(self, name: str, timeout: float) -> Booted:
@@ -413,6 +419,9 @@ class Guests:
                 "mac": net.mac,
             },
             files,
+            # Plugged by the backend as the clone resumes (a copy of the template's RAM mapped
+            # shared for virtiofsd, auraed.vms.qemu), mounted by the clone with its identity.
+            share=SHARE_TAG if record.spec.shared_dir else "",
         )
         record, _ = await self.vms.start(
             name,
