@@ -21,6 +21,10 @@
   reports free) and memory (a ``pc-dimm`` over a new memory object: a shared memfd when the VM's
   RAM is, for virtiofsd, else plain RAM). microvm has no hotplug at all; templates and clones
   start without room (a clone's command line must be its template's);
+- on q35 a template and its clones have one free PCIe root port (HOTPLUG_PORT); a clone with a
+  shared directory maps its own copy of the template's RAM file shared (vhost-user maps it; the
+  file is unlinked once QEMU has it) and gets vhost-user-fs-pci plugged there after its restore
+  (QEMU 7.2 cannot migrate it, so no template has it); microvm cannot (such a clone boots cold);
 - with ``debug_console`` (vm_debug_console) a VM booted cold gets a second virtio-serial port,
   ``auraed.bootargs.DEBUG_PORT``, on a unix socket QEMU listens on (``debug.sock`` in the run dir),
   and ``auraed.debug_console=1`` on its kernel command line (the guest's PID 1 then runs a shell
