@@ -252,3 +252,9 @@ def test_a_sparse_copy_keeps_the_holes_and_the_data(tmp_path: Path) -> None:
     assert took >= 0 and copied >= 3 << 20 and copied < 64 << 20
     assert target.read_bytes() == source.read_bytes()
     assert target.stat().st_blocks * 512 < 16 << 20 and target.stat().st_mode & 0o777 == 0o600
+
+
+def test_only_a_q35_clone_can_have_a_shared_directory() -> None:
+    assert QemuBackend(machine="q35").shared_clone_problem() is None
+    problem = QemuBackend(machine="microvm").shared_clone_problem()
+    assert problem is not None and "hotplug" in problem and 'vm_machine = "q35"' in problem
