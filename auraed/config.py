@@ -251,6 +251,16 @@ class DaemonConfig:
             "(Kata's RuntimeClass declares 160Mi)"
         ),
     )
+    cri_vm_boot: str = field(
+        default="cold",
+        metadata=_help(
+            "how a vm pod's guest starts: cold (booted for the pod) or template (cloned from the "
+            "host's guest template of the pod's shape, made at the first pod of that shape; on q35 "
+            "only, its virtio-fs plugged after the restore; a pod that cannot be cloned, or whose "
+            "template cannot be made, boots cold, logged). cold is the default: a clone cannot "
+            "grow (UpdatePodSandboxResources), and a template costs a boot of its own per shape"
+        ),
+    )
     cri_streaming_address: str = field(
         default="127.0.0.1",
         metadata=_help(
@@ -561,6 +571,7 @@ def _tcp_listen_problem(address: str) -> str:
 
 
 CRI_HANDLER_CHOICES = ("cell", "vm", "auto")
+CRI_VM_BOOT_CHOICES = ("cold", "template")
 MAX_VM_VCPUS = 255
 MAX_VM_MEMORY_MIB = 1024 * 1024
 
@@ -570,6 +581,10 @@ def _validate_cri(config: DaemonConfig) -> None:
         raise ConfigError(
             f"cri_default_handler: must be one of {', '.join(CRI_HANDLER_CHOICES)}, "
             f"not {config.cri_default_handler!r}"
+        )
+    if config.cri_vm_boot not in CRI_VM_BOOT_CHOICES:
+        raise ConfigError(
+            f"cri_vm_boot: must be one of {', '.join(CRI_VM_BOOT_CHOICES)}, not {config.cri_vm_boot!r}"
         )
     if not 1 <= config.cri_vm_vcpus <= MAX_VM_VCPUS:
         raise ConfigError(f"cri_vm_vcpus: must be 1 to {MAX_VM_VCPUS}")

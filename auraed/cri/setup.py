@@ -124,7 +124,9 @@ async def build(
             vmm_overhead_mib=config.cri_vm_vmm_overhead_mib,
         )
         shares = PodShares(config.runtime_dir / POD_SHARES_DIR)
-        controllers["vm"] = VmSandbox(cell, cni, guests, sizing, shares)
+        controllers["vm"] = VmSandbox(
+            cell, cni, guests, sizing, shares, from_template=config.cri_vm_boot == "template"
+        )
         root = config.state_dir / GUEST_CONTAINERS_DIR
         hosts["vm"] = GuestContainers(store, guests, images, root, vm_of=pod_vm_name, shares=shares)
     pods = Pods(store, controllers, default_handler(config.cri_default_handler, guests))

@@ -43,6 +43,7 @@ from auraed.system.tasks import run_to_end
 from auraed.vms.guests import GUEST_BASE_MIB, Guests
 from auraed.vms.model import GUEST_ROLE, NetInfo, State, VmSpec
 from auraed.vms.pod_tap import join_tap, unjoin_tap
+from auraed.vms.templates import AUTO
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +149,16 @@ class VmSandbox:
     stop_ends_containers = True
 
     def __init__(
-        self, cell: CellSandbox, cni: Cni, guests: Guests, sizing: VmSizing, shares: PodShares
+        self,
+        cell: CellSandbox,
+        cni: Cni,
+        guests: Guests,
+        sizing: VmSizing,
+        shares: PodShares,
+        *,
+        from_template: bool = False,
     ) -> None:
+        self._from_template = from_template  # cri_vm_boot = "template"
         self._cell = cell
         self._cni = cni
         self._guests = guests
@@ -235,17 +244,21 @@ class VmSandbox:
             role=GUEST_ROLE,
             shared_dir=str(shared),
             cgroup_procs=cgroup_procs,
+            # The host's template of the pod's shape (made at its first use): a clone, its
+            # virtio-fs plugged as it resumes; cold when it cannot be (Guests.boot says why).
+            template=AUTO if self._from_template else "",
         )
         await self._guests.allocate(spec, net)
         try:
-            booted = await self._guests.boot(name)
+            booted = await self._guests.boot(name, cold_if_no_template=True)
         except AuraeError as exc:
             # Its kind is the boot's (DEADLINE_EXCEEDED: not serving in time, the console's tail
             # in the message); the caller undoes the pod.
             raise CriError(
                 exc.kind, f"pod sandbox {pod.id[:13]}: its guest did not boot: {exc.message}"
             ) from None
-        log.info("pod %s: guest %s ready in %.1f s", pod.id[:13], name, booted.ready or 0.0)
+        how = f"cloned from template {booted.record.template}" if booted.record.template else "booted cold"
+        log.info("pod %s: guest %s %s, ready in %.1f s", pod.id[:13], name, how, booted.ready or 0.0)
 
     # -- stop, remove ----------------------------------------------------------------------
 

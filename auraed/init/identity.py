@@ -13,12 +13,16 @@ Each clone resumes inside that read. The host sends one JSON line, its identity:
 
     {"identity": 1, "name": ..., "hostname": ..., "entropy": <base64, 32..4096 bytes>,
      "time_ns": <host CLOCK_REALTIME>, "net": {"iface", "ip" (addr/prefix), "gateway", "mac"},
+     "share": <a virtio-fs tag, optional>,
      "files": {"auraed.toml": ..., "pki/ca.crt": ..., "pki/server.crt": ..., "pki/server.key": ...}}
 
 and the guest applies it in this order, before anything serves or makes a key: the entropy
 (written to /dev/random, credited, the CRNG reseeded: auraed.system.reseed), the wall clock, the
 hostname, the NIC's own MAC, its address and default route, the config files on a tmpfs at
-/etc/aurae (where a cold boot mounts its config disk: the template never holds a serving key).
+/etc/aurae (where a cold boot mounts its config disk: the template never holds a serving key),
+and, with ``"share": TAG``, the virtio-fs the host plugged into the clone as it resumed (a pod's
+volumes: a template has none, QEMU 7.2 cannot migrate it) mounted where a cold boot mounts
+``auraed.share=``.
 It answers ``{"identity": "applied", "boot_id": ...}`` (the boot id is made at its first read,
 which comes after the reseed), or ``{"identity": "failed", "error": ...}`` and then serves
 nothing: the Daemon's start fails and PID 1 ends the machine. The Daemon then loads the clone's
@@ -28,19 +32,21 @@ config and adds its listeners. Stdlib only.
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import logging
 import os
 import time
 from typing import Any
 
-from auraed.bootargs import IDENTITY_PORT
+from auraed.bootargs import IDENTITY_PORT, SHARE_MOUNT
 
 log = logging.getLogger("auraed.pid1")
 
 PORT_WAIT = 20.0  # seconds for the identity port to appear (its name comes over the control queue)
 RETRY = 0.02  # seconds between reads while the host's end is closed
 MAX_LINE = 1024 * 1024
+SHARE_WAIT = 10.0  # seconds for a hotplugged virtio-fs to be probed (the host plugs it as the clone resumes)
 CONFIG_DIR = "etc/aurae"
 SECRET_FILES = ("pki/server.key",)
 
@@ -126,6 +132,11 @@ def apply(message: dict[str, Any], root: str = "/") -> dict[str, Any]:
         configure_network(net)
         steps["network"] = time.monotonic() - step
     write_config(message["files"], os.path.join(root, CONFIG_DIR))
+    share = message.get("share")
+    if isinstance(share, str) and share:
+        step = time.monotonic()
+        mount_share(share, os.path.join(root, SHARE_MOUNT.lstrip("/")))
+        steps["share"] = time.monotonic() - step
     steps["all"] = time.monotonic() - started
     log.info(
         "identity of %s applied in %.0f ms (hostname %s; %s)",
@@ -149,6 +160,26 @@ def configure_network(net: dict[str, Any]) -> None:
     netconf.configure_interface(iface, address, prefix)
     if net.get("gateway"):
         netconf.add_default_route(netconf.check_address(str(net["gateway"])), iface)
+
+
+def mount_share(tag: str, target: str, timeout: float = SHARE_WAIT) -> None:
+    """The clone's virtio-fs (plugged by the host after the restore: its driver may still be
+    probing it) mounted at ``target``, where a cold boot mounts ``auraed.share=``."""
+    from auraed.system.namespaces import mount
+
+    os.makedirs(target, mode=0o755, exist_ok=True)
+    if os.path.ismount(target):
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            mount(tag, target, "virtiofs", 0, None)
+            return
+        except OSError as exc:
+            # EINVAL: no virtio-fs device of that tag (yet); ENODEV: no virtiofs driver (yet).
+            if exc.errno not in (errno.EINVAL, errno.ENOENT, errno.ENODEV) or time.monotonic() > deadline:
+                raise IdentityError(f"virtio-fs {tag!r} on {target}: {exc}") from None
+        time.sleep(RETRY)
 
 
 def write_config(files: dict[str, Any], target: str) -> None:

@@ -104,6 +104,8 @@ class VmHandle:
     # A template's or a clone's identity port, connected: (asyncio StreamReader, StreamWriter).
     identity: Any = None
     restored_in: float | None = None  # a clone: seconds its device state took to load and resume
+    # A clone with a shared directory: (seconds its RAM copy took, bytes copied, seconds to plug virtio-fs).
+    share_plug: tuple[float, int, float] | None = None
     # QEMU's machine type, and the vCPUs and memory the VM was started with room for (0: none).
     machine: str = ""
     max_vcpus: int = 0

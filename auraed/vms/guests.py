@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from auraed.bootargs import GUEST_CONFIG_SERIAL
+from auraed.bootargs import GUEST_CONFIG_SERIAL, SHARE_TAG
 from auraed.errors import AuraeError, ErrorKind
 from auraed.metrics.sink import NO_METRICS, MetricsSink
 from auraed.pki import (
@@ -355,20 +355,40 @@ class Guests:
         )
 
     async def boot(
-        self, name: str, *, wait_for_console: str = "", timeout: float = DEFAULT_START_TIMEOUT
+        self,
+        name: str,
+        *,
+        wait_for_console: str = "",
+        timeout: float = DEFAULT_START_TIMEOUT,
+        cold_if_no_template: bool = False,
     ) -> Booted:
         """Start the allocated VM ``name``; a guest is ready once its auraed serves.
 
         ``wait_for_console`` and ``timeout`` are Vms.start's (the guest's wait for serving is
         ``ready_timeout`` on top). A guest not serving in time is stopped, its console's tail in
-        the VmError; a boot cancelled by its caller is undone.
+        the VmError; a boot cancelled by its caller is undone. ``cold_if_no_template``: a guest
+        whose template cannot be made boots cold (logged) rather than failing (a vm pod's).
         """
         record = self.vms.get(name)
         if self.is_guest(record.spec) and record.spec.template:
             why_cold = self._why_cold(record, wait_for_console)
+            template, level = None, logging.INFO
             if why_cold is None:
-                return await self._clone(name, timeout)
-            log.info("VM %s boots cold instead of from template %s: %s", name, record.spec.template, why_cold)
+                try:
+                    template = await self.templates.for_clone(record.spec, record.backend)
+                except VmError as exc:
+                    if not cold_if_no_template:
+                        raise
+                    why_cold, level = f"the template could not be made: {exc.message}", logging.WARNING
+            if template is not None:
+                return await self._clone(name, timeout, template)
+            log.log(
+                level,
+                "VM %s boots cold instead of from template %s: %s",
+                name,
+                record.spec.template,
+                why_cold,
+            )
         if self.is_guest(record.spec):
             output = self.vms.run_dir(name) / CONFIG_DISK
             await asyncio.to_thread(self.trust.config_disk, output, self.identity(record))
@@ -392,13 +412,18 @@ class Guests:
         if wait_for_console:
             return "a console marker was asked for (a clone prints no boot)"
         if record.spec.shared_dir:
-            return "it has a shared directory (virtio-fs maps the guest's RAM shared; a clone's is private)"
+            backend = self.vms.backends.get(record.backend)
+            why: str | None = "its backend cannot plug a shared directory into a clone"
+            check = getattr(backend, "shared_clone_problem", None)
+            if check is not None:
+                why = check()
+            if why:
+                return f"it has a shared directory: {why}"
         return None
 
-    async def _clone(self, name: str, timeout: float) -> Booted:
+    async def _clone(self, name: str, timeout: float, template: TemplateRecord) -> Booted:
         """Restore the guest from its template, give it its identity, wait until it serves."""
         record = self.vms.get(name)
-        template = await self.templates.for_clone(record.spec, record.backend)
         identity = self.identity(record)
         files = await asyncio.to_thread(self.trust.config_files, identity)
         net = record.net
@@ -413,6 +438,9 @@ class Guests:
                 "mac": net.mac,
             },
             files,
+            # Plugged by the backend as the clone resumes (a copy of the template's RAM mapped
+            # shared for virtiofsd, auraed.vms.qemu), mounted by the clone with its identity.
+            share=SHARE_TAG if record.spec.shared_dir else "",
         )
         record, _ = await self.vms.start(
             name,

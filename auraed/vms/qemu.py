@@ -21,6 +21,10 @@
   reports free) and memory (a ``pc-dimm`` over a new memory object: a shared memfd when the VM's
   RAM is, for virtiofsd, else plain RAM). microvm has no hotplug at all; templates and clones
   start without room (a clone's command line must be its template's);
+- on q35 a template and its clones have one free PCIe root port (HOTPLUG_PORT); a clone with a
+  shared directory maps its own copy of the template's RAM file shared (vhost-user maps it; the
+  file is unlinked once QEMU has it) and gets vhost-user-fs-pci plugged there after its restore
+  (QEMU 7.2 cannot migrate it, so no template has it); microvm cannot (such a clone boots cold);
 - with ``debug_console`` (vm_debug_console) a VM booted cold gets a second virtio-serial port,
   ``auraed.bootargs.DEBUG_PORT``, on a unix socket QEMU listens on (``debug.sock`` in the run dir),
   and ``auraed.debug_console=1`` on its kernel command line (the guest's PID 1 then runs a shell
@@ -73,6 +77,12 @@ NO_SWIOTLB_ARG = "swiotlb=noforce"
 DIMM_PREFIX = "dimm"
 DIMM_MEMORY_PREFIX = "mem-dimm"
 DEBUG_CONSOLE_ARG = "auraed.debug_console=1"
+CLONE_MEMORY_FILE = "memory"
+"""A clone's own copy of its template's RAM file, in its run dir (unlinked once QEMU has it)."""
+SHARE_CHARDEV = "fs0"
+SHARE_DEVICE = "share0"
+HOTPLUG_PORT = "hotplug0"
+"""A q35 template's (and so its clones') free PCIe root port: a clone's virtio-fs is plugged there."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +159,7 @@ def build_command(
     ]  # fmt: skip
     if spec.initramfs:
         argv += ["-initrd", spec.initramfs]
-    if spec.shared_dir:
+    if spec.shared_dir and image is None:
         fs = "vhost-user-fs-device" if mmio else "vhost-user-fs-pci"
         argv += [
             "-object", f"memory-backend-memfd,id=ram0,size={spec.memory_mib}M,share=on",
@@ -196,15 +206,22 @@ def image_arguments(spec: LaunchSpec, image: MemoryImage, mmio: bool) -> list[st
     host-only identity port is a virtio-serial port on a unix socket QEMU listens on. A clone
     waits for its device state (``-incoming defer``; the host loads it with migrate-incoming).
     """
-    share = "off" if image.clone else "on"
+    # A clone with a shared directory maps its own copy of the RAM file shared (CLONE_MEMORY_FILE,
+    # see QemuBackend.start): vhost-user (virtiofsd) maps the guest's RAM too.
+    share = "off" if image.clone and not spec.shared_dir else "on"
+    memory_path = spec.run_dir / CLONE_MEMORY_FILE if image.clone and spec.shared_dir else image.memory_path
     serial = "virtio-serial-device" if mmio else "virtio-serial-pci"
     argv = [
         "-object",
-        f"memory-backend-file,id={MEMORY_ID},size={spec.memory_mib}M,mem-path={image.memory_path},share={share}",
+        f"memory-backend-file,id={MEMORY_ID},size={spec.memory_mib}M,mem-path={memory_path},share={share}",
         "-device", f"{serial},id=identity-bus",
         "-chardev", f"socket,id=identity,path={spec.run_dir / common.IDENTITY_SOCKET},server=on,wait=off",
         "-device", f"virtserialport,bus=identity-bus.0,chardev=identity,name={IDENTITY_PORT}",
     ]  # fmt: skip
+    if not mmio:
+        # Empty in the template: what a clone needs that a template cannot hold (vhost-user-fs
+        # is unmigratable in QEMU 7.2) is plugged into it after the restore.
+        argv += ["-device", f"pcie-root-port,id={HOTPLUG_PORT},chassis=1"]
     if image.clone:
         argv += ["-incoming", "defer"]
     return argv
@@ -273,6 +290,30 @@ class QemuBackend:
         return run_dir / common.CONSOLE_LOG
 
     async def start(self, spec: LaunchSpec) -> VmHandle:
+        shared_clone = spec.image is not None and spec.image.clone and bool(spec.shared_dir)
+        if not shared_clone:
+            return await self._start(spec, shared_clone=False)
+        assert spec.image is not None
+        problem = self.shared_clone_problem()
+        if problem:
+            raise VmError.precondition(problem)
+        copy = spec.run_dir / CLONE_MEMORY_FILE
+        try:
+            source = Path(spec.image.memory_path)
+            took, copied = await run_to_end(asyncio.to_thread(copy_sparse, source, copy))
+            handle = await self._start(spec, shared_clone=True)
+        finally:
+            common.remove_quietly(copy)  # never left, the clone made or not
+        plugged = handle.share_plug[2] if handle.share_plug is not None else 0.0
+        handle.share_plug = (took, copied, plugged)
+        log.info(
+            "VM %s: RAM copied for its shared directory in %.0f ms (%d MiB of data), "
+            "virtio-fs plugged in %.0f ms",
+            spec.name, took * 1000, copied >> 20, plugged * 1000,
+        )  # fmt: skip
+        return handle
+
+    async def _start(self, spec: LaunchSpec, *, shared_clone: bool) -> VmHandle:
         problem = self.problem()
         if problem:
             raise VmError.precondition(problem)
@@ -335,22 +376,71 @@ class QemuBackend:
             max_memory_mib=room.max_memory_mib,
         )
         try:
-            await self._connect(handle, spec.timeout)
-            if spec.image is not None:
-                # Connected before the guest runs (a clone: before its state is loaded), so the
-                # port is open on the host's side all along, in the template as in its clones.
-                handle.identity = await asyncio.open_unix_connection(run_dir / common.IDENTITY_SOCKET)
-            if spec.image is not None and spec.image.clone:
-                handle.restored_in = await self._restore(handle, state_fd)
-            status = await self.status(handle)
-            if status not in ("running", "prelaunch"):
-                raise VmError.internal(f"QEMU reports the new VM {status!r}, not running")
+            await self._bring_up(handle, spec, state_fd, shared_clone)
         except BaseException:
             if handle.identity is not None:
                 handle.identity[1].close()
             await run_to_end(self.kill(handle))
             raise
         return handle
+
+    async def _bring_up(self, handle: VmHandle, spec: LaunchSpec, state_fd: int, shared_clone: bool) -> None:
+        """QMP connected; a template's or a clone's identity port; a clone restored (and its
+        virtio-fs plugged); the VM running."""
+        await self._connect(handle, spec.timeout)
+        if spec.image is not None:
+            # Connected before the guest runs (a clone: before its state is loaded), so the
+            # port is open on the host's side all along, in the template as in its clones.
+            handle.identity = await asyncio.open_unix_connection(spec.run_dir / common.IDENTITY_SOCKET)
+        if shared_clone:
+            # QEMU has mapped its copy (its memory objects exist before QMP answers): the file
+            # goes, its pages stay QEMU's (and virtiofsd's) until they end.
+            common.remove_quietly(spec.run_dir / CLONE_MEMORY_FILE)
+        if spec.image is not None and spec.image.clone:
+            handle.restored_in = await self._restore(handle, state_fd)
+        if shared_clone:
+            handle.share_plug = (0.0, 0, await self._plug_share(handle, spec))
+        status = await self.status(handle)
+        if status not in ("running", "prelaunch"):
+            raise VmError.internal(f"QEMU reports the new VM {status!r}, not running")
+
+    def shared_clone_problem(self) -> str | None:
+        """Why a clone here cannot have a shared directory (None: it can, q35's hotplug)."""
+        if self.machine != "q35":
+            return (
+                f"QEMU's {self.machine} machine cannot hotplug: a clone's virtio-fs is plugged after its "
+                'restore (QEMU 7.2 cannot migrate vhost-user-fs), which needs vm_machine = "q35"'
+            )
+        return None
+
+    async def _plug_share(self, handle: VmHandle, spec: LaunchSpec) -> float:
+        """The clone's virtio-fs, plugged into the template's free root port once it runs: the
+        chardev to its virtiofsd, then vhost-user-fs-pci; the seconds it took."""
+        started = time.monotonic()
+        client = await self._client(handle)
+        chardev = {
+            "id": SHARE_CHARDEV,
+            "backend": {
+                "type": "socket",
+                "data": {
+                    "addr": {"type": "unix", "data": {"path": str(spec.run_dir / VIRTIOFS_SOCKET)}},
+                    "server": False,
+                },
+            },
+        }
+        device = {
+            "driver": "vhost-user-fs-pci",
+            "id": SHARE_DEVICE,
+            "chardev": SHARE_CHARDEV,
+            "tag": SHARE_TAG,
+            "bus": HOTPLUG_PORT,
+        }
+        try:
+            await client.execute("chardev-add", chardev, timeout=STATUS_TIMEOUT)
+            await client.execute("device_add", device, timeout=STATUS_TIMEOUT)
+        except QmpError as exc:
+            raise VmError.internal(f"QEMU: plugging the clone's virtio-fs: {exc}") from None
+        return time.monotonic() - started
 
     async def _start_virtiofsd(self, spec: LaunchSpec) -> None:
         """virtiofsd for the VM's shared directory, listening on its socket in the run dir. It
@@ -639,6 +729,44 @@ class QemuBackend:
             handle.identity = None
         client: QmpClient = handle.client
         await client.close()
+
+
+def copy_sparse(source: Path, target: Path) -> tuple[float, int]:
+    """``source`` copied to ``target`` (owner-only), its holes left holes (SEEK_DATA/SEEK_HOLE,
+    the data by copy_file_range: a reflink where the filesystem has them); the seconds it took
+    and the bytes of data copied."""
+    started = time.monotonic()
+    copied = 0
+    common.remove_quietly(target)
+    src = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            size = os.fstat(src).st_size
+            os.ftruncate(dst, size)
+            offset = 0
+            while offset < size:
+                try:
+                    data = os.lseek(src, offset, os.SEEK_DATA)
+                except OSError:  # ENXIO: only a hole is left
+                    break
+                hole = os.lseek(src, data, os.SEEK_HOLE)
+                position = data
+                while position < hole:
+                    done = os.copy_file_range(src, dst, hole - position, position, position)
+                    if done <= 0:
+                        raise OSError(f"copy_file_range of {source} stopped at {position}")
+                    position += done
+                copied += hole - data
+                offset = hole
+        finally:
+            os.close(dst)
+    except BaseException:
+        common.remove_quietly(target)
+        raise
+    finally:
+        os.close(src)
+    return time.monotonic() - started, copied
 
 
 def _tail(path: Path, limit: int = 1000) -> str:

@@ -453,10 +453,13 @@ def _other_backend(template: TemplateRecord, vm: str, backend: str) -> str:
 
 
 def identity_message(
-    name: str, hostname: str, net: dict[str, str] | None, files: dict[str, str]
+    name: str, hostname: str, net: dict[str, str] | None, files: dict[str, str], share: str = ""
 ) -> dict[str, Any]:
-    """What a clone is told before it serves (auraed/init/identity.py applies it)."""
+    """What a clone is told before it serves (auraed/init/identity.py applies it); ``share``: the
+    tag of the virtio-fs plugged into it, which it mounts."""
+    extra = {"share": share} if share else {}
     return {
+        **extra,
         "identity": 1,
         "name": name,
         "hostname": hostname,

@@ -78,9 +78,10 @@ def guest_host_args(guest_image: Path, ca_key: Path) -> list[str]:
 class VmEnv:
     """One test's VMs: store, run directory, pool; every Vms made here is cleaned up."""
 
-    def __init__(self, root: Path, guest: Path) -> None:
+    def __init__(self, root: Path, guest: Path, machine: str = "microvm") -> None:
         self.root = root
         self.guest = guest
+        self.machine = machine  # QEMU's
         self.pool = free_test_pool()
         self.store = Store(root / "state" / "auraed.db")
         self.made: list[Vms] = []
@@ -88,7 +89,7 @@ class VmEnv:
 
     def backends(self) -> dict[str, QemuBackend | CloudHypervisorBackend]:
         return {
-            "qemu": QemuBackend(kvm_usable=lambda: self.kvm_usable),
+            "qemu": QemuBackend(machine=self.machine, kvm_usable=lambda: self.kvm_usable),
             "cloud-hypervisor": CloudHypervisorBackend(kvm_usable=lambda: self.kvm_usable),
         }
 

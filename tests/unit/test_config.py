@@ -295,3 +295,11 @@ def test_a_guest_lets_the_host_ping_it_as_often_as_the_host_may(tmp_path: Path) 
         load_config(["--config", "/dev/null"], {}).guest_keepalive_time,
         host.guest_keepalive_timeout,
     ) == (30.0, 20.0)
+
+
+def test_a_vm_pod_boots_cold_unless_told_to_clone_from_a_template(tmp_path: Path) -> None:
+    assert load_config([], {}).cri_vm_boot == "cold"
+    assert load_config(["--cri-vm-boot", "template"], {}).cri_vm_boot == "template"
+    with pytest.raises(ConfigError) as error:
+        load_config(["--config", str(write_config(tmp_path, 'cri_vm_boot = "warm"\n'))], {})
+    assert "cri_vm_boot: must be one of cold, template, not 'warm'" in str(error.value)

@@ -10,7 +10,7 @@ import pytest
 
 from auraed.vms.backend import LaunchDisk, LaunchNet, LaunchSpec, MemoryImage
 from auraed.vms.model import RunInfo, grown_memory_mib, host_memory_mib
-from auraed.vms.qemu import QemuBackend, Room, build_command, host_tsc_khz
+from auraed.vms.qemu import QemuBackend, Room, build_command, copy_sparse, host_tsc_khz
 
 SPEC = LaunchSpec(
     name="web",
@@ -222,3 +222,39 @@ def test_the_debug_console_is_a_port_only_when_on_and_never_for_a_template(machi
         qmp_socket=Path("/q"), console_path=Path("/c"), kernel_cmdline="console=ttyS0", debug_console=True,
     )  # fmt: skip
     assert debug_words(made) == []
+
+
+@pytest.mark.parametrize("machine", ["microvm", "q35"])
+def test_a_q35_template_and_its_clones_have_one_free_root_port_for_hotplug(machine: str) -> None:
+    for clone in (False, True):
+        spec = dataclasses.replace(SPEC, image=MemoryImage("/t/ram", "/t/state", clone=clone))
+        argv = build_command(
+            spec, binary="qemu-system-x86_64", machine=machine, accelerator="tcg",
+            qmp_socket=Path("/q"), console_path=Path("/c"), kernel_cmdline="console=ttyS0",
+        )  # fmt: skip
+        ports = [d for d in option(argv, "-device") if d.startswith("pcie-root-port")]
+        assert ports == ([] if machine == "microvm" else ["pcie-root-port,id=hotplug0,chassis=1"])
+    cold = build_command(
+        SPEC, binary="qemu-system-x86_64", machine=machine, accelerator="tcg",
+        qmp_socket=Path("/q"), console_path=Path("/c"), kernel_cmdline="console=ttyS0",
+    )  # fmt: skip
+    assert not [d for d in option(cold, "-device") if d.startswith("pcie-root-port")]
+
+
+def test_a_sparse_copy_keeps_the_holes_and_the_data(tmp_path: Path) -> None:
+    source, target = tmp_path / "ram", tmp_path / "copy"
+    with source.open("wb") as ram:
+        ram.truncate(64 << 20)
+        for mib in (0, 7, 63):
+            ram.seek(mib << 20)
+            ram.write(bytes([mib + 1]) * (1 << 20))
+    took, copied = copy_sparse(source, target)
+    assert took >= 0 and copied >= 3 << 20 and copied < 64 << 20
+    assert target.read_bytes() == source.read_bytes()
+    assert target.stat().st_blocks * 512 < 16 << 20 and target.stat().st_mode & 0o777 == 0o600
+
+
+def test_only_a_q35_clone_can_have_a_shared_directory() -> None:
+    assert QemuBackend(machine="q35").shared_clone_problem() is None
+    problem = QemuBackend(machine="microvm").shared_clone_problem()
+    assert problem is not None and "hotplug" in problem and 'vm_machine = "q35"' in problem

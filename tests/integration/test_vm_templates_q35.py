@@ -1,0 +1,107 @@
+"""Templates and clones on QEMU's q35 machine (test_vm_templates.py has microvm's), for real:
+QEMU under TCG, the guest image's auraed, real taps. One template is made for the module (its
+clones reuse it); each test starts its clones from it and frees them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from auraed.bootargs import SHARE_MOUNT
+from auraed.pki import PkiPaths, ensure_dev_pki
+from auraed.vms import backend as common
+from auraed.vms.guests import Guests
+from auraed.vms.qemu import CLONE_MEMORY_FILE, HOTPLUG_PORT, SHARE_DEVICE
+from auraed.vms.templates import TemplateRecord, TemplateState
+from auraed.vms.vms import Vms
+from tests.integration.test_vm_templates import clone_spec, guests_over, peer_certificate, run_in_guest
+from tests.integration.test_vms import VmEnv
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+TEMPLATE = "q35"
+
+
+class Q35:
+    def __init__(self, env: VmEnv, vms: Vms, guests: Guests, template: TemplateRecord) -> None:
+        self.env, self.vms, self.guests, self.template = env, vms, guests, template
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> PkiPaths:
+    return ensure_dev_pki(tmp_path_factory.mktemp("q35-pki"))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def q35(guest_image: Path, pki: PkiPaths) -> AsyncIterator[Q35]:
+    root = Path(tempfile.mkdtemp(prefix="aurae-q35-", dir="/tmp"))  # unix socket paths are short
+    env = VmEnv(root, guest_image, machine="q35")
+    try:
+        vms, guests = guests_over(env, pki, guest_image)
+        template = await guests.create_template(TEMPLATE, vcpus=1, memory_mib=384)
+        yield Q35(env, vms, guests, template)
+        await guests.remove_template(TEMPLATE)
+        await guests.trust.close()
+    finally:
+        await env.cleanup()
+
+
+async def test_a_q35_template_s_clone_serves_with_its_own_identity(q35: Q35, pki: PkiPaths) -> None:
+    template = q35.template
+    assert (template.state, template.machine) == (TemplateState.READY, "q35")
+    guests, vms = q35.guests, q35.vms
+    await guests.allocate(clone_spec("q1", TEMPLATE))
+    booted = await guests.boot("q1")
+    assert booted.record.template == TEMPLATE and booted.record.run is not None
+    assert booted.record.run.machine == "q35"
+    assert booted.record.restore_ms is not None and booted.record.restore_ms < 1000, booted.record.restore_ms
+    # The template's free root port, where a clone's virtio-fs is plugged (none is yet).
+    handle = vms.handle("q1")
+    assert handle is not None
+    buses = await vms.backends["qemu"].query(handle, "query-pci")  # type: ignore[attr-defined]
+    ports = [d for bus in buses for d in bus["devices"] if d.get("qdev_id") == HOTPLUG_PORT]
+    assert len(ports) == 1 and ports[0]["pci_bridge"]["devices"] == [], ports
+    address = vms.address(vms.get("q1"))
+    cert = await asyncio.to_thread(peer_certificate, q35.env, pki, address, "q1")
+    assert cert.subject.rfc4514_string()
+    (hostname,) = await run_in_guest(guests, "q1", "hostname")
+    assert hostname == "q1"
+    await guests.free("q1", 0.0)
+    assert guests.template_users(TEMPLATE) == []
+
+
+async def test_a_q35_clone_with_a_shared_directory_gets_a_copy_of_the_ram_and_virtio_fs_plugged(
+    q35: Q35,
+) -> None:
+    guests, vms = q35.guests, q35.vms
+    share = q35.env.root / "share-q2"
+    share.mkdir()
+    (share / "hello").write_text("from the host\n")
+    await guests.allocate(dataclasses.replace(clone_spec("q2", TEMPLATE), shared_dir=str(share)))
+    booted = await guests.boot("q2")
+    # A clone, not a cold boot: its RAM a copy of the template's (data only, then unlinked: QEMU
+    # and virtiofsd map it), virtio-fs plugged into the root port as it resumed.
+    assert booted.record.template == TEMPLATE and booted.record.restore_ms is not None
+    handle = vms.handle("q2")
+    assert handle is not None and handle.share_plug is not None
+    took, copied, plugged = handle.share_plug
+    assert 0 < copied <= q35.template.memory_resident_bytes() and took < 5 and plugged < 5, handle.share_plug
+    run_dir = Path(vms.get("q2").run_dir)
+    assert not (run_dir / CLONE_MEMORY_FILE).exists()
+    buses = await vms.backends["qemu"].query(handle, "query-pci")  # type: ignore[attr-defined]
+    (port,) = [d for bus in buses for d in bus["devices"] if d.get("qdev_id") == HOTPLUG_PORT]
+    assert [d["qdev_id"] for d in port["pci_bridge"]["devices"]] == [SHARE_DEVICE]
+    # Mounted by the clone with its identity, where a cold guest mounts its share: read, written.
+    lines = await run_in_guest(guests, "q2", f"cat {SHARE_MOUNT}/hello; echo back > {SHARE_MOUNT}/back")
+    assert lines == ["from the host"]
+    assert (share / "back").read_text() == "back\n"
+    await guests.free("q2", 0.0)
+    assert not run_dir.exists()
+    assert not common.kill_processes_referencing(q35.env.root / "run" / "vms")  # no QEMU, no virtiofsd
