@@ -45,6 +45,17 @@ PACKAGES = (*guest.PACKAGES, *HOST_PROGRAMS, *HOST_LIBRARIES, *BOOT_PACKAGES)
 CNI_PLUGINS = (
     "bridge", "host-local", "loopback", "portmap", "firewall", "bandwidth", "tuning", "ptp", "static",
 )  # fmt: skip
+# A PC's or server's kernel: Debian's generic linux-image-amd64, whose disk controllers are modules
+# (the guest's cloud kernel has no AHCI or USB at all, and NVMe built in).
+KERNEL_META = "linux-image-amd64"
+# Loaded by the initramfs besides the guest's (virtio): the disks a machine boots from. SATA (AHCI,
+# and Intel's controllers in IDE mode), NVMe, USB sticks and disks (xHCI, EHCI, OHCI, UHCI
+# controllers; usb-storage and UAS) -- sd_mod gives the SCSI-like ones their /dev/sdX -- and ext4,
+# the data partition's file system (built into the cloud kernel, a module of this one).
+STORAGE_MODULES = (
+    "sd_mod", "ahci", "ata_piix", "nvme", "xhci_pci", "ehci_pci", "ohci_pci", "uhci_hcd",
+    "usb_storage", "uas", "ext4",
+)  # fmt: skip
 # Loaded on demand by PID 1 and the daemon: containers' and pods' networking.
 EXTRA_MODULES = (*guest.ROOTFS_EXTRA_MODULES, "nf_conntrack", "nf_nat", "xt_MASQUERADE")
 
@@ -81,6 +92,7 @@ stop_containers_on_shutdown = true
 
 class HostBuild(guest.Build):
     library_packages = LIBRARY_PACKAGES
+    initramfs_modules = (*guest.INITRAMFS_MODULES, *STORAGE_MODULES)
     rootfs_extra_modules = EXTRA_MODULES
     identity = ("host", "aurae-host")
 
@@ -154,7 +166,7 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-HOST = guest.Flavour("host", BASE, PACKAGES, (guest.HERE, HERE), HostBuild)
+HOST = guest.Flavour("host", BASE, PACKAGES, (guest.HERE, HERE), HostBuild, KERNEL_META)
 
 
 if __name__ == "__main__":

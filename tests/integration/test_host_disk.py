@@ -2,11 +2,13 @@
 
 One machine for the module, booted from a copy of disk.img (sparse, grown by ``truncate`` as a
 bigger disk would be) by Debian's OVMF on a q35 machine: no -kernel, -initrd or -append, so the
-firmware finds \\EFI\\BOOT\\BOOTX64.EFI (the unified kernel image) on the ESP, the initramfs finds
-the root by its GPT name, PID 1 formats the blank ``aurae-data`` partition, and the address comes
-from DHCP (busybox udhcpd on the test's own tap, offering the one guest address of its /30).
-The tests run in order: mTLS health, a cell kept across a SystemService reboot (the same QEMU: a
-reset, firmware again), power-off ending QEMU; then the disk is read from the outside.
+firmware finds \\EFI\\BOOT\\BOOTX64.EFI (the unified kernel image) on the ESP. The disk is a SATA
+disk on q35's own AHCI controller (ICH9), not virtio: the initramfs's ahci and sd_mod modules give
+it its /dev/sda, as a PC's or server's SATA disk. The initramfs finds the root by its GPT name,
+PID 1 formats the blank ``aurae-data`` partition, and the address comes from DHCP (busybox
+udhcpd on the test's own tap, offering the one guest address of its /30). The tests run in order:
+mTLS health, a cell kept across a SystemService reboot (the same QEMU: a reset, firmware again),
+power-off ending QEMU; then the disk is read from the outside.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class DiskMachine(HostMachine):
             "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_CODE}",
             "-drive", f"if=pflash,format=raw,unit=1,file={self.root / 'vars.fd'}",
             "-drive", f"id=disk,file={self.disk},format=raw,if=none",
-            "-device", "virtio-blk-pci,drive=disk",
+            "-device", "ide-hd,drive=disk,bus=ide.0",  # SATA port 0 of q35's ICH9 AHCI
             "-netdev", f"tap,id=net0,ifname={self.net.tap},script=no,downscript=no",
             "-device", f"virtio-net-pci,netdev=net0,mac={self.net.mac}",
             "-object", "rng-random,id=rng0,filename=/dev/urandom",
@@ -120,14 +122,15 @@ async def test_the_disk_boots_by_uefi_and_serves_mtls(
     assert "-kernel" not in machine.args and "-initrd" not in machine.args
     console = machine.console
     assert "auraed.root=PARTLABEL=aurae-root" in console.split("Command line:", 1)[1].split("\n", 1)[0]
-    assert "aurae-initramfs: root /dev/vda2 (erofs)" in console
+    assert "ahci 0000:00:1f.2: AHCI " in console and "QEMU HARDDISK" in console  # SATA, by ahci.ko
+    assert "aurae-initramfs: root /dev/sda2 (erofs)" in console
     assert f"aurae-dhcp: eth0 {machine.address}/" in console  # the lease, not ip=
     assert booted.config.address == f"{machine.address}:8443"
     assert await health(client) == health_pb2.HealthCheckResponse.SERVING
     reply = await client.call(DISCOVERY, "Discover", discovery_pb.DiscoveryServiceDiscoverRequest())
     assert reply.role == "host"
-    assert "/dev/vda3 (partition aurae-data, formatted this boot) on /var/lib/aurae" in console
-    assert "data partition /dev/vda3 grown to the end of vda" in console  # the copy is bigger
+    assert "/dev/sda3 (partition aurae-data, formatted this boot) on /var/lib/aurae" in console
+    assert "data partition /dev/sda3 grown to the end of sda" in console  # the copy is bigger
     assert FINGERPRINT.findall(console) == [ca_fingerprint(booted.config.ca_crt.read_bytes())]
 
 
@@ -146,7 +149,7 @@ async def test_the_data_partition_keeps_state_across_a_reboot(
     after = machine.console[mark:]
     assert "BdsDxe: starting" in after  # the firmware booted the disk again
     assert "formatted this boot" not in after
-    assert "/dev/vda3 (label AURAE-DATA) on /var/lib/aurae" in after
+    assert "/dev/sda3 (label AURAE-DATA) on /var/lib/aurae" in after
     assert machine.process is not None and machine.process.poll() is None  # the same QEMU
     async with booted.client() as again:  # the first boot's client config: the same CA
         listed = await again.call(CELLS, "List", cells_pb.CellServiceListRequest())
