@@ -38,8 +38,9 @@ HOST_LIBRARIES = (
     "libkeyutils1", "libext2fs2", "libblkid1", "libbsd0", "libmd0", "libxtables12",
 )  # fmt: skip
 LIBRARY_PACKAGES = (*guest.LIBRARY_PACKAGES, *HOST_LIBRARIES)
-# Not in the root: the EFI stub disk.img's unified kernel image is made of (host-image/mkdisk.py).
-BOOT_PACKAGES = ("systemd-boot-efi",)
+# Not in the root: the EFI stub disk.img's unified kernel image is made of, and GRUB's BIOS boot
+# code and modules (host-image/mkdisk.py; grub-mkimage itself is grub-common's, from hack/setup).
+BOOT_PACKAGES = ("systemd-boot-efi", "grub-pc-bin")
 PACKAGES = (*guest.PACKAGES, *HOST_PROGRAMS, *HOST_LIBRARIES, *BOOT_PACKAGES)
 # The CNI plugins auraed's pod networking uses (auraed/cni/): the reference set a conflist names.
 CNI_PLUGINS = (
@@ -100,8 +101,9 @@ class HostBuild(guest.Build):
         super().run(started)
         with self.step("disk image"):
             stub = self.trees["systemd-boot-efi"] / mkdisk.STUB
+            grub = self.trees["grub-pc-bin"] / mkdisk.GRUB_DIR
             try:
-                layout = mkdisk.make_disk(self.work, stub, self.inputs.digest)
+                layout = mkdisk.make_disk(self.work, stub, grub, self.inputs.digest)
             except mkdisk.DiskError as exc:
                 raise guest.BuildError(str(exc)) from None
         self.used_packages |= set(BOOT_PACKAGES)
@@ -113,7 +115,7 @@ class HostBuild(guest.Build):
         manifest["disk"] = layout
         manifest["packages_outside_root"] = {p: self.inputs.packages[p] for p in BOOT_PACKAGES}
         path.write_text(json.dumps(manifest, indent=2) + "\n")
-        guest.log(f"disk image (raw GPT, UEFI; dd it to a disk): {self.out / 'disk.img'}")
+        guest.log(f"disk image (raw GPT, UEFI or BIOS; dd it to a disk): {self.out / 'disk.img'}")
 
     def customize(self) -> None:
         s = self.stage

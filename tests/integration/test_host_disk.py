@@ -1,14 +1,18 @@
-"""host-image's disk.img booted as a user boots it after ``dd``: UEFI firmware, the disk, DHCP (QEMU TCG).
+"""host-image's disk.img booted as a user boots it after ``dd``: firmware, the disk, DHCP (QEMU TCG).
 
-One machine for the module, booted from a copy of disk.img (sparse, grown by ``truncate`` as a
-bigger disk would be) by Debian's OVMF on a q35 machine: no -kernel, -initrd or -append, so the
-firmware finds \\EFI\\BOOT\\BOOTX64.EFI (the unified kernel image) on the ESP. The disk is a SATA
-disk on q35's own AHCI controller (ICH9), not virtio: the initramfs's ahci and sd_mod modules give
-it its /dev/sda, as a PC's or server's SATA disk. The initramfs finds the root by its GPT name,
-PID 1 formats the blank ``aurae-data`` partition, and the address comes from DHCP (busybox
-udhcpd on the test's own tap, offering the one guest address of its /30). The tests run in order:
-mTLS health, a cell kept across a SystemService reboot (the same QEMU: a reset, firmware again),
-power-off ending QEMU; then the disk is read from the outside.
+One machine for the module: a copy of disk.img (sparse, grown by ``truncate`` as a bigger disk would
+be) on a q35 machine, no -kernel, -initrd or -append. The disk is a SATA disk on q35's own AHCI
+controller (ICH9), not virtio: the initramfs's ahci and sd_mod modules give it its /dev/sda, as a
+PC's or server's SATA disk. The initramfs finds the root by its GPT name, PID 1 formats the blank
+``aurae-data`` partition at first boot, and the address comes from DHCP (busybox udhcpd on the
+test's own tap, offering the one guest address of its /30).
+
+The tests run in order. First boot by UEFI (Debian's OVMF: the firmware finds
+\\EFI\\BOOT\\BOOTX64.EFI, the unified kernel image, on the ESP): mTLS health, a cell made, then a
+power-off ends QEMU. Second boot, a new QEMU on the same disk, by legacy BIOS (SeaBIOS, QEMU's
+default firmware: GRUB's boot.img in the MBR, core.img in the BIOS boot partition, grub.cfg, kernel
+and initramfs on the ESP): the same data partition, cell and CA. Then a power-off, and the disk is
+read from the outside.
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import ipaddress
+import json
 import shutil
 import struct
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,9 +48,10 @@ MIB = 1024 * 1024
 
 
 class DiskMachine(HostMachine):
-    """HostMachine's tap, console and clean-up; booted from disk.img by OVMF, addressed by DHCP."""
+    """HostMachine's tap, console and clean-up; booted from disk.img by OVMF (``firmware="uefi"``)
+    or SeaBIOS (``"bios"``), addressed by DHCP. ``boot`` starts a new QEMU on the same disk."""
 
-    def __init__(self, image: Path) -> None:
+    def __init__(self, image: Path, firmware: str = "uefi") -> None:
         super().__init__(image, data_mib=1, static_ip=False)
         self.data_disk.unlink()  # HostMachine's separate data disk: the partition is the data disk here
         self.disk = self.root / "disk.img"
@@ -53,12 +60,20 @@ class DiskMachine(HostMachine):
             handle.truncate(self.disk.stat().st_size + GROW)
         shutil.copy(OVMF_VARS, self.root / "vars.fd")
         self.udhcpd: subprocess.Popen[bytes] | None = None
-        self.args = [
+        self.firmware = firmware
+        self.args = self.qemu_args(firmware)
+
+    def qemu_args(self, firmware: str) -> list[str]:
+        uefi = [
+            "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_CODE}",
+            "-drive", f"if=pflash,format=raw,unit=1,file={self.root / 'vars.fd'}",
+        ]  # fmt: skip
+        assert firmware in ("uefi", "bios")
+        return [
             "qemu-system-x86_64",
             "-M", "q35", "-accel", "tcg", "-cpu", "max", "-m", "1024", "-smp", "1",
             "-nodefaults", "-no-user-config", "-display", "none", "-serial", "stdio",
-            "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_CODE}",
-            "-drive", f"if=pflash,format=raw,unit=1,file={self.root / 'vars.fd'}",
+            *(uefi if firmware == "uefi" else []),  # no pflash: SeaBIOS, QEMU's own
             "-drive", f"id=disk,file={self.disk},format=raw,if=none",
             "-device", "ide-hd,drive=disk,bus=ide.0",  # SATA port 0 of q35's ICH9 AHCI
             "-netdev", f"tap,id=net0,ifname={self.net.tap},script=no,downscript=no",
@@ -66,6 +81,17 @@ class DiskMachine(HostMachine):
             "-object", "rng-random,id=rng0,filename=/dev/urandom",
             "-device", "virtio-rng-pci,rng=rng0",
         ]  # fmt: skip
+
+    def boot(self, firmware: str) -> None:
+        """A new QEMU on the same disk (and tap, DHCP server, console) after the last one ended."""
+        assert self.process is not None and self.process.poll() is not None
+        if self._reader is not None:
+            self._reader.join(5)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+        self.firmware = firmware
+        self.args = self.qemu_args(firmware)
+        HostMachine.start(self)
 
     def start(self) -> None:
         mask = ipaddress.IPv4Network(f"0.0.0.0/{self.net.prefixlen}").netmask
@@ -134,42 +160,53 @@ async def test_the_disk_boots_by_uefi_and_serves_mtls(
     assert FINGERPRINT.findall(console) == [ca_fingerprint(booted.config.ca_crt.read_bytes())]
 
 
-async def test_the_data_partition_keeps_state_across_a_reboot(
-    booted: Booted[DiskMachine], client: AuraeClient
-) -> None:
+async def test_power_off_ends_qemu(booted: Booted[DiskMachine], client: AuraeClient) -> None:
     machine = booted.machine
     await allocate(client, "kept", pids=cells_pb.PidsController(max=20))
+    request = system_pb.SystemServiceShutdownRequest(reason="test power-off")
+    assert (await client.call(SYSTEM, "Shutdown", request)).then == "poweroff"
+    assert await asyncio.to_thread(machine.wait_exit, 90) == 0
+    assert "powering off" in machine.console
+
+
+async def test_the_disk_boots_by_bios_with_the_same_state_and_pki(booted: Booted[DiskMachine]) -> None:
+    machine = booted.machine
     mark = machine.mark()
-    request = system_pb.SystemServiceShutdownRequest(reason="test reboot", reboot=True)
-    assert (await client.call(SYSTEM, "Shutdown", request)).then == "reboot"
-    machine.wait_for("rebooting", 60, since=mark)
+    machine.boot("bios")
     ready = machine.wait_for(READY_MARKER, BOOT_TIMEOUT, since=mark)
-    rebooted = machine.seen_at("Linux version", since=mark)
-    print(f"disk.img: reboot, kernel {rebooted:.1f} s, SERVING {ready:.1f} s after QEMU started")
+    kernel = machine.seen_at("Linux version", since=mark)
+    print(
+        f"disk.img by BIOS (SeaBIOS, GRUB): SERVING {ready:.1f} s after QEMU started, kernel {kernel:.1f} s"
+    )
+    assert "-drive" in machine.args and "if=pflash" not in " ".join(machine.args)
     after = machine.console[mark:]
-    assert "BdsDxe: starting" in after  # the firmware booted the disk again
-    assert "formatted this boot" not in after
+    assert "BdsDxe" not in after  # no UEFI this time
+    assert "aurae-grub: booting /aurae/vmlinuz (BIOS)" in after  # grub.cfg, on the serial console
+    command_line = after.split("Command line:", 1)[1].split("\n", 1)[0].strip()
+    assert command_line == f"BOOT_IMAGE=/aurae/vmlinuz {read_manifest(machine.image)['disk']['cmdline']}"
+    assert "aurae-initramfs: root /dev/sda2 (erofs)" in after
+    assert "formatted this boot" not in after and "grown" not in after
     assert "/dev/sda3 (label AURAE-DATA) on /var/lib/aurae" in after
-    assert machine.process is not None and machine.process.poll() is None  # the same QEMU
+    assert FINGERPRINT.findall(after) == [ca_fingerprint(booted.config.ca_crt.read_bytes())]
     async with booted.client() as again:  # the first boot's client config: the same CA
         listed = await again.call(CELLS, "List", cells_pb.CellServiceListRequest())
         assert "kept" in {node.cell.name for node in listed.cells}
 
 
-async def test_power_off_ends_qemu_and_the_disk_holds_the_data(
-    booted: Booted[DiskMachine], client: AuraeClient
-) -> None:
+async def test_power_off_again_and_the_disk_holds_the_data(booted: Booted[DiskMachine]) -> None:
     machine = booted.machine
-    request = system_pb.SystemServiceShutdownRequest(reason="test power-off")
-    assert (await client.call(SYSTEM, "Shutdown", request)).then == "poweroff"
+    async with booted.client() as client:
+        request = system_pb.SystemServiceShutdownRequest(reason="test power-off")
+        assert (await client.call(SYSTEM, "Shutdown", request)).then == "poweroff"
     assert await asyncio.to_thread(machine.wait_exit, 90) == 0
-    assert "powering off" in machine.console
     # From the outside: the root partition is rootfs.img byte for byte, the data one ext4 AURAE-DATA
-    # filling the grown disk, and the GPT valid with its backup at the new end.
+    # filling the grown disk, the GPT valid with its backup at the new end, and sector 0 GRUB's
+    # boot code still, around the protective MBR the first boot resized.
     layout = read_layout(machine.image)
     rootfs = (machine.image / "rootfs.img").read_bytes()
     data = layout["aurae-data"]["offset"]
     with machine.disk.open("rb") as disk:
+        mbr = disk.read(512)
         disk.seek(layout["aurae-root"]["offset"])
         assert hashlib.sha256(disk.read(len(rootfs))).digest() == hashlib.sha256(rootfs).digest()
         disk.seek(data + 1024)
@@ -181,15 +218,20 @@ async def test_power_off_ends_qemu_and_the_disk_holds_the_data(
     )
     size = machine.disk.stat().st_size
     assert size - 2 * MIB < data + blocks * (1024 << log_size) <= size
+    boot_img = (machine.image / "disk.img").open("rb").read(512)
+    assert mbr[:0x1B8] == boot_img[:0x1B8] and mbr[0x1FE:] == b"\x55\xaa"
+    assert mbr[0x1C2] == 0xEE and struct.unpack_from("<I", mbr, 0x1CA)[0] == size // 512 - 1
     check = subprocess.run(
         ["sgdisk", "--verify", str(machine.disk)], capture_output=True, text=True, check=False
     )
     assert check.returncode == 0 and "No problems found" in check.stdout, check.stdout + check.stderr
 
 
-def read_layout(image: Path) -> dict[str, dict[str, int]]:
-    import json
+def read_manifest(image: Path) -> dict[str, Any]:
+    manifest: dict[str, Any] = json.loads((image / "manifest.json").read_text())
+    return manifest
 
-    manifest = json.loads((image / "manifest.json").read_text())
-    partitions: dict[str, dict[str, int]] = manifest["disk"]["partitions"]
+
+def read_layout(image: Path) -> dict[str, dict[str, int]]:
+    partitions: dict[str, dict[str, int]] = read_manifest(image)["disk"]["partitions"]
     return partitions
