@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import ipaddress
 import json
-import shutil
 import struct
 import subprocess
 from collections.abc import AsyncIterator, Iterator
@@ -37,85 +35,11 @@ from auraed.client import AuraeClient
 from auraed.init.host import ca_fingerprint
 from tests.integration.test_cells import allocate
 from tests.integration.test_host_image import BOOT_TIMEOUT, CELLS, DISCOVERY, FINGERPRINT, SYSTEM, health
-from tests.support.hostvm import READY_MARKER, Booted, HostMachine, build_host_image
+from tests.support.hostvm import OVMF_CODE, READY_MARKER, Booted, DiskMachine, build_host_image
 
 pytestmark = pytest.mark.slow
 
-OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
-OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
-GROW = 512 * 1024 * 1024  # the copy is a disk bigger than the image, as a real one is
 MIB = 1024 * 1024
-
-
-class DiskMachine(HostMachine):
-    """HostMachine's tap, console and clean-up; booted from disk.img by OVMF (``firmware="uefi"``)
-    or SeaBIOS (``"bios"``), addressed by DHCP. ``boot`` starts a new QEMU on the same disk."""
-
-    def __init__(self, image: Path, firmware: str = "uefi") -> None:
-        super().__init__(image, data_mib=1, static_ip=False)
-        self.data_disk.unlink()  # HostMachine's separate data disk: the partition is the data disk here
-        self.disk = self.root / "disk.img"
-        subprocess.run(["cp", "--sparse=always", str(image / "disk.img"), str(self.disk)], check=True)
-        with self.disk.open("r+b") as handle:
-            handle.truncate(self.disk.stat().st_size + GROW)
-        shutil.copy(OVMF_VARS, self.root / "vars.fd")
-        self.udhcpd: subprocess.Popen[bytes] | None = None
-        self.firmware = firmware
-        self.args = self.qemu_args(firmware)
-
-    def qemu_args(self, firmware: str) -> list[str]:
-        uefi = [
-            "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_CODE}",
-            "-drive", f"if=pflash,format=raw,unit=1,file={self.root / 'vars.fd'}",
-        ]  # fmt: skip
-        assert firmware in ("uefi", "bios")
-        return [
-            "qemu-system-x86_64",
-            "-M", "q35", "-accel", "tcg", "-cpu", "max", "-m", "1024", "-smp", "1",
-            "-nodefaults", "-no-user-config", "-display", "none", "-serial", "stdio",
-            *(uefi if firmware == "uefi" else []),  # no pflash: SeaBIOS, QEMU's own
-            "-drive", f"id=disk,file={self.disk},format=raw,if=none",
-            "-device", "ide-hd,drive=disk,bus=ide.0",  # SATA port 0 of q35's ICH9 AHCI
-            "-netdev", f"tap,id=net0,ifname={self.net.tap},script=no,downscript=no",
-            "-device", f"virtio-net-pci,netdev=net0,mac={self.net.mac}",
-            "-object", "rng-random,id=rng0,filename=/dev/urandom",
-            "-device", "virtio-rng-pci,rng=rng0",
-        ]  # fmt: skip
-
-    def boot(self, firmware: str) -> None:
-        """A new QEMU on the same disk (and tap, DHCP server, console) after the last one ended."""
-        assert self.process is not None and self.process.poll() is not None
-        if self._reader is not None:
-            self._reader.join(5)
-        if self.process.stdout is not None:
-            self.process.stdout.close()
-        self.firmware = firmware
-        self.args = self.qemu_args(firmware)
-        HostMachine.start(self)
-
-    def start(self) -> None:
-        mask = ipaddress.IPv4Network(f"0.0.0.0/{self.net.prefixlen}").netmask
-        conf = self.root / "udhcpd.conf"
-        conf.write_text(
-            f"start {self.net.guest_ip}\nend {self.net.guest_ip}\nmax_leases 1\n"
-            f"interface {self.net.tap}\nlease_file {self.root / 'udhcpd.leases'}\n"
-            f"pidfile {self.root / 'udhcpd.pid'}\n"
-            f"option subnet {mask}\noption router {self.net.host_ip}\noption lease 3600\n"
-        )
-        (self.root / "udhcpd.leases").touch()
-        self.udhcpd = subprocess.Popen(
-            ["busybox", "udhcpd", "-f", str(conf)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=(self.root / "udhcpd.log").open("wb"),
-        )
-        super().start()
-
-    def close(self) -> None:
-        if self.udhcpd is not None:
-            self.udhcpd.kill()
-            self.udhcpd.wait()
-        super().close()
 
 
 @pytest.fixture(scope="module")

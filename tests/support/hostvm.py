@@ -8,6 +8,10 @@ kernel command line as ``ip=`` -- no ``auraed.role``. QEMU runs without ``-no-re
 reboot the machine asks for restarts it in the same QEMU process (same disks), as a server's
 reset does. The console (serial) is collected by a thread; ``close`` kills QEMU and removes the
 tap and every file.
+
+``DiskMachine`` boots host-image's ``disk.img`` instead, as a PC or server boots it after ``dd``:
+a grown copy as a q35 machine's SATA disk, UEFI (OVMF) or legacy BIOS (SeaBIOS) firmware, the
+address by DHCP (busybox udhcpd on the tap).
 """
 
 from __future__ import annotations
@@ -173,6 +177,85 @@ class HostMachine:
         with contextlib.suppress(Exception):
             network.delete_tap(self.net.tap, self.owner)
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
+OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
+FIRMWARES = ("uefi", "bios")
+GROW = 512 * 1024 * 1024  # the copy is a disk bigger than the image, as a real one is
+
+
+class DiskMachine(HostMachine):
+    """HostMachine's tap, console and clean-up; booted from disk.img by OVMF (``firmware="uefi"``)
+    or SeaBIOS (``"bios"``), addressed by DHCP. ``boot`` starts a new QEMU on the same disk."""
+
+    def __init__(self, image: Path, firmware: str = "uefi") -> None:
+        super().__init__(image, data_mib=1, static_ip=False)
+        self.data_disk.unlink()  # HostMachine's separate data disk: the partition is the data disk here
+        self.disk = self.root / "disk.img"
+        subprocess.run(["cp", "--sparse=always", str(image / "disk.img"), str(self.disk)], check=True)
+        with self.disk.open("r+b") as handle:
+            handle.truncate(self.disk.stat().st_size + GROW)
+        shutil.copy(OVMF_VARS, self.root / "vars.fd")
+        self.udhcpd: subprocess.Popen[bytes] | None = None
+        self.firmware = firmware
+        self.args = self.qemu_args(firmware)
+
+    def qemu_args(self, firmware: str) -> list[str]:
+        assert firmware in FIRMWARES
+        machine, pflash = "q35", []
+        if firmware == "uefi":
+            pflash = [
+                "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_CODE}",
+                "-drive", f"if=pflash,format=raw,unit=1,file={self.root / 'vars.fd'}",
+            ]  # fmt: skip
+        return [
+            "qemu-system-x86_64",
+            "-M", machine, "-accel", "tcg", "-cpu", "max", "-m", "1024", "-smp", "1",
+            "-nodefaults", "-no-user-config", "-display", "none", "-serial", "stdio",
+            *pflash,  # none: SeaBIOS, QEMU's own
+            "-drive", f"id=disk,file={self.disk},format=raw,if=none",
+            "-device", "ide-hd,drive=disk,bus=ide.0",  # SATA port 0 of q35's ICH9 AHCI
+            "-netdev", f"tap,id=net0,ifname={self.net.tap},script=no,downscript=no",
+            "-device", f"virtio-net-pci,netdev=net0,mac={self.net.mac}",
+            "-object", "rng-random,id=rng0,filename=/dev/urandom",
+            "-device", "virtio-rng-pci,rng=rng0",
+        ]  # fmt: skip
+
+    def boot(self, firmware: str) -> None:
+        """A new QEMU on the same disk (and tap, DHCP server, console) after the last one ended."""
+        assert self.process is not None and self.process.poll() is not None
+        if self._reader is not None:
+            self._reader.join(5)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+        self.firmware = firmware
+        self.args = self.qemu_args(firmware)
+        HostMachine.start(self)
+
+    def start(self) -> None:
+        mask = ipaddress.IPv4Network(f"0.0.0.0/{self.net.prefixlen}").netmask
+        conf = self.root / "udhcpd.conf"
+        conf.write_text(
+            f"start {self.net.guest_ip}\nend {self.net.guest_ip}\nmax_leases 1\n"
+            f"interface {self.net.tap}\nlease_file {self.root / 'udhcpd.leases'}\n"
+            f"pidfile {self.root / 'udhcpd.pid'}\n"
+            f"option subnet {mask}\noption router {self.net.host_ip}\noption lease 3600\n"
+        )
+        (self.root / "udhcpd.leases").touch()
+        self.udhcpd = subprocess.Popen(
+            ["busybox", "udhcpd", "-f", str(conf)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=(self.root / "udhcpd.log").open("wb"),
+        )
+        super().start()
+
+    def close(self) -> None:
+        if self.udhcpd is not None:
+            self.udhcpd.kill()
+            self.udhcpd.wait()
+        super().close()
 
 
 def _free_block_pool() -> ipaddress.IPv4Network:
