@@ -188,11 +188,26 @@ def install_grub(disk: Path, boot_img: Path, core_img: Path) -> None:
         target.write(bytes(core).ljust(sectors * SECTOR, b"\0"))
 
 
+def sign(uki: Path, key: Path, certificate: Path) -> None:
+    """Sign ``uki`` in place for Secure Boot (sbsigntool), and check the signature."""
+    signed = uki.with_name(uki.name + ".signed")
+    run(["sbsign", "--key", str(key), "--cert", str(certificate), "--output", str(signed), str(uki)])
+    run(["sbverify", "--cert", str(certificate), str(signed)])
+    signed.rename(uki)
+
+
 def make_disk(
-    work: Path, stub: Path, grub_dir: Path, digest: str, disk_mib: int = DISK_MIB
+    work: Path,
+    stub: Path,
+    grub_dir: Path,
+    digest: str,
+    *,
+    disk_mib: int = DISK_MIB,
+    signer: tuple[Path, Path] | None = None,
 ) -> dict[str, object]:
     """``work/disk.img`` from ``work``'s vmlinuz, initramfs.img and rootfs.img, booted by UEFI with
-    ``stub`` (systemd-stub) or by BIOS with GRUB's ``grub_dir``; returns its layout for the manifest."""
+    ``stub`` (systemd-stub; the UKI signed with ``signer``'s key and certificate for Secure Boot) or
+    by BIOS with GRUB's ``grub_dir``; returns its layout for the manifest."""
     uki = work / "BOOTX64.EFI"
     esp = work / "esp.img"
     disk = work / "disk.img"
@@ -201,6 +216,8 @@ def make_disk(
     os_release = OS_RELEASE.format(digest=digest)
     make_uki(stub, work / "vmlinuz", work / "initramfs.img", uki, cmdline=CMDLINE, os_release=os_release)
     try:
+        if signer is not None:
+            sign(uki, *signer)
         make_grub_core(grub_dir, core_img)
         grub_cfg.write_text(GRUB_CFG.format(digest=digest, cmdline=CMDLINE))
         make_esp(
@@ -256,10 +273,16 @@ def make_disk(
         "boot": "UEFI: \\EFI\\BOOT\\BOOTX64.EFI, a unified kernel image (systemd-stub)",
         "bios_boot": "GRUB: boot.img in the MBR, core.img in aurae-bios, /grub/grub.cfg on the ESP",
         "uki_bytes": uki_size,
+        "uki_signed_by": "" if signer is None else signer_subject(signer[1]),
         "grub_core_bytes": core_size,
         "cmdline": CMDLINE,
         "partitions": {name: {"offset": start, "size": size} for name, (start, size) in layout.items()},
     }
+
+
+def signer_subject(certificate: Path) -> str:
+    args = ["openssl", "x509", "-in", str(certificate), "-noout", "-subject", "-fingerprint", "-sha256"]
+    return " ".join(run(args).split())
 
 
 def partitions(disk: Path) -> dict[str, tuple[int, int]]:

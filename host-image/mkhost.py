@@ -14,6 +14,8 @@ and the CRI; VMs need qemu-system-x86 and guest-image/build's output added to th
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import shutil
@@ -29,6 +31,12 @@ import mkimage as guest  # noqa: E402 (the guest's builder, beside this director
 
 FILES = HERE / "files"
 BASE = guest.REPO / ".work" / "host-image"
+# Secure Boot: the owner's keys (PK, KEK, db; RSA 2048, self-signed), made by the first build and
+# kept for the next ones (a machine that enrolled them boots every later image); never in git
+# (.work/ is ignored). Their files are in the inputs hash: new keys, a new build. Only the
+# certificates go into a build's output (secureboot/); db's key signs the unified kernel image.
+KEYS = guest.REPO / ".work" / "host-image-keys"
+KEY_NAMES = ("PK", "KEK", "db")
 
 # Besides the guest's: programs a host runs, and the libraries they link.
 HOST_PROGRAMS = ("runc", "iproute2", "containernetworking-plugins", "e2fsprogs")
@@ -103,9 +111,16 @@ class HostBuild(guest.Build):
             stub = self.trees["systemd-boot-efi"] / mkdisk.STUB
             grub = self.trees["grub-pc-bin"] / mkdisk.GRUB_DIR
             try:
-                layout = mkdisk.make_disk(self.work, stub, grub, self.inputs.digest)
+                layout = mkdisk.make_disk(
+                    self.work, stub, grub, self.inputs.digest, signer=(KEYS / "db.key", KEYS / "db.crt")
+                )
             except mkdisk.DiskError as exc:
                 raise guest.BuildError(str(exc)) from None
+            certificates = self.work / "secureboot"
+            certificates.mkdir()
+            for name in KEY_NAMES:
+                shutil.copy(KEYS / f"{name}.crt", certificates / f"{name}.crt")
+                shutil.copy(KEYS / f"{name}.cer", certificates / f"{name}.cer")
         self.used_packages |= set(BOOT_PACKAGES)
         path = self.work / "manifest.json"
         manifest = json.loads(path.read_text())
@@ -160,6 +175,32 @@ class HostBuild(guest.Build):
             shutil.copy2(source, target)
 
 
+def ensure_keys(directory: Path = KEYS) -> None:
+    """The Secure Boot keys, made once (``openssl``): ``<name>.key``, ``.crt`` (PEM) and ``.cer``
+    (DER, what firmware set-up screens take) for each of KEY_NAMES."""
+    wanted = [directory / f"{name}.{kind}" for name in KEY_NAMES for kind in ("key", "crt", "cer")]
+    if all(path.is_file() for path in wanted):
+        return
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with (directory.parent / ".host-image-keys.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if all(path.is_file() for path in wanted):
+            return
+        guest.log(f"making Secure Boot keys in {directory} (kept for later builds)")
+        for name in KEY_NAMES:
+            key, crt, cer = (directory / f"{name}.{kind}" for kind in ("key", "crt", "cer"))
+            for path in (key, crt, cer):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+            guest.run([
+                "openssl", "req", "-new", "-x509", "-newkey", "rsa:2048", "-nodes", "-sha256",
+                "-days", "3650", "-subj", f"/CN=auraed host image {name}/",
+                "-keyout", str(key), "-out", str(crt),
+            ])  # fmt: skip
+            key.chmod(0o600)
+            guest.run(["openssl", "x509", "-in", str(crt), "-outform", "DER", "-out", str(cer)])
+
+
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
@@ -168,8 +209,13 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-HOST = guest.Flavour("host", BASE, PACKAGES, (guest.HERE, HERE), HostBuild, KERNEL_META)
+HOST = guest.Flavour("host", BASE, PACKAGES, (guest.HERE, HERE, KEYS), HostBuild, KERNEL_META)
 
 
 if __name__ == "__main__":
+    try:
+        ensure_keys()
+    except guest.BuildError as exc:
+        print(f"host-image/build: {exc}", file=sys.stderr)
+        sys.exit(1)
     sys.exit(guest.main(flavour=HOST, description=__doc__.split("\n\n")[0]))

@@ -7,12 +7,13 @@ PC's or server's SATA disk. The initramfs finds the root by its GPT name, PID 1 
 ``aurae-data`` partition at first boot, and the address comes from DHCP (busybox udhcpd on the
 test's own tap, offering the one guest address of its /30).
 
-The tests run in order. First boot by UEFI (Debian's OVMF: the firmware finds
-\\EFI\\BOOT\\BOOTX64.EFI, the unified kernel image, on the ESP): mTLS health, a cell made, then a
-power-off ends QEMU. Second boot, a new QEMU on the same disk, by legacy BIOS (SeaBIOS, QEMU's
-default firmware: GRUB's boot.img in the MBR, core.img in the BIOS boot partition, grub.cfg, kernel
-and initramfs on the ESP): the same data partition, cell and CA. Then a power-off, and the disk is
-read from the outside.
+The tests run in order. First boot by UEFI with Secure Boot enforced (Debian's OVMF secboot build
+on a q35 with SMM, the image's own PK, KEK and db enrolled into a copy of its blank variables: the
+firmware runs \\EFI\\BOOT\\BOOTX64.EFI, the unified kernel image the build signed, from the ESP):
+mTLS health, a cell made, then a power-off ends QEMU. Second boot, a new QEMU on the same disk,
+by legacy BIOS (SeaBIOS, QEMU's default firmware: GRUB's boot.img in the MBR, core.img in the BIOS
+boot partition, grub.cfg, kernel and initramfs on the ESP): the same data partition, cell and CA.
+Then a power-off, and the disk is read from the outside.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from auraed.client import AuraeClient
 from auraed.init.host import ca_fingerprint
 from tests.integration.test_cells import allocate
 from tests.integration.test_host_image import BOOT_TIMEOUT, CELLS, DISCOVERY, FINGERPRINT, SYSTEM, health
-from tests.support.hostvm import OVMF_CODE, READY_MARKER, Booted, DiskMachine, build_host_image
+from tests.support.hostvm import OVMF_SECBOOT_CODE, READY_MARKER, Booted, DiskMachine, build_host_image
 
 pytestmark = pytest.mark.slow
 
@@ -44,13 +45,14 @@ MIB = 1024 * 1024
 
 @pytest.fixture(scope="module")
 def booted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Booted[DiskMachine]]:
-    assert OVMF_CODE.is_file(), "Debian's ovmf is missing: run hack/setup"
-    machine = DiskMachine(build_host_image())
+    assert OVMF_SECBOOT_CODE.is_file(), "Debian's ovmf is missing: run hack/setup"
+    machine = DiskMachine(build_host_image(), firmware="uefi-secure-boot")
     try:
         machine.start()
         seconds = machine.wait_for(READY_MARKER, BOOT_TIMEOUT)
         kernel = machine.seen_at("Linux version")
-        print(f"disk.img: boot to SERVING {seconds:.1f} s after QEMU started (TCG; firmware {kernel:.1f} s)")
+        when = f"SERVING {seconds:.1f} s after QEMU started, kernel {kernel:.1f} s"
+        print(f"disk.img by UEFI, Secure Boot: {when}")
         config = machine.client_config(tmp_path_factory.mktemp("disk-client"))
         yield Booted(machine, config, seconds)
     finally:
@@ -63,14 +65,21 @@ async def client(booted: Booted[DiskMachine]) -> AsyncIterator[AuraeClient]:
         yield c
 
 
-async def test_the_disk_boots_by_uefi_and_serves_mtls(
+async def test_the_disk_boots_by_uefi_with_secure_boot_and_serves_mtls(
     booted: Booted[DiskMachine], client: AuraeClient
 ) -> None:
     from grpc_health.v1 import health_pb2
 
     machine = booted.machine
     assert "-kernel" not in machine.args and "-initrd" not in machine.args
+    assert str(OVMF_SECBOOT_CODE) in " ".join(machine.args)
     console = machine.console
+    # The firmware enforces Secure Boot with only the image's keys: it ran the signed UKI, and the
+    # kernel saw Secure Boot on (and locked itself down; the initramfs's modules are Debian's, signed).
+    assert "secureboot: Secure boot enabled" in console
+    assert "Kernel is locked down from EFI Secure Boot;" in console
+    assert "Loaded X.509 cert 'auraed host image db: " in console  # db, read back by the kernel
+    assert "warning: cannot load module" not in console
     assert "auraed.root=PARTLABEL=aurae-root" in console.split("Command line:", 1)[1].split("\n", 1)[0]
     assert "ahci 0000:00:1f.2: AHCI " in console and "QEMU HARDDISK" in console  # SATA, by ahci.ko
     assert "aurae-initramfs: root /dev/sda2 (erofs)" in console

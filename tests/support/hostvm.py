@@ -21,6 +21,7 @@ import ipaddress
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -180,14 +181,17 @@ class HostMachine:
 
 
 OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
-OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
-FIRMWARES = ("uefi", "bios")
+OVMF_SECBOOT_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.secboot.fd")  # Secure Boot: needs SMM
+OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")  # blank: no keys, Secure Boot off
+FIRMWARES = ("uefi", "uefi-secure-boot", "bios")
 GROW = 512 * 1024 * 1024  # the copy is a disk bigger than the image, as a real one is
 
 
 class DiskMachine(HostMachine):
-    """HostMachine's tap, console and clean-up; booted from disk.img by OVMF (``firmware="uefi"``)
-    or SeaBIOS (``"bios"``), addressed by DHCP. ``boot`` starts a new QEMU on the same disk."""
+    """HostMachine's tap, console and clean-up; booted from disk.img by OVMF (``firmware="uefi"``),
+    OVMF with Secure Boot on and the image's own keys enrolled (``"uefi-secure-boot"``: PK, KEK
+    and db from its secureboot/, by virt-firmware's virt-fw-vars, on a q35 with SMM) or SeaBIOS
+    (``"bios"``), addressed by DHCP. ``boot`` starts a new QEMU on the same disk."""
 
     def __init__(self, image: Path, firmware: str = "uefi") -> None:
         super().__init__(image, data_mib=1, static_ip=False)
@@ -209,6 +213,13 @@ class DiskMachine(HostMachine):
                 "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_CODE}",
                 "-drive", f"if=pflash,format=raw,unit=1,file={self.root / 'vars.fd'}",
             ]  # fmt: skip
+        elif firmware == "uefi-secure-boot":
+            machine = "q35,smm=on"  # the secboot build keeps its variables in SMM: nothing else writes db
+            pflash = [
+                "-global", "driver=cfi.pflash01,property=secure,value=on",
+                "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_SECBOOT_CODE}",
+                "-drive", f"if=pflash,format=raw,unit=1,file={self.enrolled_vars()}",
+            ]  # fmt: skip
         return [
             "qemu-system-x86_64",
             "-M", machine, "-accel", "tcg", "-cpu", "max", "-m", "1024", "-smp", "1",
@@ -221,6 +232,23 @@ class DiskMachine(HostMachine):
             "-object", "rng-random,id=rng0,filename=/dev/urandom",
             "-device", "virtio-rng-pci,rng=rng0",
         ]  # fmt: skip
+
+    def enrolled_vars(self) -> Path:
+        """A copy of OVMF's blank variables with the image's PK, KEK and db enrolled, Secure Boot on."""
+        path = self.root / "vars-secure-boot.fd"
+        if not path.exists():
+            keys = self.image / "secureboot"
+            owner = "a5ea0e7b-6b1e-4d2f-9c2a-2d7c1f0a0e11"  # any GUID: who "owns" each entry
+            tool = Path(sys.executable).parent / "virt-fw-vars"
+            subprocess.run(
+                [
+                    str(tool), "--input", str(OVMF_VARS), "--output", str(path),
+                    "--set-pk", owner, str(keys / "PK.crt"), "--add-kek", owner, str(keys / "KEK.crt"),
+                    "--add-db", owner, str(keys / "db.crt"), "--no-microsoft", "--sb",
+                ],
+                check=True, capture_output=True,
+            )  # fmt: skip
+        return path
 
     def boot(self, firmware: str) -> None:
         """A new QEMU on the same disk (and tap, DHCP server, console) after the last one ended."""
