@@ -5,11 +5,13 @@ from kernel + initramfs and from disk.img by UEFI, against a bare boot of the sa
 
 Each round, in this order:
 
-* ``first``: a machine with a blank data disk (tests/support/hostvm.py's HostMachine: kernel +
-  initramfs + the root image, a tap of our own with ``ip=``), from starting QEMU until a client
-  on this host gets health SERVING over mTLS at the machine's address. That includes formatting
-  the data disk and making the PKI; the client's certificate is taken off the console (shown once
-  at first boot), then health is polled every 50 ms with short reconnect backoff.
+* ``first``: a machine with a blank data disk (tests/support/hostvm.py's HostMachine: kernel
+  (``vmlinuz``, the bzImage, as PXE boots it and the disk's boot loaders load it; the tests boot
+  ``vmlinux`` instead) + initramfs + the root image, a tap of our own with ``ip=``), from
+  starting QEMU until a client on this host gets health SERVING over mTLS at the machine's
+  address. That includes formatting the data disk and making the PKI; the client's certificate is
+  taken off the console (shown once at first boot), then health is polled every 50 ms with short
+  reconnect backoff.
 * ``reboot``: SystemService Shutdown with reboot on that machine, from the request until SERVING
   again (the same QEMU process: the daemon stops, PID 1 syncs, unmounts and resets; the kernel,
   the initramfs and auraed start again, reusing the disk and the PKI).
@@ -125,7 +127,7 @@ async def one_round(image: Path, memory_mib: int, work: Path, index: int) -> dic
     from tests.support.hostvm import READY_MARKER, HostMachine
 
     result: dict[str, Any] = {}
-    machine = HostMachine(image, memory_mib=memory_mib)
+    machine = HostMachine(image, memory_mib=memory_mib, kernel="vmlinuz")
     try:
         machine.start()
         deadline = time.monotonic() + TIMEOUT
@@ -147,7 +149,7 @@ async def one_round(image: Path, memory_mib: int, work: Path, index: int) -> dic
         result["reboot_phases"] = phases(machine.console[mark:])
     finally:
         machine.close()
-    bare = HostMachine(image, memory_mib=memory_mib, initramfs="bare-initramfs.img")
+    bare = HostMachine(image, memory_mib=memory_mib, initramfs="bare-initramfs.img", kernel="vmlinuz")
     try:
         bare.start()
         result["bare_s"] = bare.wait_for(BARE_MARKER, TIMEOUT)
