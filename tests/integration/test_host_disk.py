@@ -3,9 +3,10 @@
 One machine for the module: a copy of disk.img (sparse, grown by ``truncate`` as a bigger disk would
 be) on a q35 machine, no -kernel, -initrd or -append. The disk is a SATA disk on q35's own AHCI
 controller (ICH9), not virtio: the initramfs's ahci and sd_mod modules give it its /dev/sda, as a
-PC's or server's SATA disk. The initramfs finds the root by its GPT name, PID 1 formats the blank
-``aurae-data`` partition at first boot, and the address comes from DHCP (busybox udhcpd on the
-test's own tap, offering the one guest address of its /30).
+PC's or server's SATA disk; the NIC is an Intel e1000e (its driver from the initramfs too). The
+initramfs finds the root by its GPT name, PID 1 formats the blank ``aurae-data`` partition at
+first boot, and the address comes from DHCP (busybox udhcpd on the test's own tap, offering the
+one guest address of its /30).
 
 The tests run in order. First boot by UEFI with Secure Boot enforced (Debian's OVMF secboot build
 on a q35 with SMM, the image's own PK, KEK and db enrolled into a copy of its blank variables: the
@@ -83,6 +84,7 @@ async def test_the_disk_boots_by_uefi_with_secure_boot_and_serves_mtls(
     assert "auraed.root=PARTLABEL=aurae-root" in console.split("Command line:", 1)[1].split("\n", 1)[0]
     assert "ahci 0000:00:1f.2: AHCI " in console and "QEMU HARDDISK" in console  # SATA, by ahci.ko
     assert "aurae-initramfs: root /dev/sda2 (erofs)" in console
+    assert "e1000e: Intel(R) PRO/1000 Network Driver" in console  # the NIC, by e1000e.ko
     assert f"aurae-dhcp: eth0 {machine.address}/" in console  # the lease, not ip=
     assert booted.config.address == f"{machine.address}:8443"
     assert await health(client) == health_pb2.HealthCheckResponse.SERVING

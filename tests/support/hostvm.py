@@ -12,8 +12,8 @@ reset does. The console (serial) is collected by a thread; ``close`` kills QEMU 
 tap and every file.
 
 ``DiskMachine`` boots host-image's ``disk.img`` instead, as a PC or server boots it after ``dd``:
-a grown copy as a q35 machine's SATA disk, UEFI (OVMF) or legacy BIOS (SeaBIOS) firmware, the
-address by DHCP (busybox udhcpd on the tap).
+a grown copy as a q35 machine's SATA disk, an Intel e1000e NIC, UEFI (OVMF) or legacy BIOS
+(SeaBIOS) firmware, the address by DHCP (busybox udhcpd on the tap).
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ class DiskMachine(HostMachine):
             "-drive", f"id=disk,file={self.disk},format=raw,if=none",
             "-device", "ide-hd,drive=disk,bus=ide.0",  # SATA port 0 of q35's ICH9 AHCI
             "-netdev", f"tap,id=net0,ifname={self.net.tap},script=no,downscript=no",
-            "-device", f"virtio-net-pci,netdev=net0,mac={self.net.mac}",
+            "-device", f"e1000e,netdev=net0,mac={self.net.mac}",  # Intel's 82574L: a PC's NIC, not virtio
             "-object", "rng-random,id=rng0,filename=/dev/urandom",
             "-device", "virtio-rng-pci,rng=rng0",
         ]  # fmt: skip
