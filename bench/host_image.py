@@ -1,20 +1,29 @@
-"""A machine booted from the host image: boot to SERVING (health over mTLS on TCP, from this host)
-against a bare boot of the same kernel under the same QEMU command line; all in one run.
+"""A machine booted from the host image: boot to SERVING (health over mTLS on TCP, from this host),
+from kernel + initramfs and from disk.img by UEFI, against a bare boot of the same kernel; one run.
 
     .venv/bin/python bench/host_image.py [--rounds 3] [--memory-mib 1024] [--host-image DIR] [--json-only]
 
 Each round, in this order:
 
-* ``first``: a machine with a blank data disk (tests/support/hostvm.py's HostMachine: kernel +
-  initramfs + the root image, a tap of our own with ``ip=``), from starting QEMU until a client
-  on this host gets health SERVING over mTLS at the machine's address. That includes formatting
-  the data disk and making the PKI; the client's certificate is taken off the console (shown once
-  at first boot), then health is polled every 50 ms with short reconnect backoff.
+* ``first``: a machine with a blank data disk (tests/support/hostvm.py's HostMachine: kernel
+  (``vmlinuz``, the bzImage, as PXE boots it and the disk's boot loaders load it; the tests boot
+  ``vmlinux`` instead) + initramfs + the root image, a tap of our own with ``ip=``), from
+  starting QEMU until a client on this host gets health SERVING over mTLS at the machine's
+  address. That includes formatting the data disk and making the PKI; the client's certificate is
+  taken off the console (shown once at first boot), then health is polled every 50 ms with short
+  reconnect backoff.
 * ``reboot``: SystemService Shutdown with reboot on that machine, from the request until SERVING
   again (the same QEMU process: the daemon stops, PID 1 syncs, unmounts and resets; the kernel,
   the initramfs and auraed start again, reusing the disk and the PKI).
 * ``bare``: the same kernel, QEMU command line (machine, accelerator, memory, disks, NIC) with the
   bare initramfs, whose /init prints AURAE-BARE-BOOT-OK and powers off: until that marker.
+* ``disk``: disk.img as a PC boots it (tests/support/hostvm.py's DiskMachine, test_host_disk's
+  machine: a grown copy as the SATA disk of a q35 machine, 1 GiB, OVMF, the address by DHCP): from
+  starting QEMU until health SERVING over mTLS, as ``first`` (a first boot: the data partition
+  grown and formatted, a new PKI). The firmware's part is until the kernel's first console line.
+* ``bare_q35``: the same kernel and bare initramfs on the disk's q35 machine (same devices, SeaBIOS
+  loading ``-kernel``/``-initrd`` itself: no disk read, no UEFI): what a PC's machine costs the
+  kernel, without the firmware.
 
 Where the first boot's time goes is read off the console (the kernel's printk clock at
 ``Run /init``, PID 1's boot line, the daemon's start and serving lines). Every machine is killed,
@@ -82,11 +91,43 @@ def phases(console: str) -> dict[str, float]:
     return found
 
 
+async def disk_boot(image: Path, work: Path, index: int) -> dict[str, Any]:
+    """disk.img by UEFI until SERVING; then the bare initramfs on the same q35 machine."""
+    from tests.support.hostvm import READY_MARKER, DiskMachine
+
+    result: dict[str, Any] = {}
+    machine = DiskMachine(image)
+    try:
+        machine.start()
+        deadline = time.monotonic() + TIMEOUT
+        machine.wait_for("----- END AURAE CLIENT CONFIG -----", TIMEOUT)
+        config = machine.client_config(work / f"disk-client-{index}")
+        result["disk_s"] = await wait_serving(config, deadline) - machine.started
+        machine.wait_for(READY_MARKER, 30)
+        result["disk_firmware_s"] = machine.seen_at("Linux version")
+        result["disk_phases"] = phases(machine.console)
+    finally:
+        machine.close()
+    bare = DiskMachine(image)
+    try:
+        bare.args = [
+            *bare.qemu_args("bios"),
+            "-kernel", str(image / "vmlinuz"), "-initrd", str(image / "bare-initramfs.img"),
+            "-append", "console=ttyS0",
+        ]  # fmt: skip
+        bare.start()
+        result["bare_q35_s"] = bare.wait_for(BARE_MARKER, TIMEOUT)
+        bare.wait_exit(60)
+    finally:
+        bare.close()
+    return result
+
+
 async def one_round(image: Path, memory_mib: int, work: Path, index: int) -> dict[str, Any]:
     from tests.support.hostvm import READY_MARKER, HostMachine
 
     result: dict[str, Any] = {}
-    machine = HostMachine(image, memory_mib=memory_mib)
+    machine = HostMachine(image, memory_mib=memory_mib, kernel="vmlinuz")
     try:
         machine.start()
         deadline = time.monotonic() + TIMEOUT
@@ -108,13 +149,14 @@ async def one_round(image: Path, memory_mib: int, work: Path, index: int) -> dic
         result["reboot_phases"] = phases(machine.console[mark:])
     finally:
         machine.close()
-    bare = HostMachine(image, memory_mib=memory_mib, initramfs="bare-initramfs.img")
+    bare = HostMachine(image, memory_mib=memory_mib, initramfs="bare-initramfs.img", kernel="vmlinuz")
     try:
         bare.start()
         result["bare_s"] = bare.wait_for(BARE_MARKER, TIMEOUT)
         bare.wait_exit(60)
     finally:
         bare.close()
+    result.update(await disk_boot(image, work, index))
     return result
 
 
@@ -136,7 +178,8 @@ def main() -> int:
             rounds.append(asyncio.run(one_round(image, args.memory_mib, work, index)))
             if not args.json_only:
                 print(f"round {index + 1}: {rounds[-1]}", file=sys.stderr, flush=True)
-    series = {name: summarize([r[f"{name}_s"] for r in rounds]) for name in ("first", "reboot", "bare")}
+    names = ("first", "reboot", "bare", "disk", "disk_firmware", "bare_q35")
+    series = {name: summarize([r[f"{name}_s"] for r in rounds]) for name in names}
     result = {
         "benchmark": "host_image",
         "machine": info,
@@ -145,6 +188,9 @@ def main() -> int:
         "series": series,
         "first_vs_bare": ratio(series["first"]["p50_ms"], series["bare"]["p50_ms"]),
         "reboot_vs_bare": ratio(series["reboot"]["p50_ms"], series["bare"]["p50_ms"]),
+        "disk_vs_bare": ratio(series["disk"]["p50_ms"], series["bare"]["p50_ms"]),
+        "disk_vs_bare_q35": ratio(series["disk"]["p50_ms"], series["bare_q35"]["p50_ms"]),
+        "disk_vs_first": ratio(series["disk"]["p50_ms"], series["first"]["p50_ms"]),
         "rounds": rounds,
     }
     if not args.json_only:
@@ -156,6 +202,10 @@ def main() -> int:
             "host image boot to SERVING vs a bare boot (s)", ["series", "n", "p50", "min", "max"], rows
         )
         print(f"first boot {result['first_vs_bare']}x the bare boot; reboot {result['reboot_vs_bare']}x")
+        print(
+            f"disk.img (UEFI) {result['disk_vs_bare']}x the bare boot, {result['disk_vs_bare_q35']}x"
+            f" the bare boot on q35, {result['disk_vs_first']}x the first boot from kernel + initramfs"
+        )
     print_json(result)
     return 0
 

@@ -213,15 +213,15 @@ def apt_candidates(packages: Iterable[str]) -> dict[str, str]:
     return {n: found[n] for n in names}
 
 
-def kernel_package() -> str:
-    out = run(["apt-cache", "show", "--no-all-versions", KERNEL_META], env={**os.environ, "LC_ALL": "C"})
+def kernel_package(meta: str = KERNEL_META) -> str:
+    out = run(["apt-cache", "show", "--no-all-versions", meta], env={**os.environ, "LC_ALL": "C"})
     for line in out.splitlines():
         if line.startswith("Depends:"):
             for dep in line.split(":", 1)[1].split(","):
                 name = dep.strip().split()[0]
                 if name.startswith("linux-image-"):
                     return name
-    raise BuildError(f"cannot find the kernel package {KERNEL_META} depends on")
+    raise BuildError(f"cannot find the kernel package {meta} depends on")
 
 
 def _requirement_parser() -> type:
@@ -287,9 +287,9 @@ def sources_digest(builders: Iterable[Path] = (HERE,)) -> str:
     return digest.hexdigest()
 
 
-def apt_state(packages: Iterable[str] = PACKAGES) -> str:
+def apt_state(packages: Iterable[str] = PACKAGES, kernel_meta: str = KERNEL_META) -> str:
     """What apt's candidates depend on: its package lists, its configuration, dpkg's status."""
-    digest = hashlib.sha256(json.dumps([KERNEL_META, *packages]).encode())
+    digest = hashlib.sha256(json.dumps([kernel_meta, *packages]).encode())
     for directory in (Path("/var/lib/apt/lists"), Path("/etc/apt")):
         for path in sorted(directory.rglob("*")):
             if path.is_file() and "partial" not in path.parts and path.name != "lock":
@@ -300,10 +300,12 @@ def apt_state(packages: Iterable[str] = PACKAGES) -> str:
     return digest.hexdigest()
 
 
-def debian_packages(cache: Path, wanted: tuple[str, ...] = PACKAGES) -> tuple[str, dict[str, str]]:
+def debian_packages(
+    cache: Path, wanted: tuple[str, ...] = PACKAGES, kernel_meta: str = KERNEL_META
+) -> tuple[str, dict[str, str]]:
     """The kernel package and every package's candidate version; remembered until apt's state changes
     (each apt-cache call here parses the package lists: ~0.7 s)."""
-    state = apt_state(wanted)
+    state = apt_state(wanted, kernel_meta)
     remembered = cache / (
         "apt-candidates.json" if wanted == PACKAGES else f"apt-candidates-{state[:12]}.json"
     )
@@ -311,7 +313,7 @@ def debian_packages(cache: Path, wanted: tuple[str, ...] = PACKAGES) -> tuple[st
         saved = json.loads(remembered.read_text())
         if saved["state"] == state:
             return saved["kernel"], saved["packages"]
-    kernel = kernel_package()
+    kernel = kernel_package(kernel_meta)
     packages = apt_candidates([kernel, *wanted])
     cache.mkdir(parents=True, exist_ok=True)
     partial = remembered.with_name(f".{remembered.name}.{os.getpid()}")
@@ -322,7 +324,7 @@ def debian_packages(cache: Path, wanted: tuple[str, ...] = PACKAGES) -> tuple[st
 
 def resolve_inputs(rootfs_type: str, cache: Path, flavour: Flavour | None = None) -> Inputs:
     flavour = flavour or GUEST
-    kernel, packages = debian_packages(cache, flavour.packages)
+    kernel, packages = debian_packages(cache, flavour.packages, flavour.kernel_meta)
     dists = {name: dist.version for name, dist in sorted(python_dists().items())}
     sources = sources_digest(flavour.builders)
     return Inputs(
@@ -536,8 +538,9 @@ class Build:
     used_packages: set[str] = field(default_factory=set)
     timings: dict[str, float] = field(default_factory=dict)
 
-    # What a flavour changes (host-image/mkhost.py's HostBuild): its libraries, extra modules, name.
+    # What a flavour changes (host-image/mkhost.py's HostBuild): its libraries, modules, name.
     library_packages: ClassVar[tuple[str, ...]] = LIBRARY_PACKAGES
+    initramfs_modules: ClassVar[tuple[str, ...]] = INITRAMFS_MODULES
     rootfs_extra_modules: ClassVar[tuple[str, ...]] = ROOTFS_EXTRA_MODULES
     identity: ClassVar[tuple[str, str]] = ("guest", "aurae-guest")  # (flavour, hostname and ID)
 
@@ -888,7 +891,7 @@ class Build:
     def run(self, started: float) -> None:
         release = self.kernel_release
         modules = Modules.load(self.kernel_tree / "lib" / "modules" / release)
-        order = modules.load_order(INITRAMFS_MODULES)
+        order = modules.load_order(self.initramfs_modules)
         with self.step("kernel and initramfs"):
             shutil.copy(self.kernel_tree / "boot" / f"vmlinuz-{release}", self.work / "vmlinuz")
             self.make_initramfs(modules, order)
@@ -900,7 +903,7 @@ class Build:
             self.customize()
             libraries = self.install_libraries()
             self.install_modules(
-                modules, modules.load_order([*INITRAMFS_MODULES, *self.rootfs_extra_modules])
+                modules, modules.load_order([*self.initramfs_modules, *self.rootfs_extra_modules])
             )
         with self.step("bytecode"):
             self.compile_bytecode()
@@ -937,7 +940,7 @@ class Build:
                 "selftest_init": "/sbin/aurae-selftest",
                 "python": f"/usr/bin/python{PYTHON}",
                 "site_packages": f"/{SITE_PACKAGES}",
-                "modules": modules.load_order([*INITRAMFS_MODULES, *self.rootfs_extra_modules]),
+                "modules": modules.load_order([*self.initramfs_modules, *self.rootfs_extra_modules]),
             },
             "initramfs": {"compression": INITRAMFS_COMPRESSION, "modules": order},
             "files": files,
@@ -976,6 +979,7 @@ class Flavour:
     packages: tuple[str, ...]  # Debian packages besides the kernel
     builders: tuple[Path, ...]  # the builder directories whose files the inputs hash covers
     build: type[Build] = Build
+    kernel_meta: str = KERNEL_META  # the Debian metapackage whose linux-image-* is the kernel
 
 
 GUEST = Flavour("guest", DEFAULT_BASE, PACKAGES, (HERE,))

@@ -1,4 +1,4 @@
-"""The host image's ``disk.img``: a raw GPT disk to write to a machine's disk and boot (UEFI).
+"""The host image's ``disk.img``: a raw GPT disk to write to a machine's disk and boot (UEFI or BIOS).
 
 Made from the build's own outputs, without root, loop devices or mounts (host-image/mkhost.py calls
 :func:`make_disk` at the end of a build):
@@ -8,11 +8,18 @@ Made from the build's own outputs, without root, loop devices or mounts (host-im
    (:data:`CMDLINE`) and an os-release added as PE sections by ``objcopy`` (binutils). The firmware
    runs it from the removable-media path ``\\EFI\\BOOT\\BOOTX64.EFI``: no boot loader, no boot entry,
    no configuration file.
-2. the ESP: a FAT32 image made by ``mkfs.fat`` (dosfstools) on a plain file, filled by mtools'
+2. GRUB for legacy BIOS (grub-pc-bin's modules, the .deb the build fetches; ``grub-mkimage`` from
+   grub-common): ``core.img`` with every module it needs built in, its prefix ``(,gpt1)/grub`` (the
+   ESP of the disk the BIOS booted), and ``grub.cfg`` booting ``/aurae/vmlinuz`` and
+   ``/aurae/initramfs.img`` from the ESP with the same command line (:data:`CMDLINE`).
+3. the ESP: a FAT32 image made by ``mkfs.fat`` (dosfstools) on a plain file, filled by mtools'
    ``mmd``/``mcopy``.
-3. the disk: a sparse file, partitioned by ``sgdisk`` (gdisk), the ESP and ``rootfs.img`` written at
+4. the disk: a sparse file, partitioned by ``sgdisk`` (gdisk), the ESP and ``rootfs.img`` written at
    their partitions' offsets. The third partition, GPT name ``aurae-data``, stays all zeros: the
-   first boot formats it (auraed/init/datadisk.py) because it is blank, never otherwise.
+   first boot formats it (auraed/init/datadisk.py) because it is blank, never otherwise. GRUB's
+   ``boot.img`` goes into the protective MBR's boot code and ``core.img`` into the BIOS boot
+   partition (GPT type EF02, ``aurae-bios``, in the MiB before the ESP), patched as grub-bios-setup
+   patches them: where core.img starts, where the rest of it is.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import struct
 import subprocess
 import uuid
 from pathlib import Path
@@ -32,15 +40,46 @@ ROOT_ALIGN_MIB = 16  # the root partition: rootfs.img rounded up to this
 ESP_NAME = "aurae-esp"
 ROOT_NAME = "aurae-root"
 DATA_NAME = "aurae-data"
+BIOS_NAME = "aurae-bios"
 ESP_TYPE = "ef00"  # EFI system partition
 ROOT_TYPE = "8304"  # Linux x86-64 root (the Discoverable Partitions Specification's)
 DATA_TYPE = "8300"  # Linux filesystem
+BIOS_TYPE = "ef02"  # BIOS boot partition: GRUB's core.img, no file system
+# The BIOS boot partition fills the gap between the GPT's entries and the ESP's first MiB; the
+# other partitions keep the offsets they had before it. 1007 KiB: core.img is ~170 KiB.
+BIOS_FIRST, BIOS_LAST = 34, 2047
 READ_ONLY_ATTRIBUTE = 60  # GPT attribute bit: read-only
 # The serial console last: it is /dev/console, where PID 1's status screen and the first boot's
 # client configuration go (a server's console: IPMI/BMC serial-over-LAN); kernel messages go to both.
 # With Secure Boot off, a boot entry's own options replace this line (systemd-stub's rule).
 CMDLINE = f"console=tty0 console=ttyS0,115200 auraed.root=PARTLABEL={ROOT_NAME} auraed.rootwait=30"
 STUB = "usr/lib/systemd/boot/efi/linuxx64.efi.stub"
+GRUB_DIR = "usr/lib/grub/i386-pc"  # in grub-pc-bin's tree
+# Built into core.img: reading the GPT disk and the ESP, the serial console, normal mode (grub.cfg)
+# and the Linux loader. Nothing is loaded from the ESP but grub.cfg, the kernel and the initramfs.
+GRUB_MODULES = (
+    "biosdisk", "part_gpt", "fat", "normal", "configfile", "echo", "serial", "terminal", "linux",
+    "boot", "test",
+)  # fmt: skip
+GRUB_PREFIX = "(,gpt1)/grub"  # partition 1 of the disk the BIOS booted from: the ESP
+GRUB_CFG = """# auraed host image {digest}: legacy BIOS boot (host-image/mkdisk.py writes this file).
+# UEFI firmware runs \\EFI\\BOOT\\BOOTX64.EFI instead, which has the same command line built in.
+serial --unit=0 --speed=115200
+terminal_input console serial
+terminal_output console serial
+set timeout=0
+menuentry "auraed host image {digest}" {{
+	echo "aurae-grub: booting /aurae/vmlinuz (BIOS)"
+	linux /aurae/vmlinuz {cmdline}
+	initrd /aurae/initramfs.img
+}}
+"""
+# boot.img (the MBR's boot code) as grub-bios-setup patches it (grub's include/grub/i386/pc/boot.h).
+MBR_BPB = slice(0x03, 0x5A)  # kept from the disk's own sector 0
+MBR_KERNEL_SECTOR = 0x5C  # u64: where core.img starts
+MBR_DRIVE_CHECK = 0x66  # a 2-byte jump, NOPs on a hard disk (BIOSes passing a wrong boot drive)
+MBR_TABLE = slice(0x1B8, 0x1FE)  # disk signature and partition table: the protective MBR's
+BLOCKLIST = 0x200 - 12  # diskboot.img's (core.img's first sector's) u64 start, u16 sectors, u16 segment
 OS_RELEASE = 'ID=aurae-host\nNAME="auraed host image"\nPRETTY_NAME="auraed host image {digest}"\n'
 
 
@@ -101,28 +140,100 @@ def make_uki(stub: Path, kernel: Path, initramfs: Path, out: Path, *, cmdline: s
         (work / name).unlink()
 
 
-def make_esp(uki: Path, out: Path, digest: str) -> None:
+def make_esp(out: Path, digest: str, files: dict[str, Path]) -> None:
+    """A FAT32 ESP holding ``files`` (path on the ESP -> file)."""
     with out.open("wb") as handle:
         handle.truncate(ESP_MIB * MIB)
     run(["mkfs.fat", "-F", "32", "-s", "1", "-n", "AURAE-ESP", "-i", digest[:8], "--invariant", str(out)])
     env = {**os.environ, "MTOOLS_SKIP_CHECK": "1"}
-    run(["mmd", "-i", str(out), "::/EFI", "::/EFI/BOOT"], env=env)
-    run(["mcopy", "-i", str(out), str(uki), "::/EFI/BOOT/BOOTX64.EFI"], env=env)
+    parts = [name.split("/")[:-1] for name in files]
+    directories = sorted({"/".join(path[:depth]) for path in parts for depth in range(1, len(path) + 1)})
+    run(["mmd", "-i", str(out), *(f"::/{d}" for d in directories)], env=env)
+    for name, path in files.items():
+        run(["mcopy", "-i", str(out), str(path), f"::/{name}"], env=env)
 
 
-def make_disk(work: Path, stub: Path, digest: str, disk_mib: int = DISK_MIB) -> dict[str, object]:
-    """``work/disk.img`` from ``work``'s vmlinuz, initramfs.img and rootfs.img; returns its layout
-    for the manifest."""
+def make_grub_core(grub_dir: Path, out: Path) -> None:
+    """core.img: diskboot.img's sector, then GRUB's kernel with GRUB_MODULES, lzma-compressed."""
+    run([
+        "grub-mkimage", "-O", "i386-pc", "-d", str(grub_dir), "-o", str(out), "-p", GRUB_PREFIX,
+        *GRUB_MODULES,
+    ])  # fmt: skip
+    size = out.stat().st_size
+    if size > (BIOS_LAST - BIOS_FIRST + 1) * SECTOR:
+        raise DiskError(f"GRUB's core.img ({size} bytes) does not fit the BIOS boot partition")
+
+
+def install_grub(disk: Path, boot_img: Path, core_img: Path) -> None:
+    """boot.img into sector 0 around the protective MBR's table, core.img into the BIOS boot
+    partition, each pointing at the next (what grub-bios-setup does to a device)."""
+    core = bytearray(core_img.read_bytes())
+    sectors = -(-len(core) // SECTOR)
+    start, count, segment = struct.unpack_from("<QHH", core, BLOCKLIST)
+    if count != sectors - 1 or segment != 0x820:
+        raise DiskError(f"{core_img}: unexpected blocklist ({start}, {count}, {segment:#x})")
+    struct.pack_into("<Q", core, BLOCKLIST, BIOS_FIRST + 1)  # the rest follows its first sector
+    boot = bytearray(boot_img.read_bytes())
+    if len(boot) != SECTOR or boot[0x1FE:] != b"\x55\xaa":
+        raise DiskError(f"{boot_img} is not a boot sector")
+    with disk.open("r+b") as target:
+        mbr = target.read(SECTOR)
+        boot[MBR_BPB] = mbr[MBR_BPB]
+        boot[MBR_TABLE] = mbr[MBR_TABLE]
+        struct.pack_into("<Q", boot, MBR_KERNEL_SECTOR, BIOS_FIRST)
+        boot[MBR_DRIVE_CHECK : MBR_DRIVE_CHECK + 2] = b"\x90\x90"
+        target.seek(0)
+        target.write(boot)
+        target.seek(BIOS_FIRST * SECTOR)
+        target.write(bytes(core).ljust(sectors * SECTOR, b"\0"))
+
+
+def sign(uki: Path, key: Path, certificate: Path) -> None:
+    """Sign ``uki`` in place for Secure Boot (sbsigntool), and check the signature."""
+    signed = uki.with_name(uki.name + ".signed")
+    run(["sbsign", "--key", str(key), "--cert", str(certificate), "--output", str(signed), str(uki)])
+    run(["sbverify", "--cert", str(certificate), str(signed)])
+    signed.rename(uki)
+
+
+def make_disk(
+    work: Path,
+    stub: Path,
+    grub_dir: Path,
+    digest: str,
+    *,
+    disk_mib: int = DISK_MIB,
+    signer: tuple[Path, Path] | None = None,
+) -> dict[str, object]:
+    """``work/disk.img`` from ``work``'s vmlinuz, initramfs.img and rootfs.img, booted by UEFI with
+    ``stub`` (systemd-stub; the UKI signed with ``signer``'s key and certificate for Secure Boot) or
+    by BIOS with GRUB's ``grub_dir``; returns its layout for the manifest."""
     uki = work / "BOOTX64.EFI"
     esp = work / "esp.img"
     disk = work / "disk.img"
+    grub_cfg = work / "grub.cfg"
+    core_img = work / "core.img"
     os_release = OS_RELEASE.format(digest=digest)
     make_uki(stub, work / "vmlinuz", work / "initramfs.img", uki, cmdline=CMDLINE, os_release=os_release)
     try:
-        make_esp(uki, esp, digest)
+        if signer is not None:
+            sign(uki, *signer)
+        make_grub_core(grub_dir, core_img)
+        grub_cfg.write_text(GRUB_CFG.format(digest=digest, cmdline=CMDLINE))
+        make_esp(
+            esp,
+            digest,
+            {
+                "EFI/BOOT/BOOTX64.EFI": uki,
+                "grub/grub.cfg": grub_cfg,
+                "aurae/vmlinuz": work / "vmlinuz",
+                "aurae/initramfs.img": work / "initramfs.img",
+            },
+        )
         uki_size = uki.stat().st_size
     finally:
         uki.unlink(missing_ok=True)
+        grub_cfg.unlink(missing_ok=True)
     rootfs = work / "rootfs.img"
     root_mib = -(-rootfs.stat().st_size // (ROOT_ALIGN_MIB * MIB)) * ROOT_ALIGN_MIB
     if 1 + ESP_MIB + root_mib + 64 + 1 > disk_mib:
@@ -137,6 +248,8 @@ def make_disk(work: Path, stub: Path, digest: str, disk_mib: int = DISK_MIB) -> 
         f"--partition-guid=2:{guid(digest, ROOT_NAME)}", f"--attributes=2:set:{READ_ONLY_ATTRIBUTE}",
         "--new=3:0:0", f"--typecode=3:{DATA_TYPE}", f"--change-name=3:{DATA_NAME}",
         f"--partition-guid=3:{guid(digest, DATA_NAME)}",
+        "--set-alignment=1", f"--new=4:{BIOS_FIRST}:{BIOS_LAST}", f"--typecode=4:{BIOS_TYPE}",
+        f"--change-name=4:{BIOS_NAME}", f"--partition-guid=4:{guid(digest, BIOS_NAME)}",
         str(disk),
     ])  # fmt: skip
     layout = partitions(disk)
@@ -149,14 +262,27 @@ def make_disk(work: Path, stub: Path, digest: str, disk_mib: int = DISK_MIB) -> 
             with source.open("rb") as data:
                 shutil.copyfileobj(data, target, MIB)
     esp.unlink()
+    try:
+        install_grub(disk, grub_dir / "boot.img", core_img)
+        core_size = core_img.stat().st_size
+    finally:
+        core_img.unlink()
     run(["sgdisk", "--verify", str(disk)])
     return {
         "size": disk_mib * MIB,
         "boot": "UEFI: \\EFI\\BOOT\\BOOTX64.EFI, a unified kernel image (systemd-stub)",
+        "bios_boot": "GRUB: boot.img in the MBR, core.img in aurae-bios, /grub/grub.cfg on the ESP",
         "uki_bytes": uki_size,
+        "uki_signed_by": "" if signer is None else signer_subject(signer[1]),
+        "grub_core_bytes": core_size,
         "cmdline": CMDLINE,
         "partitions": {name: {"offset": start, "size": size} for name, (start, size) in layout.items()},
     }
+
+
+def signer_subject(certificate: Path) -> str:
+    args = ["openssl", "x509", "-in", str(certificate), "-noout", "-subject", "-fingerprint", "-sha256"]
+    return " ".join(run(args).split())
 
 
 def partitions(disk: Path) -> dict[str, tuple[int, int]]:
@@ -167,6 +293,6 @@ def partitions(disk: Path) -> dict[str, tuple[int, int]]:
         if len(fields) >= 7 and fields[0].isdigit() and fields[1].isdigit():
             first, last = int(fields[1]), int(fields[2])
             found[fields[-1]] = (first * SECTOR, (last - first + 1) * SECTOR)
-    if set(found) != {ESP_NAME, ROOT_NAME, DATA_NAME}:
+    if set(found) != {ESP_NAME, ROOT_NAME, DATA_NAME, BIOS_NAME}:
         raise DiskError(f"unexpected partitions in {disk}: {sorted(found)}")
     return found

@@ -14,8 +14,11 @@ and the CRI; VMs need qemu-system-x86 and guest-image/build's output added to th
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import lzma
 import shutil
 import sys
 import time
@@ -29,6 +32,12 @@ import mkimage as guest  # noqa: E402 (the guest's builder, beside this director
 
 FILES = HERE / "files"
 BASE = guest.REPO / ".work" / "host-image"
+# Secure Boot: the owner's keys (PK, KEK, db; RSA 2048, self-signed), made by the first build and
+# kept for the next ones (a machine that enrolled them boots every later image); never in git
+# (.work/ is ignored). Their files are in the inputs hash: new keys, a new build. Only the
+# certificates go into a build's output (secureboot/); db's key signs the unified kernel image.
+KEYS = guest.REPO / ".work" / "host-image-keys"
+KEY_NAMES = ("PK", "KEK", "db")
 
 # Besides the guest's: programs a host runs, and the libraries they link.
 HOST_PROGRAMS = ("runc", "iproute2", "containernetworking-plugins", "e2fsprogs")
@@ -38,13 +47,29 @@ HOST_LIBRARIES = (
     "libkeyutils1", "libext2fs2", "libblkid1", "libbsd0", "libmd0", "libxtables12",
 )  # fmt: skip
 LIBRARY_PACKAGES = (*guest.LIBRARY_PACKAGES, *HOST_LIBRARIES)
-# Not in the root: the EFI stub disk.img's unified kernel image is made of (host-image/mkdisk.py).
-BOOT_PACKAGES = ("systemd-boot-efi",)
+# Not in the root: the EFI stub disk.img's unified kernel image is made of, and GRUB's BIOS boot
+# code and modules (host-image/mkdisk.py; grub-mkimage itself is grub-common's, from hack/setup).
+BOOT_PACKAGES = ("systemd-boot-efi", "grub-pc-bin")
 PACKAGES = (*guest.PACKAGES, *HOST_PROGRAMS, *HOST_LIBRARIES, *BOOT_PACKAGES)
 # The CNI plugins auraed's pod networking uses (auraed/cni/): the reference set a conflist names.
 CNI_PLUGINS = (
     "bridge", "host-local", "loopback", "portmap", "firewall", "bandwidth", "tuning", "ptp", "static",
 )  # fmt: skip
+# A PC's or server's kernel: Debian's generic linux-image-amd64, whose disk controllers are modules
+# (the guest's cloud kernel has no AHCI or USB at all, and NVMe built in).
+KERNEL_META = "linux-image-amd64"
+# Loaded by the initramfs besides the guest's (virtio): the disks a machine boots from. SATA (AHCI,
+# and Intel's controllers in IDE mode), NVMe, USB sticks and disks (xHCI, EHCI, OHCI, UHCI
+# controllers; usb-storage and UAS) -- sd_mod gives the SCSI-like ones their /dev/sdX -- and ext4,
+# the data partition's file system (built into the cloud kernel, a module of this one).
+STORAGE_MODULES = (
+    "sd_mod", "ahci", "ata_piix", "nvme", "xhci_pci", "ehci_pci", "ohci_pci", "uhci_hcd",
+    "usb_storage", "uas", "ext4",
+)  # fmt: skip
+# Loaded by the initramfs too: the common wired NICs of PCs and servers (Intel's e1000e, igb, igc,
+# ixgbe, i40e; Realtek's r8169; Broadcom's tg3 and bnxt_en), besides virtio_net. Not yet: Intel's
+# ice and Mellanox's mlx5 (2 and 4 MB more, before compression), nor any firmware blob.
+NIC_MODULES = ("e1000e", "igb", "igc", "ixgbe", "i40e", "r8169", "tg3", "bnxt_en")
 # Loaded on demand by PID 1 and the daemon: containers' and pods' networking.
 EXTRA_MODULES = (*guest.ROOTFS_EXTRA_MODULES, "nf_conntrack", "nf_nat", "xt_MASQUERADE")
 
@@ -81,27 +106,40 @@ stop_containers_on_shutdown = true
 
 class HostBuild(guest.Build):
     library_packages = LIBRARY_PACKAGES
+    initramfs_modules = (*guest.INITRAMFS_MODULES, *STORAGE_MODULES, *NIC_MODULES)
     rootfs_extra_modules = EXTRA_MODULES
     identity = ("host", "aurae-host")
 
     def run(self, started: float) -> None:
         super().run(started)
+        with self.step("vmlinux"):
+            extract_vmlinux(self.work / "vmlinuz", self.work / "vmlinux")
         with self.step("disk image"):
             stub = self.trees["systemd-boot-efi"] / mkdisk.STUB
+            grub = self.trees["grub-pc-bin"] / mkdisk.GRUB_DIR
             try:
-                layout = mkdisk.make_disk(self.work, stub, self.inputs.digest)
+                layout = mkdisk.make_disk(
+                    self.work, stub, grub, self.inputs.digest, signer=(KEYS / "db.key", KEYS / "db.crt")
+                )
             except mkdisk.DiskError as exc:
                 raise guest.BuildError(str(exc)) from None
+            certificates = self.work / "secureboot"
+            certificates.mkdir()
+            for name in KEY_NAMES:
+                shutil.copy(KEYS / f"{name}.crt", certificates / f"{name}.crt")
+                shutil.copy(KEYS / f"{name}.cer", certificates / f"{name}.cer")
         self.used_packages |= set(BOOT_PACKAGES)
         path = self.work / "manifest.json"
         manifest = json.loads(path.read_text())
         manifest["step_seconds"] = self.timings
         manifest["build_seconds"] = round(time.monotonic() - started, 1)
         manifest["files"]["disk.img"] = {"size": layout["size"], "sha256": sha256_of(self.work / "disk.img")}
+        vmlinux = self.work / "vmlinux"
+        manifest["files"]["vmlinux"] = {"size": vmlinux.stat().st_size, "sha256": sha256_of(vmlinux)}
         manifest["disk"] = layout
         manifest["packages_outside_root"] = {p: self.inputs.packages[p] for p in BOOT_PACKAGES}
         path.write_text(json.dumps(manifest, indent=2) + "\n")
-        guest.log(f"disk image (raw GPT, UEFI; dd it to a disk): {self.out / 'disk.img'}")
+        guest.log(f"disk image (raw GPT, UEFI or BIOS; dd it to a disk): {self.out / 'disk.img'}")
 
     def customize(self) -> None:
         s = self.stage
@@ -146,6 +184,50 @@ class HostBuild(guest.Build):
             shutil.copy2(source, target)
 
 
+XZ_MAGIC = b"\xfd7zXZ\x00"
+
+
+def extract_vmlinux(vmlinuz: Path, out: Path) -> None:
+    """The kernel's ELF image out of its bzImage (the XZ stream after the decompressor): booted by
+    its PVH entry point (``-kernel vmlinux`` on microvm), it skips the bzImage's own decompression,
+    ~8-12 s of every boot under TCG (the cloud kernel's LZ4 took well under one)."""
+    data = vmlinuz.read_bytes()
+    start = data.find(XZ_MAGIC)
+    if start < 0:
+        raise guest.BuildError(f"{vmlinuz}: no XZ payload (not an XZ-compressed bzImage)")
+    decompressor = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
+    elf = decompressor.decompress(data[start:])
+    if not decompressor.eof or elf[:4] != b"\x7fELF" or b"Xen\x00" not in elf:
+        raise guest.BuildError(f"{vmlinuz}: its payload is not an ELF kernel with a PVH (Xen) note")
+    out.write_bytes(elf)
+
+
+def ensure_keys(directory: Path = KEYS) -> None:
+    """The Secure Boot keys, made once (``openssl``): ``<name>.key``, ``.crt`` (PEM) and ``.cer``
+    (DER, what firmware set-up screens take) for each of KEY_NAMES."""
+    wanted = [directory / f"{name}.{kind}" for name in KEY_NAMES for kind in ("key", "crt", "cer")]
+    if all(path.is_file() for path in wanted):
+        return
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with (directory.parent / ".host-image-keys.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if all(path.is_file() for path in wanted):
+            return
+        guest.log(f"making Secure Boot keys in {directory} (kept for later builds)")
+        for name in KEY_NAMES:
+            key, crt, cer = (directory / f"{name}.{kind}" for kind in ("key", "crt", "cer"))
+            for path in (key, crt, cer):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+            guest.run([
+                "openssl", "req", "-new", "-x509", "-newkey", "rsa:2048", "-nodes", "-sha256",
+                "-days", "3650", "-subj", f"/CN=auraed host image {name}/",
+                "-keyout", str(key), "-out", str(crt),
+            ])  # fmt: skip
+            key.chmod(0o600)
+            guest.run(["openssl", "x509", "-in", str(crt), "-outform", "DER", "-out", str(cer)])
+
+
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
@@ -154,8 +236,13 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-HOST = guest.Flavour("host", BASE, PACKAGES, (guest.HERE, HERE), HostBuild)
+HOST = guest.Flavour("host", BASE, PACKAGES, (guest.HERE, HERE, KEYS), HostBuild, KERNEL_META)
 
 
 if __name__ == "__main__":
+    try:
+        ensure_keys()
+    except guest.BuildError as exc:
+        print(f"host-image/build: {exc}", file=sys.stderr)
+        sys.exit(1)
     sys.exit(guest.main(flavour=HOST, description=__doc__.split("\n\n")[0]))

@@ -1,24 +1,32 @@
-"""host-image's disk.img booted as a user boots it after ``dd``: UEFI firmware, the disk, DHCP (QEMU TCG).
+"""host-image's disk.img booted as a user boots it after ``dd``: firmware, the disk, DHCP (QEMU TCG).
 
-One machine for the module, booted from a copy of disk.img (sparse, grown by ``truncate`` as a
-bigger disk would be) by Debian's OVMF on a q35 machine: no -kernel, -initrd or -append, so the
-firmware finds \\EFI\\BOOT\\BOOTX64.EFI (the unified kernel image) on the ESP, the initramfs finds
-the root by its GPT name, PID 1 formats the blank ``aurae-data`` partition, and the address comes
-from DHCP (busybox udhcpd on the test's own tap, offering the one guest address of its /30).
-The tests run in order: mTLS health, a cell kept across a SystemService reboot (the same QEMU: a
-reset, firmware again), power-off ending QEMU; then the disk is read from the outside.
+One machine for the module: a copy of disk.img (sparse, grown by ``truncate`` as a bigger disk would
+be) on a q35 machine, no -kernel, -initrd or -append. The disk is a SATA disk on q35's own AHCI
+controller (ICH9), not virtio: the initramfs's ahci and sd_mod modules give it its /dev/sda, as a
+PC's or server's SATA disk; the NIC is an Intel e1000e (its driver from the initramfs too). The
+initramfs finds the root by its GPT name, PID 1 formats the blank ``aurae-data`` partition at
+first boot, and the address comes from DHCP (busybox udhcpd on the test's own tap, offering the
+one guest address of its /30).
+
+The tests run in order. First boot by UEFI with Secure Boot enforced (Debian's OVMF secboot build
+on a q35 with SMM, the image's own PK, KEK and db enrolled into a copy of its blank variables: the
+firmware runs \\EFI\\BOOT\\BOOTX64.EFI, the unified kernel image the build signed, from the ESP):
+mTLS health, a cell made, then a power-off ends QEMU. Second boot, a new QEMU on the same disk,
+by legacy BIOS (SeaBIOS, QEMU's default firmware: GRUB's boot.img in the MBR, core.img in the BIOS
+boot partition, grub.cfg, kernel and initramfs on the ESP): the same data partition, cell and CA.
+Then a power-off, and the disk is read from the outside.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import ipaddress
-import shutil
+import json
 import struct
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,76 +37,23 @@ from auraed.client import AuraeClient
 from auraed.init.host import ca_fingerprint
 from tests.integration.test_cells import allocate
 from tests.integration.test_host_image import BOOT_TIMEOUT, CELLS, DISCOVERY, FINGERPRINT, SYSTEM, health
-from tests.support.hostvm import READY_MARKER, Booted, HostMachine, build_host_image
+from tests.support.hostvm import OVMF_SECBOOT_CODE, READY_MARKER, Booted, DiskMachine, build_host_image
 
 pytestmark = pytest.mark.slow
 
-OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
-OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
-GROW = 512 * 1024 * 1024  # the copy is a disk bigger than the image, as a real one is
 MIB = 1024 * 1024
-
-
-class DiskMachine(HostMachine):
-    """HostMachine's tap, console and clean-up; booted from disk.img by OVMF, addressed by DHCP."""
-
-    def __init__(self, image: Path) -> None:
-        super().__init__(image, data_mib=1, static_ip=False)
-        self.data_disk.unlink()  # HostMachine's separate data disk: the partition is the data disk here
-        self.disk = self.root / "disk.img"
-        subprocess.run(["cp", "--sparse=always", str(image / "disk.img"), str(self.disk)], check=True)
-        with self.disk.open("r+b") as handle:
-            handle.truncate(self.disk.stat().st_size + GROW)
-        shutil.copy(OVMF_VARS, self.root / "vars.fd")
-        self.udhcpd: subprocess.Popen[bytes] | None = None
-        self.args = [
-            "qemu-system-x86_64",
-            "-M", "q35", "-accel", "tcg", "-cpu", "max", "-m", "1024", "-smp", "1",
-            "-nodefaults", "-no-user-config", "-display", "none", "-serial", "stdio",
-            "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_CODE}",
-            "-drive", f"if=pflash,format=raw,unit=1,file={self.root / 'vars.fd'}",
-            "-drive", f"id=disk,file={self.disk},format=raw,if=none",
-            "-device", "virtio-blk-pci,drive=disk",
-            "-netdev", f"tap,id=net0,ifname={self.net.tap},script=no,downscript=no",
-            "-device", f"virtio-net-pci,netdev=net0,mac={self.net.mac}",
-            "-object", "rng-random,id=rng0,filename=/dev/urandom",
-            "-device", "virtio-rng-pci,rng=rng0",
-        ]  # fmt: skip
-
-    def start(self) -> None:
-        mask = ipaddress.IPv4Network(f"0.0.0.0/{self.net.prefixlen}").netmask
-        conf = self.root / "udhcpd.conf"
-        conf.write_text(
-            f"start {self.net.guest_ip}\nend {self.net.guest_ip}\nmax_leases 1\n"
-            f"interface {self.net.tap}\nlease_file {self.root / 'udhcpd.leases'}\n"
-            f"pidfile {self.root / 'udhcpd.pid'}\n"
-            f"option subnet {mask}\noption router {self.net.host_ip}\noption lease 3600\n"
-        )
-        (self.root / "udhcpd.leases").touch()
-        self.udhcpd = subprocess.Popen(
-            ["busybox", "udhcpd", "-f", str(conf)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=(self.root / "udhcpd.log").open("wb"),
-        )
-        super().start()
-
-    def close(self) -> None:
-        if self.udhcpd is not None:
-            self.udhcpd.kill()
-            self.udhcpd.wait()
-        super().close()
 
 
 @pytest.fixture(scope="module")
 def booted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Booted[DiskMachine]]:
-    assert OVMF_CODE.is_file(), "Debian's ovmf is missing: run hack/setup"
-    machine = DiskMachine(build_host_image())
+    assert OVMF_SECBOOT_CODE.is_file(), "Debian's ovmf is missing: run hack/setup"
+    machine = DiskMachine(build_host_image(), firmware="uefi-secure-boot")
     try:
         machine.start()
         seconds = machine.wait_for(READY_MARKER, BOOT_TIMEOUT)
         kernel = machine.seen_at("Linux version")
-        print(f"disk.img: boot to SERVING {seconds:.1f} s after QEMU started (TCG; firmware {kernel:.1f} s)")
+        when = f"SERVING {seconds:.1f} s after QEMU started, kernel {kernel:.1f} s"
+        print(f"disk.img by UEFI, Secure Boot: {when}")
         config = machine.client_config(tmp_path_factory.mktemp("disk-client"))
         yield Booted(machine, config, seconds)
     finally:
@@ -111,62 +66,82 @@ async def client(booted: Booted[DiskMachine]) -> AsyncIterator[AuraeClient]:
         yield c
 
 
-async def test_the_disk_boots_by_uefi_and_serves_mtls(
+async def test_the_disk_boots_by_uefi_with_secure_boot_and_serves_mtls(
     booted: Booted[DiskMachine], client: AuraeClient
 ) -> None:
     from grpc_health.v1 import health_pb2
 
     machine = booted.machine
     assert "-kernel" not in machine.args and "-initrd" not in machine.args
+    assert str(OVMF_SECBOOT_CODE) in " ".join(machine.args)
     console = machine.console
+    # The firmware enforces Secure Boot with only the image's keys: it ran the signed UKI, and the
+    # kernel saw Secure Boot on (and locked itself down; the initramfs's modules are Debian's, signed).
+    assert "secureboot: Secure boot enabled" in console
+    assert "Kernel is locked down from EFI Secure Boot;" in console
+    assert "Loaded X.509 cert 'auraed host image db: " in console  # db, read back by the kernel
+    assert "warning: cannot load module" not in console
     assert "auraed.root=PARTLABEL=aurae-root" in console.split("Command line:", 1)[1].split("\n", 1)[0]
-    assert "aurae-initramfs: root /dev/vda2 (erofs)" in console
+    assert "ahci 0000:00:1f.2: AHCI " in console and "QEMU HARDDISK" in console  # SATA, by ahci.ko
+    assert "aurae-initramfs: root /dev/sda2 (erofs)" in console
+    assert "e1000e: Intel(R) PRO/1000 Network Driver" in console  # the NIC, by e1000e.ko
     assert f"aurae-dhcp: eth0 {machine.address}/" in console  # the lease, not ip=
     assert booted.config.address == f"{machine.address}:8443"
     assert await health(client) == health_pb2.HealthCheckResponse.SERVING
     reply = await client.call(DISCOVERY, "Discover", discovery_pb.DiscoveryServiceDiscoverRequest())
     assert reply.role == "host"
-    assert "/dev/vda3 (partition aurae-data, formatted this boot) on /var/lib/aurae" in console
-    assert "data partition /dev/vda3 grown to the end of vda" in console  # the copy is bigger
+    assert "/dev/sda3 (partition aurae-data, formatted this boot) on /var/lib/aurae" in console
+    assert "data partition /dev/sda3 grown to the end of sda" in console  # the copy is bigger
     assert FINGERPRINT.findall(console) == [ca_fingerprint(booted.config.ca_crt.read_bytes())]
 
 
-async def test_the_data_partition_keeps_state_across_a_reboot(
-    booted: Booted[DiskMachine], client: AuraeClient
-) -> None:
+async def test_power_off_ends_qemu(booted: Booted[DiskMachine], client: AuraeClient) -> None:
     machine = booted.machine
     await allocate(client, "kept", pids=cells_pb.PidsController(max=20))
+    request = system_pb.SystemServiceShutdownRequest(reason="test power-off")
+    assert (await client.call(SYSTEM, "Shutdown", request)).then == "poweroff"
+    assert await asyncio.to_thread(machine.wait_exit, 90) == 0
+    assert "powering off" in machine.console
+
+
+async def test_the_disk_boots_by_bios_with_the_same_state_and_pki(booted: Booted[DiskMachine]) -> None:
+    machine = booted.machine
     mark = machine.mark()
-    request = system_pb.SystemServiceShutdownRequest(reason="test reboot", reboot=True)
-    assert (await client.call(SYSTEM, "Shutdown", request)).then == "reboot"
-    machine.wait_for("rebooting", 60, since=mark)
+    machine.boot("bios")
     ready = machine.wait_for(READY_MARKER, BOOT_TIMEOUT, since=mark)
-    rebooted = machine.seen_at("Linux version", since=mark)
-    print(f"disk.img: reboot, kernel {rebooted:.1f} s, SERVING {ready:.1f} s after QEMU started")
+    kernel = machine.seen_at("Linux version", since=mark)
+    print(
+        f"disk.img by BIOS (SeaBIOS, GRUB): SERVING {ready:.1f} s after QEMU started, kernel {kernel:.1f} s"
+    )
+    assert "-drive" in machine.args and "if=pflash" not in " ".join(machine.args)
     after = machine.console[mark:]
-    assert "BdsDxe: starting" in after  # the firmware booted the disk again
-    assert "formatted this boot" not in after
-    assert "/dev/vda3 (label AURAE-DATA) on /var/lib/aurae" in after
-    assert machine.process is not None and machine.process.poll() is None  # the same QEMU
+    assert "BdsDxe" not in after  # no UEFI this time
+    assert "aurae-grub: booting /aurae/vmlinuz (BIOS)" in after  # grub.cfg, on the serial console
+    command_line = after.split("Command line:", 1)[1].split("\n", 1)[0].strip()
+    assert command_line == f"BOOT_IMAGE=/aurae/vmlinuz {read_manifest(machine.image)['disk']['cmdline']}"
+    assert "aurae-initramfs: root /dev/sda2 (erofs)" in after
+    assert "formatted this boot" not in after and "grown" not in after
+    assert "/dev/sda3 (label AURAE-DATA) on /var/lib/aurae" in after
+    assert FINGERPRINT.findall(after) == [ca_fingerprint(booted.config.ca_crt.read_bytes())]
     async with booted.client() as again:  # the first boot's client config: the same CA
         listed = await again.call(CELLS, "List", cells_pb.CellServiceListRequest())
         assert "kept" in {node.cell.name for node in listed.cells}
 
 
-async def test_power_off_ends_qemu_and_the_disk_holds_the_data(
-    booted: Booted[DiskMachine], client: AuraeClient
-) -> None:
+async def test_power_off_again_and_the_disk_holds_the_data(booted: Booted[DiskMachine]) -> None:
     machine = booted.machine
-    request = system_pb.SystemServiceShutdownRequest(reason="test power-off")
-    assert (await client.call(SYSTEM, "Shutdown", request)).then == "poweroff"
+    async with booted.client() as client:
+        request = system_pb.SystemServiceShutdownRequest(reason="test power-off")
+        assert (await client.call(SYSTEM, "Shutdown", request)).then == "poweroff"
     assert await asyncio.to_thread(machine.wait_exit, 90) == 0
-    assert "powering off" in machine.console
     # From the outside: the root partition is rootfs.img byte for byte, the data one ext4 AURAE-DATA
-    # filling the grown disk, and the GPT valid with its backup at the new end.
+    # filling the grown disk, the GPT valid with its backup at the new end, and sector 0 GRUB's
+    # boot code still, around the protective MBR the first boot resized.
     layout = read_layout(machine.image)
     rootfs = (machine.image / "rootfs.img").read_bytes()
     data = layout["aurae-data"]["offset"]
     with machine.disk.open("rb") as disk:
+        mbr = disk.read(512)
         disk.seek(layout["aurae-root"]["offset"])
         assert hashlib.sha256(disk.read(len(rootfs))).digest() == hashlib.sha256(rootfs).digest()
         disk.seek(data + 1024)
@@ -178,15 +153,20 @@ async def test_power_off_ends_qemu_and_the_disk_holds_the_data(
     )
     size = machine.disk.stat().st_size
     assert size - 2 * MIB < data + blocks * (1024 << log_size) <= size
+    boot_img = (machine.image / "disk.img").open("rb").read(512)
+    assert mbr[:0x1B8] == boot_img[:0x1B8] and mbr[0x1FE:] == b"\x55\xaa"
+    assert mbr[0x1C2] == 0xEE and struct.unpack_from("<I", mbr, 0x1CA)[0] == size // 512 - 1
     check = subprocess.run(
         ["sgdisk", "--verify", str(machine.disk)], capture_output=True, text=True, check=False
     )
     assert check.returncode == 0 and "No problems found" in check.stdout, check.stdout + check.stderr
 
 
-def read_layout(image: Path) -> dict[str, dict[str, int]]:
-    import json
+def read_manifest(image: Path) -> dict[str, Any]:
+    manifest: dict[str, Any] = json.loads((image / "manifest.json").read_text())
+    return manifest
 
-    manifest = json.loads((image / "manifest.json").read_text())
-    partitions: dict[str, dict[str, int]] = manifest["disk"]["partitions"]
+
+def read_layout(image: Path) -> dict[str, dict[str, int]]:
+    partitions: dict[str, dict[str, int]] = read_manifest(image)["disk"]["partitions"]
     return partitions

@@ -1,6 +1,8 @@
 """A machine booted from the host image under QEMU (TCG), the way an operator boots a server.
 
 ``HostMachine`` boots ``host-image/build``'s kernel + initramfs with its root image and a data disk
+(the kernel: ``vmlinux``, the ELF image out of ``vmlinuz``, by its PVH entry point: the bzImage's
+XZ decompression would add ~10 s to every boot under TCG; ``kernel="vmlinuz"`` boots the bzImage)
 (a sparse raw file, virtio serial ``aurae-data``, blank at first) and one NIC on a tap of the
 test's own: a /30 from the VM pool helpers (``auraed.vms.network``: a block no host address or
 route touches, a tap ``atap<N>`` whose alias names its owner), the machine's address given on the
@@ -8,6 +10,10 @@ kernel command line as ``ip=`` -- no ``auraed.role``. QEMU runs without ``-no-re
 reboot the machine asks for restarts it in the same QEMU process (same disks), as a server's
 reset does. The console (serial) is collected by a thread; ``close`` kills QEMU and removes the
 tap and every file.
+
+``DiskMachine`` boots host-image's ``disk.img`` instead, as a PC or server boots it after ``dd``:
+a grown copy as a q35 machine's SATA disk, an Intel e1000e NIC, UEFI (OVMF) or legacy BIOS
+(SeaBIOS) firmware, the address by DHCP (busybox udhcpd on the tap).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import ipaddress
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -54,6 +61,7 @@ class HostMachine:
         extra_append: str = "",
         initramfs: str = "initramfs.img",
         static_ip: bool = True,
+        kernel: str = "vmlinux",
     ) -> None:
         self.image = image
         self.root = Path(tempfile.mkdtemp(prefix="aurae-hostvm-", dir="/tmp"))
@@ -75,7 +83,7 @@ class HostMachine:
             "-M", MICROVM, "-accel", "tcg", "-cpu", "max", "-m", str(memory_mib), "-smp", "1",
             "-nodefaults", "-no-user-config", "-display", "none",
             "-serial", "stdio",
-            "-kernel", str(image / "vmlinuz"), "-initrd", str(image / initramfs),
+            "-kernel", str(image / kernel), "-initrd", str(image / initramfs),
             "-append", append.strip(),
             "-drive", f"id=root,file={image / 'rootfs.img'},format=raw,if=none,readonly=on",
             "-device", "virtio-blk-device,drive=root,serial=aurae-root",
@@ -173,6 +181,112 @@ class HostMachine:
         with contextlib.suppress(Exception):
             network.delete_tap(self.net.tap, self.owner)
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
+OVMF_SECBOOT_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.secboot.fd")  # Secure Boot: needs SMM
+OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")  # blank: no keys, Secure Boot off
+FIRMWARES = ("uefi", "uefi-secure-boot", "bios")
+GROW = 512 * 1024 * 1024  # the copy is a disk bigger than the image, as a real one is
+
+
+class DiskMachine(HostMachine):
+    """HostMachine's tap, console and clean-up; booted from disk.img by OVMF (``firmware="uefi"``),
+    OVMF with Secure Boot on and the image's own keys enrolled (``"uefi-secure-boot"``: PK, KEK
+    and db from its secureboot/, by virt-firmware's virt-fw-vars, on a q35 with SMM) or SeaBIOS
+    (``"bios"``), addressed by DHCP. ``boot`` starts a new QEMU on the same disk."""
+
+    def __init__(self, image: Path, firmware: str = "uefi") -> None:
+        super().__init__(image, data_mib=1, static_ip=False)
+        self.data_disk.unlink()  # HostMachine's separate data disk: the partition is the data disk here
+        self.disk = self.root / "disk.img"
+        subprocess.run(["cp", "--sparse=always", str(image / "disk.img"), str(self.disk)], check=True)
+        with self.disk.open("r+b") as handle:
+            handle.truncate(self.disk.stat().st_size + GROW)
+        shutil.copy(OVMF_VARS, self.root / "vars.fd")
+        self.udhcpd: subprocess.Popen[bytes] | None = None
+        self.firmware = firmware
+        self.args = self.qemu_args(firmware)
+
+    def qemu_args(self, firmware: str) -> list[str]:
+        assert firmware in FIRMWARES
+        machine, pflash = "q35", []
+        if firmware == "uefi":
+            pflash = [
+                "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_CODE}",
+                "-drive", f"if=pflash,format=raw,unit=1,file={self.root / 'vars.fd'}",
+            ]  # fmt: skip
+        elif firmware == "uefi-secure-boot":
+            machine = "q35,smm=on"  # the secboot build keeps its variables in SMM: nothing else writes db
+            pflash = [
+                "-global", "driver=cfi.pflash01,property=secure,value=on",
+                "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_SECBOOT_CODE}",
+                "-drive", f"if=pflash,format=raw,unit=1,file={self.enrolled_vars()}",
+            ]  # fmt: skip
+        return [
+            "qemu-system-x86_64",
+            "-M", machine, "-accel", "tcg", "-cpu", "max", "-m", "1024", "-smp", "1",
+            "-nodefaults", "-no-user-config", "-display", "none", "-serial", "stdio",
+            *pflash,  # none: SeaBIOS, QEMU's own
+            "-drive", f"id=disk,file={self.disk},format=raw,if=none",
+            "-device", "ide-hd,drive=disk,bus=ide.0",  # SATA port 0 of q35's ICH9 AHCI
+            "-netdev", f"tap,id=net0,ifname={self.net.tap},script=no,downscript=no",
+            "-device", f"e1000e,netdev=net0,mac={self.net.mac}",  # Intel's 82574L: a PC's NIC, not virtio
+            "-object", "rng-random,id=rng0,filename=/dev/urandom",
+            "-device", "virtio-rng-pci,rng=rng0",
+        ]  # fmt: skip
+
+    def enrolled_vars(self) -> Path:
+        """A copy of OVMF's blank variables with the image's PK, KEK and db enrolled, Secure Boot on."""
+        path = self.root / "vars-secure-boot.fd"
+        if not path.exists():
+            keys = self.image / "secureboot"
+            owner = "a5ea0e7b-6b1e-4d2f-9c2a-2d7c1f0a0e11"  # any GUID: who "owns" each entry
+            tool = Path(sys.executable).parent / "virt-fw-vars"
+            subprocess.run(
+                [
+                    str(tool), "--input", str(OVMF_VARS), "--output", str(path),
+                    "--set-pk", owner, str(keys / "PK.crt"), "--add-kek", owner, str(keys / "KEK.crt"),
+                    "--add-db", owner, str(keys / "db.crt"), "--no-microsoft", "--sb",
+                ],
+                check=True, capture_output=True,
+            )  # fmt: skip
+        return path
+
+    def boot(self, firmware: str) -> None:
+        """A new QEMU on the same disk (and tap, DHCP server, console) after the last one ended."""
+        assert self.process is not None and self.process.poll() is not None
+        if self._reader is not None:
+            self._reader.join(5)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+        self.firmware = firmware
+        self.args = self.qemu_args(firmware)
+        HostMachine.start(self)
+
+    def start(self) -> None:
+        mask = ipaddress.IPv4Network(f"0.0.0.0/{self.net.prefixlen}").netmask
+        conf = self.root / "udhcpd.conf"
+        conf.write_text(
+            f"start {self.net.guest_ip}\nend {self.net.guest_ip}\nmax_leases 1\n"
+            f"interface {self.net.tap}\nlease_file {self.root / 'udhcpd.leases'}\n"
+            f"pidfile {self.root / 'udhcpd.pid'}\n"
+            f"option subnet {mask}\noption router {self.net.host_ip}\noption lease 3600\n"
+        )
+        (self.root / "udhcpd.leases").touch()
+        self.udhcpd = subprocess.Popen(
+            ["busybox", "udhcpd", "-f", str(conf)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=(self.root / "udhcpd.log").open("wb"),
+        )
+        super().start()
+
+    def close(self) -> None:
+        if self.udhcpd is not None:
+            self.udhcpd.kill()
+            self.udhcpd.wait()
+        super().close()
 
 
 def _free_block_pool() -> ipaddress.IPv4Network:
