@@ -133,6 +133,8 @@ async def test_exec_with_a_terminal_and_stdin(node: Node, running: tuple[str, st
     )
     try:
         await read_until(command, b"hello\r\n")
+        # The command has ended by now and the server is closing: closing its stdin is no error.
+        await asyncio.sleep(1.0)
         await command.close_stdin()
         result = await command.collect()
     finally:

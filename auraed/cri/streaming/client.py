@@ -25,7 +25,7 @@ from auraed.cri.streaming.channels import CLOSE_CHANNEL
 from auraed.cri.streaming.spdy import Headers, SpdyLimits
 from auraed.cri.streaming.spdy_session import SpdySession, SpdyStream, SpdyStreamClosed
 from auraed.cri.streaming.transport import ByteTransport, StreamTransport
-from auraed.cri.streaming.websocket import WebSocketConnection, WebSocketTransport
+from auraed.cri.streaming.websocket import WebSocketClosed, WebSocketConnection, WebSocketTransport
 
 Transport = Literal["spdy", "websocket"]
 _STATUS_LIMIT = 1 << 20
@@ -225,7 +225,9 @@ class _WebSocketCommand(RemoteCommand):
     async def close_stdin(self) -> None:
         if not self._close_signal:
             raise StreamingClientError("only v5.channel.k8s.io can close stdin over WebSocket")
-        await self._connection.send(bytes((CLOSE_CHANNEL, remotecommand.CHANNEL_STDIN)))
+        # A command that ended first (its output read, the server closing) has no stdin left to close.
+        with contextlib.suppress(WebSocketClosed):
+            await self._connection.send(bytes((CLOSE_CHANNEL, remotecommand.CHANNEL_STDIN)))
 
     async def resize(self, width: int, height: int) -> None:
         await self._send(
