@@ -8,17 +8,21 @@ busybox's udhcpc with our lease script, ``/etc/aurae/auraed.toml`` and
 ``/usr/lib/aurae/host.json`` (the profile PID 1 reads: the data disk, the API port, where the PKI
 goes; auraed/init/host.py). The default output is ``<repo>/.work/host-image/<inputs-hash>/``.
 
-Not in it yet: QEMU and the guest image (a host booted from this image serves cells, containers
-and the CRI; VMs need qemu-system-x86 and guest-image/build's output added to the root).
+It also holds QEMU (qemu-system-x86_64 with its TCG accelerator module, virtiofsd, the firmware
+microvm and q35 load) and the guest image (guest-image/build's vmlinuz, initramfs.img and
+rootfs.img, reused from its cache) at ``GUEST_IMAGE``, which the daemon's config names: VMs and vm
+pods work with no configuration.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
 import lzma
+import os
 import shutil
 import sys
 import time
@@ -46,11 +50,44 @@ HOST_LIBRARIES = (
     "libgssapi-krb5-2", "libkrb5-3", "libk5crypto3", "libcom-err2", "libkrb5support0",
     "libkeyutils1", "libext2fs2", "libblkid1", "libbsd0", "libmd0", "libxtables12",
 )  # fmt: skip
-LIBRARY_PACKAGES = (*guest.LIBRARY_PACKAGES, *HOST_LIBRARIES)
+# QEMU for the guests (and vm pods) the host boots: the emulator, its TCG accelerator and virtiofsd
+# (qemu-system-common; TCG is a module in Debian's build, /usr/lib/x86_64-linux-gnu/qemu), the firmware
+# QEMU loads (qemu-system-data: microvm's qboot and the option ROMs that boot -kernel; seabios:
+# q35's BIOS; ipxe-qemu: the ROM of q35's virtio-net-pci), and what they link.
+QEMU_PROGRAMS = ("qemu-system-x86", "qemu-system-common", "qemu-system-data", "seabios", "ipxe-qemu")
+QEMU_LIBRARIES = (
+    "libaio1", "libcap-ng0", "libcapstone4", "libdaxctl1", "libfdt1", "libfuse3-3", "libglib2.0-0",
+    "libgmp10", "libgnutls30", "libhogweed6", "libibverbs1", "libidn2-0", "libjpeg62-turbo", "libkmod2",
+    "libmount1", "libndctl6", "libnettle8", "libnl-3-200", "libnl-route-3-200", "libnuma1",
+    "libp11-kit0", "libpixman-1-0", "libpmem1", "libpng16-16", "librdmacm1", "libsasl2-2", "libslirp0",
+    "libtasn1-6", "libudev1", "libunistring2", "liburing2", "libvdeplug2",
+)  # fmt: skip
+QEMU_MODULE_DIR = f"usr/lib/{guest.MULTIARCH}/qemu"
+QEMU_MODULES = ("accel-tcg-x86_64.so",)  # -accel tcg; KVM is built in
+# (package, path in it): what QEMU reads from its firmware path (/usr/share/qemu, /usr/share/seabios,
+# /usr/lib/ipxe/qemu) for microvm (qboot; pvh.bin and linuxboot_dma.bin boot -kernel) and q35.
+QEMU_FIRMWARE = (
+    ("qemu-system-data", "usr/share/qemu/qboot.rom"),
+    ("qemu-system-data", "usr/share/qemu/bios-microvm.bin"),
+    ("qemu-system-data", "usr/share/qemu/pvh.bin"),
+    ("qemu-system-data", "usr/share/qemu/linuxboot.bin"),
+    ("qemu-system-data", "usr/share/qemu/linuxboot_dma.bin"),
+    ("qemu-system-data", "usr/share/qemu/multiboot_dma.bin"),
+    ("qemu-system-data", "usr/share/qemu/kvmvapic.bin"),
+    ("seabios", "usr/share/seabios/bios-256k.bin"),
+    ("seabios", "usr/share/seabios/bios.bin"),
+    ("ipxe-qemu", "usr/lib/ipxe/qemu/efi-virtio.rom"),
+)
+# Where the guest image goes in the root, read-only; auraed.toml's guest_image names it.
+GUEST_IMAGE = "/usr/lib/aurae/guest-image"
+GUEST_IMAGE_FILES = ("vmlinuz", "initramfs.img", "rootfs.img", "manifest.json")
+LIBRARY_PACKAGES = (*guest.LIBRARY_PACKAGES, *HOST_LIBRARIES, *QEMU_LIBRARIES)
 # Not in the root: the EFI stub disk.img's unified kernel image is made of, and GRUB's BIOS boot
 # code and modules (host-image/mkdisk.py; grub-mkimage itself is grub-common's, from hack/setup).
 BOOT_PACKAGES = ("systemd-boot-efi", "grub-pc-bin")
-PACKAGES = (*guest.PACKAGES, *HOST_PROGRAMS, *HOST_LIBRARIES, *BOOT_PACKAGES)
+PACKAGES = (
+    *guest.PACKAGES, *HOST_PROGRAMS, *HOST_LIBRARIES, *QEMU_PROGRAMS, *QEMU_LIBRARIES, *BOOT_PACKAGES,
+)  # fmt: skip
 # The CNI plugins auraed's pod networking uses (auraed/cni/): the reference set a conflist names.
 CNI_PLUGINS = (
     "bridge", "host-local", "loopback", "portmap", "firewall", "bandwidth", "tuning", "ptp", "static",
@@ -71,7 +108,11 @@ STORAGE_MODULES = (
 # ice and Mellanox's mlx5 (2 and 4 MB more, before compression), nor any firmware blob.
 NIC_MODULES = ("e1000e", "igb", "igc", "ixgbe", "i40e", "r8169", "tg3", "bnxt_en")
 # Loaded on demand by PID 1 and the daemon: containers' and pods' networking.
-EXTRA_MODULES = (*guest.ROOTFS_EXTRA_MODULES, "nf_conntrack", "nf_nat", "xt_MASQUERADE")
+# KVM (kvm_intel, kvm_amd) and vhost-net for the guests on real machines.
+EXTRA_MODULES = (
+    *guest.ROOTFS_EXTRA_MODULES, "nf_conntrack", "nf_nat", "xt_MASQUERADE", "kvm", "kvm_intel", "kvm_amd",
+    "vhost_net",
+)  # fmt: skip
 
 DATA_LABEL = "AURAE-DATA"  # the data disk's ext4 label; a blank disk with DATA_SERIAL gets it
 DATA_SERIAL = "aurae-data"
@@ -101,6 +142,8 @@ ca_key = "{STATE_DIR}/tls/ca.key"
 server_crt = "{STATE_DIR}/tls/server.crt"
 server_key = "{STATE_DIR}/tls/server.key"
 stop_containers_on_shutdown = true
+# The guest image in the read-only root (guest-image/build's, put there by host-image/build).
+guest_image = "{GUEST_IMAGE}"
 """
 
 
@@ -109,6 +152,7 @@ class HostBuild(guest.Build):
     initramfs_modules = (*guest.INITRAMFS_MODULES, *STORAGE_MODULES, *NIC_MODULES)
     rootfs_extra_modules = EXTRA_MODULES
     identity = ("host", "aurae-host")
+    guest_image = ""  # the inputs hash of the guest image in the root
 
     def run(self, started: float) -> None:
         super().run(started)
@@ -138,6 +182,7 @@ class HostBuild(guest.Build):
         manifest["files"]["vmlinux"] = {"size": vmlinux.stat().st_size, "sha256": sha256_of(vmlinux)}
         manifest["disk"] = layout
         manifest["packages_outside_root"] = {p: self.inputs.packages[p] for p in BOOT_PACKAGES}
+        manifest["guest_image"] = {"path": GUEST_IMAGE, "inputs_hash": self.guest_image}
         path.write_text(json.dumps(manifest, indent=2) + "\n")
         guest.log(f"disk image (raw GPT, UEFI or BIOS; dd it to a disk): {self.out / 'disk.img'}")
 
@@ -161,6 +206,8 @@ class HostBuild(guest.Build):
             shutil.copy2(trees["containernetworking-plugins"] / "usr/lib/cni" / plugin, cni / plugin)
         (s / "etc/cni/net.d").mkdir(parents=True, exist_ok=True)
         self.used_packages |= set(HOST_PROGRAMS)
+        self.install_qemu()
+        self.install_guest_image()
         share = s / "usr/share/aurae"
         share.mkdir(parents=True, exist_ok=True)
         shutil.copy(FILES / "udhcpc.script", share / "udhcpc.script")
@@ -170,6 +217,32 @@ class HostBuild(guest.Build):
         (s / "var/lib/aurae").mkdir(parents=True, exist_ok=True)
         (s / "var/lib/aurae").chmod(0o700)
         (s / "etc/resolv.conf").write_text("")
+
+    def install_qemu(self) -> None:
+        trees, s = self.trees, self.stage
+        self.replace(trees["qemu-system-x86"] / "usr/bin/qemu-system-x86_64", "usr/bin/qemu-system-x86_64")
+        for name in QEMU_MODULES:
+            self.replace(trees["qemu-system-common"] / QEMU_MODULE_DIR / name, f"{QEMU_MODULE_DIR}/{name}")
+        self.replace(trees["qemu-system-common"] / "usr/lib/qemu/virtiofsd", "usr/lib/qemu/virtiofsd")
+        for package, relative in QEMU_FIRMWARE:
+            source = trees[package] / relative
+            target = s / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if source.is_symlink():
+                target.symlink_to(os.readlink(source))
+            else:
+                shutil.copy2(source, target)
+        self.used_packages |= set(QEMU_PROGRAMS)
+
+    def install_guest_image(self) -> None:
+        """guest-image/build's output (its cache: reused when its inputs are unchanged) at GUEST_IMAGE."""
+        image = guest.build(None, self.inputs.rootfs_type, False, guest.DEFAULT_BASE / "cache")
+        target = self.stage / GUEST_IMAGE.lstrip("/")
+        target.mkdir(parents=True, exist_ok=True)
+        for name in GUEST_IMAGE_FILES:
+            shutil.copy(image / name, target / name)
+        self.guest_image = json.loads((image / "manifest.json").read_text())["inputs_hash"]
+        self.used_packages |= {p for p in self.inputs.packages if p.endswith("-cloud-amd64")}
 
     def replace(self, source: Path | None, relative: str, link: str = "") -> None:
         """Put ``source`` (or a symlink to ``link``) at ``relative``, in place of busybox's applet."""
@@ -239,10 +312,19 @@ def sha256_of(path: Path) -> str:
 HOST = guest.Flavour("host", BASE, PACKAGES, (guest.HERE, HERE, KEYS), HostBuild, KERNEL_META)
 
 
+def with_guest_kernel(flavour: guest.Flavour = HOST) -> guest.Flavour:
+    """HOST with the guest image's kernel package among its packages: the guest image in the root
+    changes with it (its other inputs, packages and sources, are the host's too). apt's answer is
+    remembered like the guest build's own."""
+    kernel, _ = guest.debian_packages(guest.DEFAULT_BASE / "cache")
+    return dataclasses.replace(flavour, packages=(*flavour.packages, kernel))
+
+
 if __name__ == "__main__":
     try:
         ensure_keys()
+        flavour = with_guest_kernel()
     except guest.BuildError as exc:
         print(f"host-image/build: {exc}", file=sys.stderr)
         sys.exit(1)
-    sys.exit(guest.main(flavour=HOST, description=__doc__.split("\n\n")[0]))
+    sys.exit(guest.main(flavour=flavour, description=__doc__.split("\n\n")[0]))
