@@ -108,11 +108,11 @@ STORAGE_MODULES = (
 # ice and Mellanox's mlx5 (2 and 4 MB more, before compression), nor any firmware blob.
 NIC_MODULES = ("e1000e", "igb", "igc", "ixgbe", "i40e", "r8169", "tg3", "bnxt_en")
 # Loaded on demand by PID 1 and the daemon: containers' and pods' networking.
-# KVM (kvm_intel, kvm_amd) and vhost-net for the guests on real machines.
-EXTRA_MODULES = (
-    *guest.ROOTFS_EXTRA_MODULES, "nf_conntrack", "nf_nat", "xt_MASQUERADE", "kvm", "kvm_intel", "kvm_amd",
-    "vhost_net",
-)  # fmt: skip
+# Loaded by PID 1 at boot (host.json's "modules", with their dependencies first): tun for the VMs'
+# taps (nothing else loads it: no udev), KVM for their accelerator on real machines (the one that
+# does not fit the CPU fails, logged).
+BOOT_MODULES = ("tun", "kvm_intel", "kvm_amd")
+EXTRA_MODULES = (*guest.ROOTFS_EXTRA_MODULES, "nf_conntrack", "nf_nat", "xt_MASQUERADE", *BOOT_MODULES)
 
 DATA_LABEL = "AURAE-DATA"  # the data disk's ext4 label; a blank disk with DATA_SERIAL gets it
 DATA_SERIAL = "aurae-data"
@@ -213,7 +213,9 @@ class HostBuild(guest.Build):
         shutil.copy(FILES / "udhcpc.script", share / "udhcpc.script")
         (share / "udhcpc.script").chmod(0o755)
         (s / "etc/aurae/auraed.toml").write_text(DAEMON_CONFIG)
-        (s / "usr/lib/aurae/host.json").write_text(json.dumps(PROFILE, indent=2) + "\n")
+        modules = guest.Modules.load(self.kernel_tree / "lib/modules" / self.kernel_release)
+        profile = {**PROFILE, "modules": [modules.filename(n) for n in modules.load_order(BOOT_MODULES)]}
+        (s / "usr/lib/aurae/host.json").write_text(json.dumps(profile, indent=2) + "\n")
         (s / "var/lib/aurae").mkdir(parents=True, exist_ok=True)
         (s / "var/lib/aurae").chmod(0o700)
         (s / "etc/resolv.conf").write_text("")

@@ -77,6 +77,9 @@ class HostProfile(NamedTuple):
     client_dir: str
     dhcp_script: str
     data_partname: str = ""  # the GPT name of a data partition (host-image's disk.img: aurae-data)
+    # Kernel modules loaded at boot, in order (paths under /lib/modules/<release>): tun for the VMs'
+    # taps (no udev here to load it on first open of /dev/net/tun), KVM for their accelerator.
+    modules: tuple[str, ...] = ()
 
     @classmethod
     def load(cls, root: str = "/") -> HostProfile | None:
@@ -95,6 +98,7 @@ class HostProfile(NamedTuple):
             client_dir=str(data["client_dir"]),
             dhcp_script=str(data["dhcp_script"]),
             data_partname=str(disk.get("partname", "")),
+            modules=tuple(str(m) for m in data.get("modules", ())),
         )
 
 
@@ -110,6 +114,20 @@ class HostBoot:
         self.disk: DataDisk | None = None
         self.disk_problem = ""
         self.network = ""  # how the address came, for the status screen
+
+    def load_modules(self) -> None:
+        """The profile's modules, each on its own: one that fails (kvm_intel on an AMD machine, or
+        under TCG with no VMX) is logged and the rest still load."""
+        from auraed.init import powerbutton
+
+        loaded = []
+        for module in self.profile.modules:
+            try:
+                loaded += powerbutton.load_modules(modules=(module,))
+            except OSError as exc:
+                log.info("kernel module %s not loaded: %s", os.path.basename(module), exc.strerror or exc)
+        if loaded:
+            log.info("loaded %s", " ".join(os.path.basename(p) for p in loaded))
 
     def data_disk(self) -> None:
         from auraed.init import datadisk

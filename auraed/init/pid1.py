@@ -253,6 +253,7 @@ class Pid1:
                 step = time.monotonic()
                 self._step("data disk", host.data_disk)
                 self.timings["data disk"] = time.monotonic() - step
+                self._step("kernel modules", host.load_modules)
             step = time.monotonic()
             self._step("network", self.configure_network)
             if host is not None and not self.args.ip:

@@ -4,6 +4,7 @@ protocol, the CA fingerprint, the client bundle, and the daemon supervisor with 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -79,6 +80,23 @@ def profile(tmp_path: Path) -> HostProfile:
     return HostProfile(
         "AURAE-DATA", "aurae-data", str(tmp_path), 8443, str(tmp_path / "tls"), str(tmp_path / "client"), ""
     )
+
+
+def test_the_profile_names_the_modules_to_load_and_a_missing_one_is_skipped(tmp_path: Path) -> None:
+    (tmp_path / "usr/lib/aurae").mkdir(parents=True)
+    data = {
+        "data_disk": {"label": "AURAE-DATA", "serial": "aurae-data", "mount": "/var/lib/aurae"},
+        "api_port": 8443, "tls_dir": "t", "client_dir": "c", "dhcp_script": "s",
+    }  # fmt: skip
+    (tmp_path / "usr/lib/aurae/host.json").write_text(json.dumps(data))
+    loaded = HostProfile.load(str(tmp_path))
+    assert loaded is not None and loaded.modules == ()  # an older image's profile
+    modules = ["kernel/drivers/net/tun.ko", "kernel/arch/x86/kvm/kvm.ko"]
+    (tmp_path / "usr/lib/aurae/host.json").write_text(json.dumps({**data, "modules": modules}))
+    loaded = HostProfile.load(str(tmp_path))
+    assert loaded is not None and loaded.modules == tuple(modules)
+    # Not in this machine's module tree: nothing is loaded, nothing raised.
+    HostBoot(loaded._replace(modules=("kernel/no/such-module.ko",)), "").load_modules()
 
 
 def test_the_client_config_is_shown_once_and_runs_as_a_script(
