@@ -43,6 +43,7 @@ from auraed.vms.model import State, VmRecord, VmSpec, parse_vm
 from auraed.vms.qemu import QemuBackend
 from auraed.vms.servicer import SERVICE_NAME, VmServicer
 from auraed.vms.vms import KIND, Vms
+from tests.support.workers import worker_share
 
 pytestmark = pytest.mark.slow
 
@@ -55,9 +56,10 @@ TEST_RANGE = ipaddress.IPv4Network("10.213.192.0/18")
 
 
 def free_test_pool(prefixlen: int = 28, within: ipaddress.IPv4Network = TEST_RANGE) -> ipaddress.IPv4Network:
-    """A random /``prefixlen`` of ``within`` that nothing on the host overlaps."""
+    """A random /``prefixlen`` of this worker's share of ``within`` (``worker_share``: no other
+    test worker picks from it) that nothing on the host overlaps."""
     host = network.host_networks()
-    candidates = list(within.subnets(new_prefix=prefixlen))
+    candidates = list(worker_share(within).subnets(new_prefix=prefixlen))
     random.shuffle(candidates)
     for pool in candidates:
         if not network.conflicts(pool, host):

@@ -38,6 +38,8 @@ from auraed.system.pod_namespaces import (
     remove_pod_namespaces,
 )
 from auraed.vms.network import conflicts, host_networks
+from tests.support import workers
+from tests.support.workers import worker_share
 
 POD_POOL = ipaddress.IPv4Network("10.214.0.0/16")
 """Where test pod subnets come from (beside the VM pool's default, 10.213.0.0/16)."""
@@ -70,10 +72,10 @@ def missing_plugins() -> list[str]:
 
 
 def pick_subnet() -> ipaddress.IPv4Network:
-    """A /24 of POD_POOL that overlaps no address or route of the host (tried in random order, so
-    that tests running at once rarely pick the same one)."""
+    """A /24 of this test worker's share of POD_POOL (``worker_share``: no other worker picks from
+    it) that overlaps no address or route of the host, tried in random order."""
     host = host_networks()
-    candidates = list(POD_POOL.subnets(new_prefix=24))
+    candidates = list(worker_share(POD_POOL).subnets(new_prefix=24))
     random.shuffle(candidates)
     for subnet in candidates:
         if not conflicts(subnet, host):
@@ -239,7 +241,5 @@ def probe(host: str, port: int, timeout: float = 5.0) -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A loopback port of this test worker's own (``tests.support.workers``), free a moment ago."""
+    return workers.free_port()
