@@ -59,6 +59,19 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         )
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` (hack/test's parallel workers) a test without an
+    ``xdist_group`` of its own runs in its file's group: a file's tests on one worker, so that its
+    module fixtures (a booted machine, a registry) are made once, as they are without xdist.
+    Files whose QEMU guests would starve each other's timing share a named group."""
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
 @pytest.fixture(scope="session")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> PkiPaths:
     return ensure_dev_pki(tmp_path_factory.mktemp("pki"), client_names=("aurae-client", "reader", "intruder"))
