@@ -18,9 +18,11 @@ import pytest
 
 from auraed.client import AuraeClient, ClientConfig
 from auraed.pki import PkiPaths, ensure_dev_pki
+from tests.support.cni import HostSnapshot, host_snapshot, restore_host
 from tests.support.images import BuiltImage, build_busybox_layout, build_large_layout
 
 READY_TIMEOUT = 30.0
+HOST_BEFORE = pytest.StashKey[HostSnapshot]()
 REQUIRED_PROGRAMS = (
     "runc",
     "crun",
@@ -57,6 +59,20 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         pytest.exit(
             "this machine cannot run the suite: " + "; ".join(problems) + " (hack/test sets it up)", 1
         )
+    if _is_xdist_controller(session.config):
+        session.config.stash[HOST_BEFORE] = host_snapshot()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Parallel workers leave the host-wide state CNI networks share to the session (see
+    tests/support/cni.py): put back once every worker is done."""
+    before = session.config.stash.get(HOST_BEFORE, None)
+    if before is not None:
+        restore_host(before)
+
+
+def _is_xdist_controller(config: pytest.Config) -> bool:
+    return bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups

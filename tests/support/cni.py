@@ -8,7 +8,10 @@ checked against every host address and route (``auraed.vms.network.host_networks
 ``tmp_path``. On exit it deletes the bridge (the bridge plugin never does), any iptables rule
 still carrying the network's name (a DEL that failed) and the chains they jump to, portmap's
 shared CNI-HOSTPORT-* chains when this network's test created them and nothing else uses them,
-and puts net.ipv4.ip_forward back (the bridge plugin turns it on for the whole host).
+and puts net.ipv4.ip_forward back (the bridge plugin turns it on for the whole host). Those two
+are the host's, shared by every network: under parallel test workers another worker's network may
+be using them (or its portmap making the chains) right then, so there the session puts them back
+once every worker is done (``host_snapshot`` and ``restore_host``, from tests/conftest.py).
 
 ``pod_namespaces(directory)`` pins a pod's namespaces and removes them after;
 ``listener_in(netns, port)`` runs a TCP server in a network namespace that answers every
@@ -182,6 +185,29 @@ def _remove_hostport_chains_if_unused() -> None:
         _iptables("-X", chain)
 
 
+@dataclasses.dataclass(frozen=True)
+class HostSnapshot:
+    """The host-wide state CNI networks change: ip_forward, and whether portmap's chains exist."""
+
+    forwarding: str
+    hostport_chains: bool
+
+
+def host_snapshot() -> HostSnapshot:
+    return HostSnapshot(IP_FORWARD.read_text(), _hostport_chains_present())
+
+
+def restore_host(before: HostSnapshot) -> None:
+    if not before.hostport_chains:
+        _remove_hostport_chains_if_unused()
+    IP_FORWARD.write_text(before.forwarding)
+
+
+def _host_state_is_the_sessions() -> bool:
+    """Under parallel workers the shared host state is put back by the session, at its end."""
+    return workers.worker_count() > 1
+
+
 @contextlib.contextmanager
 def cni_network(tmp_path: Path) -> Iterator[CniNetwork]:
     token = f"{random.getrandbits(24):06x}"
@@ -194,16 +220,14 @@ def cni_network(tmp_path: Path) -> Iterator[CniNetwork]:
         conf_dir=conf_dir,
         data_dir=tmp_path / "ipam",
     )
-    forwarding = IP_FORWARD.read_text()
-    hostport_chains_before = _hostport_chains_present()
+    before = host_snapshot()
     try:
         yield network
     finally:
         subprocess.run(["ip", "link", "del", network.bridge], capture_output=True, check=False)
         network.remove_leftovers()
-        if not hostport_chains_before:
-            _remove_hostport_chains_if_unused()
-        IP_FORWARD.write_text(forwarding)
+        if not _host_state_is_the_sessions():
+            restore_host(before)
 
 
 @contextlib.contextmanager
