@@ -340,7 +340,16 @@ def deb_filename(package: str, version: str) -> str:
 
 
 def fetch_packages(cache: Path, packages: dict[str, str]) -> dict[str, Path]:
-    """Each package extracted (dpkg-deb -x) into its own cached directory."""
+    """Each package extracted (dpkg-deb -x) into its own cached directory. The cache is shared by
+    every flavour's build (guest and host images, each under its own lock, may run at once, as
+    parallel test workers do): downloading and extracting hold the cache's own lock."""
+    cache.mkdir(parents=True, exist_ok=True)
+    with (cache / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _fetch_packages(cache, packages)
+
+
+def _fetch_packages(cache: Path, packages: dict[str, str]) -> dict[str, Path]:
     debs = cache / "debs"
     extracted = cache / "pkgs"
     debs.mkdir(parents=True, exist_ok=True)

@@ -13,14 +13,17 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from auraed.client import AuraeClient, ClientConfig
 from auraed.pki import PkiPaths, ensure_dev_pki
+from tests.support.cni import HostSnapshot, host_snapshot, restore_host
 from tests.support.images import BuiltImage, build_busybox_layout, build_large_layout
 
 READY_TIMEOUT = 30.0
+HOST_BEFORE = pytest.StashKey[HostSnapshot]()
 REQUIRED_PROGRAMS = (
     "runc",
     "crun",
@@ -57,6 +60,82 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         pytest.exit(
             "this machine cannot run the suite: " + "; ".join(problems) + " (hack/test sets it up)", 1
         )
+    if _is_xdist_controller(session.config):
+        session.config.stash[HOST_BEFORE] = host_snapshot()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Parallel workers leave the host-wide state CNI networks share to the session (see
+    tests/support/cni.py): put back once every worker is done."""
+    before = session.config.stash.get(HOST_BEFORE, None)
+    if before is not None:
+        restore_host(before)
+
+
+def _is_xdist_controller(config: pytest.Config) -> bool:
+    return bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
+
+
+# The files whose tests boot TCG guests, in two groups of about equal length (~6.5 min each
+# without xdist on this 2-core kind of machine): under hack/test's parallel workers each group
+# runs on one worker, so that at most two guests (one per core) boot at once however many workers
+# there are, and their timing (boots, keepalives, deadlines) is not starved by a third. They are
+# scheduled first, the longest work ahead of the short files that fill in around it.
+GUEST_GROUPS = {
+    "guests-1": (
+        "test_nested.py",
+        "test_host_image.py",
+        "test_guest_image.py",
+        "test_orka_vms.py",
+        "test_vms.py",
+        "test_cri_vm_pods.py",
+    ),
+    "guests-2": (
+        "test_host_disk.py",
+        "test_cri_vm_faults.py",
+        "test_vm_templates.py",
+        "test_cri_vm_containers.py",
+        "test_vm_resize.py",
+        "test_vm_debug_console.py",
+        "test_vm_edges.py",
+    ),
+}
+GUEST_GROUP_OF = {
+    f"tests/integration/{name}": group for group, names in GUEST_GROUPS.items() for name in names
+}
+
+
+def _group_of(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return GUEST_GROUP_OF.get(path, path)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` (hack/test's parallel workers): each test runs in its guest group
+    (``GUEST_GROUPS``) or else its file's, a group's tests on one worker, so that module fixtures
+    (a booted machine, a registry) are made once and a module's tests run in order, as they do
+    without xdist. The grouping is this scheduler's: xdist's own (the ``xdist_group`` marker)
+    renames node ids, which pytest 9 no longer lets a plugin do, and has no effect."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return _group_of(nodeid)
+
+    return GroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under parallel workers the guest groups are collected first (every worker collects the
+    same order; hack/test keeps it: --no-loadscope-reorder), the longest work ahead of the short
+    files that fill in around it."""
+    if not getattr(config.option, "loadgroup", False):  # xdist hands its workers dist "no"
+        return
+    order = list(GUEST_GROUPS)
+    items.sort(key=lambda item: order.index(g) if (g := _group_of(item.nodeid)) in order else len(order))
 
 
 @pytest.fixture(scope="session")

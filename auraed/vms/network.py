@@ -289,6 +289,12 @@ def pick(pool: ipaddress.IPv4Network, held: Collection[NetInfo], held_taps: Coll
 
 
 @_off_loop
+def free_tap_name(held_taps: Collection[str]) -> str:
+    """The first ``atap<N>`` that is neither a link on the host now nor in ``held_taps``."""
+    return tap_name({*link_names(), *held_taps})
+
+
+@_off_loop
 def create_tap(net: NetInfo, owner: str) -> None:
     """Create the persistent tap (owned by root), give it the host address of its /30, bring it up.
 
@@ -306,8 +312,8 @@ def create_tap(net: NetInfo, owner: str) -> None:
         )
     with _iproute() as ipr:
         if ipr.link_lookup(ifname=net.tap):
-            raise VmError.precondition(f"a link named {net.tap} already exists on the host")
-        ipr.link("add", ifname=net.tap, kind="tuntap", mode="tap", uid=0, gid=0)
+            raise TapNameTaken(net.tap)
+        _add_persistent_tap(net.tap)
         try:
             index = _lookup(ipr, net.tap)
             ipr.link("set", index=index, ifalias=owner)
@@ -322,7 +328,39 @@ def create_tap(net: NetInfo, owner: str) -> None:
 
 
 TUNSETIFF = 0x400454CA
-IFF_TAP, IFF_NO_PI, IFF_VNET_HDR = 0x0002, 0x1000, 0x4000
+TUNSETPERSIST, TUNSETOWNER, TUNSETGROUP = 0x400454CB, 0x400454CC, 0x400454CE
+IFF_TAP, IFF_NO_PI, IFF_VNET_HDR, IFF_TUN_EXCL = 0x0002, 0x1000, 0x4000, 0x8000
+
+
+class TapNameTaken(VmError):
+    """The picked tap name is a link on the host already: another process (another auraed)
+    made it between ``pick`` and ``create_tap``. Nothing was made; pick another name."""
+
+    def __init__(self, tap: str) -> None:
+        super().__init__(ErrorKind.FAILED_PRECONDITION, f"a link named {tap} already exists on the host")
+        self.tap = tap
+
+
+def _add_persistent_tap(tap: str) -> None:
+    """Create the persistent tap ``tap`` owned by root, atomically: TUNSETIFF with IFF_TUN_EXCL
+    fails (EBUSY) when a tap of that name exists, where without it the call would attach to that
+    tap -- someone else's, made since the name was checked -- and take it over."""
+    import fcntl
+    import struct
+
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", tap.encode(), IFF_TAP | IFF_TUN_EXCL))
+        except OSError as exc:
+            if exc.errno == errno.EBUSY:  # a link of that name exists (IFF_TUN_EXCL)
+                raise TapNameTaken(tap) from None
+            raise
+        fcntl.ioctl(fd, TUNSETOWNER, 0)
+        fcntl.ioctl(fd, TUNSETGROUP, 0)
+        fcntl.ioctl(fd, TUNSETPERSIST, 1)
+    finally:
+        os.close(fd)
 
 
 def open_tap_in(netns: str, tap: str) -> int:

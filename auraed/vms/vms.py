@@ -53,6 +53,7 @@ TAIL_LINES = 20
 # one endless line from a guest would otherwise make replies too large to send.
 TAIL_LINE_MAX = 1024
 STATUS_TIMEOUT = 5.0
+TAP_NAME_TRIES = 16  # names taken by other processes between pick and create before giving up
 DEFAULT_START_TIMEOUT = 60.0
 
 
@@ -198,14 +199,12 @@ class Vms:
                 )
             record = VmRecord(spec=spec, backend=backend, run_dir=str(self.run_dir(spec.name)), net=net)
             if spec.network and net is None:
-                nets = [r.net for r in self._records.values() if r.net is not None and r.net.from_pool]
+                nets = self._nets()
                 record.net = await asyncio.to_thread(network.pick, self.pool, nets, {n.tap for n in nets})
             # The record (with its block) exists before the tap: a crash in between is cleaned at start.
             self._save(record)
             try:
-                # Made to the end even when the caller goes (a client hanging up cancels us): the
-                # thread making the tap would go on regardless, and undoing it must follow it.
-                await run_to_end(asyncio.to_thread(self._make, record))
+                await self._make_with_a_free_tap(record, {n.tap for n in self._nets()})
                 record.state = State.ALLOCATED
                 self._save(record)  # may fail too (a full disk): then nothing stays either
             except BaseException:
@@ -219,6 +218,28 @@ class Vms:
             f", {record.net.tap} {record.net.host_ip} -> {record.net.guest_ip}" if record.net else "",
         )
         return record
+
+    def _nets(self) -> list[NetInfo]:
+        return [r.net for r in self._records.values() if r.net is not None and r.net.from_pool]
+
+    async def _make_with_a_free_tap(self, record: VmRecord, held_taps: set[str]) -> None:
+        """``_make``; when another process (another auraed on the host) made a link of the picked
+        tap's name since ``pick``, nothing was made: the record takes the next free name instead.
+        Made to the end even when the caller goes (a client hanging up cancels us): the thread
+        making the tap would go on regardless, and undoing it must follow it."""
+        taken: set[str] = set()
+        while True:
+            try:
+                await run_to_end(asyncio.to_thread(self._make, record))
+                return
+            except network.TapNameTaken as exc:
+                if record.net is None or len(taken) >= TAP_NAME_TRIES:
+                    raise
+                taken.add(exc.tap)
+                log.info("VM %s: tap %s was taken meanwhile; picking another name", record.name, exc.tap)
+                tap = await asyncio.to_thread(network.free_tap_name, {*held_taps, *taken})
+                record.net = dataclasses.replace(record.net, tap=tap)
+                self._save(record)
 
     def _make(self, record: VmRecord) -> None:
         run_dir = Path(record.run_dir)

@@ -71,6 +71,7 @@ from auraed.vms.templates import (
 )
 from auraed.vms.templates import KIND as TEMPLATE_KIND
 from auraed.vms.vms import KIND, Vms, choose_backend
+from tests.support.workers import worker_share
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC_SOURCE = (
@@ -937,7 +938,10 @@ async def ch_vms(root: Path, fake_binary: Path) -> AsyncIterator[Vms]:
 
 def free_pool() -> ipaddress.IPv4Network:
     host = network.host_networks()
-    for pool in ipaddress.IPv4Network("10.213.160.0/19").subnets(new_prefix=28):
+    # This test worker's share of test_vm_edges.py's range only: another worker may be about to
+    # take what looks free now, and a share of a range overlapping another one could overlap
+    # another worker's share of that one.
+    for pool in worker_share(ipaddress.IPv4Network("10.213.128.0/18")).subnets(new_prefix=28):
         if not network.conflicts(pool, host):
             return pool
     raise AssertionError("no free test pool")

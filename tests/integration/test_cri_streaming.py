@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -28,6 +27,7 @@ from auraed.cri.streaming.client import (
 from auraed.cri.streaming.config import StreamingConfig
 from auraed.cri.streaming.server import StreamingServer
 from auraed.cri.streaming.spdy import SpdyLimits
+from tests.support import workers
 from tests.support.streaming import ProcessBackend
 
 TRANSPORTS = ["spdy", "websocket"]
@@ -278,9 +278,7 @@ async def test_port_forward_carries_megabytes_both_ways(
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_port_forward_to_a_closed_port_reports_it(server: StreamingServer, transport: str) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        closed_port = probe.getsockname()[1]
+    closed_port = workers.free_port()  # this worker's own: no other worker listens on it meanwhile
     forward = await open_port_forward(server.url_for(PortForwardRequest("pod")), transport=transport)  # type: ignore[arg-type]
     try:
         connection = await forward.connect(closed_port)

@@ -28,6 +28,7 @@ from auraed.cri.streaming.client import (
 )
 from tests.integration import test_cri_containers as container_tests
 from tests.integration.test_cri_containers import EXITED, RUNNING, Node, cri_error
+from tests.support import workers
 from tests.support.cri import cri_client, pod_config, run_pod
 
 mirror = container_tests.mirror  # the fixtures of a node with busybox, used by name
@@ -375,9 +376,7 @@ async def test_port_forward_to_a_host_network_pod_and_to_nothing(node: Node) -> 
             connection = await forward.connect(port)
             assert await connection.read() == b"hello from the host\n"
             # A port nothing listens on: the error stream says so, the session goes on.
-            with socket.socket() as unused:
-                unused.bind(("127.0.0.1", 0))
-                closed = unused.getsockname()[1]
+            closed = workers.free_port()  # this worker's own: no other worker listens on it
             refused = await forward.connect(closed)
             assert await refused.read() == b""
             assert str(closed) in await refused.error()

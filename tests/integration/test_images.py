@@ -7,7 +7,6 @@ import base64
 import hashlib
 import json
 import os
-import socket
 import tarfile
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
@@ -20,6 +19,7 @@ from auraed.api.aurae.containers import v0 as pb
 from auraed.client import AuraeClient, ClientError
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
 from tests.integration.containers_helpers import CONTAINERS, delete, import_layout, logs, run
+from tests.support import workers
 from tests.support.images import (
     OCI_MANIFEST,
     BuiltImage,
@@ -139,9 +139,7 @@ async def test_bearer_token_auth(daemon: DaemonProcess, busybox_layout: BuiltIma
 
 
 async def test_registry_down_or_garbage_fails_fast_and_clearly(daemon: DaemonProcess) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        closed_port = probe.getsockname()[1]
+    closed_port = workers.free_port()  # this worker's own: no other worker listens on it meanwhile
     async with daemon.client() as client:
         started = time.monotonic()
         error = await pull_error(client, f"127.0.0.1:{closed_port}/app:1")

@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import datetime as dt
 import ipaddress
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from auraed.pki.certs import load_ca
 from auraed.server.listeners import check_server_credentials
 from auraed.wire.channel import DEFAULT_KEEPALIVE_TIME, DEFAULT_KEEPALIVE_TIMEOUT
 from tests.conftest import DaemonFactory, DaemonProcess, start_refused
+from tests.support import workers
 
 CONTAINERS = "aurae.containers.v0.ContainerService"
 OBSERVE = "aurae.observe.v0.ObserveService"
@@ -47,9 +47,7 @@ DISCOVER = ("aurae.discovery.v0.DiscoveryService", "Discover", discovery.Discove
 
 
 def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    return workers.free_port()  # this test worker's own ports: no other worker takes it meanwhile
 
 
 def _with_client_cert(daemon: DaemonProcess, crt: Path, key: Path, address: str) -> ClientConfig:

@@ -43,6 +43,7 @@ from auraed.vms.model import State, VmRecord, VmSpec, parse_vm
 from auraed.vms.qemu import QemuBackend
 from auraed.vms.servicer import SERVICE_NAME, VmServicer
 from auraed.vms.vms import KIND, Vms
+from tests.support.workers import worker_share
 
 pytestmark = pytest.mark.slow
 
@@ -55,9 +56,10 @@ TEST_RANGE = ipaddress.IPv4Network("10.213.192.0/18")
 
 
 def free_test_pool(prefixlen: int = 28, within: ipaddress.IPv4Network = TEST_RANGE) -> ipaddress.IPv4Network:
-    """A random /``prefixlen`` of ``within`` that nothing on the host overlaps."""
+    """A random /``prefixlen`` of this worker's share of ``within`` (``worker_share``: no other
+    test worker picks from it) that nothing on the host overlaps."""
     host = network.host_networks()
-    candidates = list(within.subnets(new_prefix=prefixlen))
+    candidates = list(worker_share(within).subnets(new_prefix=prefixlen))
     random.shuffle(candidates)
     for pool in candidates:
         if not network.conflicts(pool, host):
@@ -274,6 +276,45 @@ async def test_blocks_another_daemon_holds_on_the_host_are_skipped(env: VmEnv) -
     assert network.delete_tap(ours.net.tap, owner=f"auraed-vm {env.root}/elsewhere") is False
     assert network.tap_exists(ours.net.tap)
     await other.free("two")
+
+
+async def test_a_tap_name_another_daemon_takes_after_the_pick_is_not_taken_over(
+    env: VmEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two daemons allocating at once may pick the same free ``atap<N>``. The one that creates it
+    second must neither fail nor attach to the other's tap (TUNSETIFF without IFF_TUN_EXCL
+    attaches to an existing tap): it takes the next free name, and the other's tap is untouched."""
+    foreign_owner = f"auraed-vm {env.root}/other/run/foreign"
+    foreign: list[str] = []
+    real_pick = network.pick
+
+    def pick_and_lose_the_race(*args: object) -> object:
+        picked = real_pick(*args)  # type: ignore[arg-type]
+        if not foreign:  # the other daemon makes a tap of the same name right after our pick
+            foreign.append(picked.tap)
+            subprocess.run(["ip", "tuntap", "add", "dev", picked.tap, "mode", "tap"], check=True)
+            subprocess.run(["ip", "link", "set", "dev", picked.tap, "alias", foreign_owner], check=True)
+        return picked
+
+    monkeypatch.setattr(network, "pick", pick_and_lose_the_race)
+    vms = env.vms()
+    try:
+        record = await vms.allocate(env.spec("racer"))
+        assert record.net is not None and foreign and record.net.tap != foreign[0]
+        assert network.tap_owner(record.net.tap) == f"auraed-vm {record.run_dir}"
+        assert network.tap_addresses(record.net.tap) == [f"{record.net.host_ip}/30"]
+        doc = env.store.get(KIND, "racer")
+        assert doc is not None and doc["net"]["tap"] == record.net.tap
+        assert network.tap_owner(foreign[0]) == foreign_owner and network.tap_addresses(foreign[0]) == []
+        # The kernel itself refuses the name now taken, however late the check before it was.
+        with pytest.raises(network.TapNameTaken):
+            network._add_persistent_tap(foreign[0])
+        assert network.tap_owner(foreign[0]) == foreign_owner
+        await vms.free("racer")
+        assert not network.tap_exists(record.net.tap) and network.tap_exists(foreign[0])
+    finally:
+        for tap in foreign:
+            subprocess.run(["ip", "link", "del", "dev", tap], capture_output=True, check=False)
 
 
 async def test_bad_requests(env: VmEnv) -> None:

@@ -8,7 +8,10 @@ checked against every host address and route (``auraed.vms.network.host_networks
 ``tmp_path``. On exit it deletes the bridge (the bridge plugin never does), any iptables rule
 still carrying the network's name (a DEL that failed) and the chains they jump to, portmap's
 shared CNI-HOSTPORT-* chains when this network's test created them and nothing else uses them,
-and puts net.ipv4.ip_forward back (the bridge plugin turns it on for the whole host).
+and puts net.ipv4.ip_forward back (the bridge plugin turns it on for the whole host). Those two
+are the host's, shared by every network: under parallel test workers another worker's network may
+be using them (or its portmap making the chains) right then, so there the session puts them back
+once every worker is done (``host_snapshot`` and ``restore_host``, from tests/conftest.py).
 
 ``pod_namespaces(directory)`` pins a pod's namespaces and removes them after;
 ``listener_in(netns, port)`` runs a TCP server in a network namespace that answers every
@@ -38,6 +41,8 @@ from auraed.system.pod_namespaces import (
     remove_pod_namespaces,
 )
 from auraed.vms.network import conflicts, host_networks
+from tests.support import workers
+from tests.support.workers import worker_share
 
 POD_POOL = ipaddress.IPv4Network("10.214.0.0/16")
 """Where test pod subnets come from (beside the VM pool's default, 10.213.0.0/16)."""
@@ -70,10 +75,10 @@ def missing_plugins() -> list[str]:
 
 
 def pick_subnet() -> ipaddress.IPv4Network:
-    """A /24 of POD_POOL that overlaps no address or route of the host (tried in random order, so
-    that tests running at once rarely pick the same one)."""
+    """A /24 of this test worker's share of POD_POOL (``worker_share``: no other worker picks from
+    it) that overlaps no address or route of the host, tried in random order."""
     host = host_networks()
-    candidates = list(POD_POOL.subnets(new_prefix=24))
+    candidates = list(worker_share(POD_POOL).subnets(new_prefix=24))
     random.shuffle(candidates)
     for subnet in candidates:
         if not conflicts(subnet, host):
@@ -180,6 +185,29 @@ def _remove_hostport_chains_if_unused() -> None:
         _iptables("-X", chain)
 
 
+@dataclasses.dataclass(frozen=True)
+class HostSnapshot:
+    """The host-wide state CNI networks change: ip_forward, and whether portmap's chains exist."""
+
+    forwarding: str
+    hostport_chains: bool
+
+
+def host_snapshot() -> HostSnapshot:
+    return HostSnapshot(IP_FORWARD.read_text(), _hostport_chains_present())
+
+
+def restore_host(before: HostSnapshot) -> None:
+    if not before.hostport_chains:
+        _remove_hostport_chains_if_unused()
+    IP_FORWARD.write_text(before.forwarding)
+
+
+def _host_state_is_the_sessions() -> bool:
+    """Under parallel workers the shared host state is put back by the session, at its end."""
+    return workers.worker_count() > 1
+
+
 @contextlib.contextmanager
 def cni_network(tmp_path: Path) -> Iterator[CniNetwork]:
     token = f"{random.getrandbits(24):06x}"
@@ -192,16 +220,14 @@ def cni_network(tmp_path: Path) -> Iterator[CniNetwork]:
         conf_dir=conf_dir,
         data_dir=tmp_path / "ipam",
     )
-    forwarding = IP_FORWARD.read_text()
-    hostport_chains_before = _hostport_chains_present()
+    before = host_snapshot()
     try:
         yield network
     finally:
         subprocess.run(["ip", "link", "del", network.bridge], capture_output=True, check=False)
         network.remove_leftovers()
-        if not hostport_chains_before:
-            _remove_hostport_chains_if_unused()
-        IP_FORWARD.write_text(forwarding)
+        if not _host_state_is_the_sessions():
+            restore_host(before)
 
 
 @contextlib.contextmanager
@@ -239,7 +265,5 @@ def probe(host: str, port: int, timeout: float = 5.0) -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A loopback port of this test worker's own (``tests.support.workers``), free a moment ago."""
+    return workers.free_port()

@@ -19,6 +19,7 @@ a grown copy as a q35 machine's SATA disk, an Intel e1000e NIC, UEFI (OVMF) or l
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ipaddress
 import os
 import shutil
@@ -71,7 +72,14 @@ class HostMachine:
             handle.truncate(data_mib * 1024 * 1024)
         pool = _free_block_pool()
         self.net = network.pick(pool, [], [])
-        network.create_tap(self.net, self.owner)
+        for _ in range(16):
+            try:
+                network.create_tap(self.net, self.owner)
+                break
+            except network.TapNameTaken as taken:  # a daemon of another test worker made it meanwhile
+                self.net = dataclasses.replace(self.net, tap=network.free_tap_name({taken.tap}))
+        else:
+            raise AssertionError(f"no free tap name for {self.root}")
         self.address = self.net.guest_ip
         mask = ipaddress.IPv4Network(f"0.0.0.0/{self.net.prefixlen}").netmask
         ip = f"ip={self.net.guest_ip}::{self.net.host_ip}:{mask}:aurae-host:eth0:off" if static_ip else ""

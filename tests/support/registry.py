@@ -57,6 +57,7 @@ from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 from cryptography.x509.oid import NameOID
 
 from auraed.pki import PkiPaths
+from tests.support import workers
 
 REGISTRY_BINARY = "/usr/bin/docker-registry"
 READY_TIMEOUT = 15.0
@@ -69,10 +70,9 @@ Mode = Literal["anonymous", "basic", "token"]
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the caller binds it soon after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on 127.0.0.1 that was free a moment ago (the caller binds it soon after), of
+    this test worker's own ports (``tests.support.workers``)."""
+    return workers.free_port()
 
 
 def _b64url(data: bytes) -> str:
