@@ -89,6 +89,7 @@ GUEST_GROUPS = {
         "test_orka_vms.py",
         "test_vms.py",
         "test_cri_vm_pods.py",
+        "test_vm_templates_q35.py",
     ),
     "guests-2": (
         "test_host_disk.py",
@@ -98,6 +99,7 @@ GUEST_GROUPS = {
         "test_vm_resize.py",
         "test_vm_debug_console.py",
         "test_vm_edges.py",
+        "test_cri_vm_templates.py",
     ),
 }
 GUEST_GROUP_OF = {
