@@ -15,6 +15,7 @@ import pytest
 import pytest_asyncio
 
 from auraed.bootargs import SHARE_MOUNT
+from auraed.errors import AuraeError, ErrorKind
 from auraed.pki import PkiPaths, ensure_dev_pki
 from auraed.vms import backend as common
 from auraed.vms.guests import Guests
@@ -73,6 +74,12 @@ async def test_a_q35_template_s_clone_serves_with_its_own_identity(q35: Q35, pki
     assert cert.subject.rfc4514_string()
     (hostname,) = await run_in_guest(guests, "q1", "hostname")
     assert hostname == "q1"
+    # A clone has its template's command line: no hotplug room, refused saying why.
+    for vcpus, memory_mib in ((2, 384), (1, 768)):
+        with pytest.raises(AuraeError) as refused:
+            await guests.resize("q1", vcpus, memory_mib)
+        assert refused.value.kind is ErrorKind.FAILED_PRECONDITION, refused.value
+        assert "q1 cannot grow" in refused.value.message and "template's clone" in refused.value.message
     await guests.free("q1", 0.0)
     assert guests.template_users(TEMPLATE) == []
 
