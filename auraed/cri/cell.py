@@ -11,9 +11,9 @@ What a cell pod is made of, in the order it is made (and undone in reverse):
   - ``ns/``: the pinned namespaces (auraed.system.pod_namespaces): network unless the pod is on
     the host's network, IPC unless it uses the host's IPC, UTS unless the host's network (such a
     pod has the host's name), PID when its containers share one that is not the host's, with
-    ``aurae-pod-init`` as PID 1, moved into the pod cgroup. The hostname and sysctls are set in
-    them; a sysctl whose namespace the pod shares with the host is refused before anything is
-    made.
+    ``aurae-pod-init`` as PID 1, moved into a child of the pod cgroup, ``_init-<pod id>``. The
+    hostname and sysctls are set in them; a sysctl whose namespace the pod shares with the host is
+    refused before anything is made.
   - ``hostname``, ``resolv.conf``, ``hosts``: the files its containers bind-mount over /etc's.
     The hostname is the pod's, else the host's, as containerd writes it; resolv.conf comes from
     the pod's DNS config, else it is a copy of the host's (containerd's choice); hosts has the
@@ -82,6 +82,11 @@ NAMESPACES_KEY = "namespaces"
 """The key of the pinned namespaces (paths, init) in ``pod.sandbox``, once they exist."""
 PODS_CGROUP = "_pods"
 """Parent of the cgroups of pods the kubelet gives no cgroup parent ("_" is in no cell's name)."""
+INIT_CGROUP = "_init-"
+"""Prefix of the pod cgroup's child that holds a pod's ``aurae-pod-init``, named with the pod's id
+(attempts share the pod cgroup), as containerd's pause container has its own cgroup below the
+pod's: on cgroup v2 a cgroup with a process of its own cannot give its children controllers, so
+the pod cgroup itself holds none ("_": no container id starts with it)."""
 SHM_SIZE = 64 * 1024 * 1024
 """Bytes of a pod's shared /dev/shm, containerd's defaultShmSize."""
 HOST_RESOLV_CONF = Path("/etc/resolv.conf")
@@ -227,6 +232,11 @@ def check_sysctls(spec: PodSpec, own: tuple[str, ...]) -> None:
             raise CriError.invalid(
                 field, f"needs the pod's own {_NAMESPACE_NAMES[kind]} namespace; the pod shares the host's"
             )
+
+
+def init_cgroup(pod_cgroup: str, pod_id: str) -> str:
+    """Where a pod's ``aurae-pod-init`` runs: its own child of the pod cgroup (INIT_CGROUP)."""
+    return f"{pod_cgroup}/{INIT_CGROUP}{pod_id[:16]}"
 
 
 def pod_cgroup(spec: PodSpec, pod_id: str, cgroups: Cgroupfs) -> str:
@@ -488,7 +498,9 @@ class CellSandbox:
             except NamespaceError as exc:
                 raise _namespace_error(exc) from None
             if pinned.init_pid is not None:
-                self._cgroup_call(self._cgroups.add_process, layout.cgroup, pinned.init_pid)
+                init = init_cgroup(layout.cgroup, pod.id)
+                self._cgroup_call(self._cgroups.create, init, CgroupLimits())
+                self._cgroup_call(self._cgroups.add_process, init, pinned.init_pid)
         if layout.own_shm:
             layout.shm.mkdir(mode=0o755)
             flags = namespaces.MS_NOEXEC | namespaces.MS_NOSUID | namespaces.MS_NODEV
@@ -606,6 +618,9 @@ class CellSandbox:
         cgroups = self._cgroups
         parts = path.split("/")
         with self._cgroup_tree:
+            init = init_cgroup(path, pod_id)
+            if cgroups.exists(init):  # its init is gone with its namespaces
+                self._cgroup_call(cgroups.remove_tree, init)
             users = self._cgroup_users.get(path, set())
             users.discard(pod_id)
             if users:
