@@ -181,9 +181,10 @@ class DaemonConfig:
     vm_debug_console: bool = field(
         default=False,
         metadata=_help(
-            "give QEMU VMs booted cold a debug console: a second virtio-serial port on which the "
-            "guest's PID 1 runs a shell (VmService.DebugShell, aer vm console NAME --shell); for VMs "
-            "started after it is on. Authorized by method like every call; each session is logged"
+            "give QEMU VMs a debug console: a second virtio-serial port on which the guest's PID 1 "
+            "runs a shell (VmService.DebugShell, aer vm console NAME --shell); for VMs started after "
+            "it is on, templates made then and their clones (a template made with it the other way "
+            "is rebuilt first). Authorized by method like every call; each session is logged"
         ),
     )
     vm_guest_port: int = field(default=8443, metadata=_help("port the guests' auraed listens on (mTLS)"))

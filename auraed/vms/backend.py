@@ -60,11 +60,14 @@ class MemoryImage:
     ``save`` writes the state); True: a clone is restored from it (the file mapped private,
     copy-on-write, the state loaded before the guest resumes). Either way the VM has the
     host-only identity port, whose host end is ``identity.sock`` in the run directory.
+    ``debug_console``: the template has the debug port (vm_debug_console), so its clones have it
+    too (a clone's devices are its template's), each its own ``debug.sock`` in its run directory.
     """
 
     memory_path: str
     state_path: str
     clone: bool
+    debug_console: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

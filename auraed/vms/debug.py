@@ -1,11 +1,12 @@
 """The host's side of the debug console (vm_debug_console): one session relayed to a VM's debug port.
 
-QEMU listens on ``debug.sock`` in the run dir of a VM booted cold while the setting was on
-(qemu.py); the guest's PID 1 runs a shell there (init/debugshell.py). A session connects to the
-socket, sends frames (bootargs' debug_frame: input, terminal sizes), and yields what the guest
-sends back: output bytes, then the shell's exit status. One session a VM at a time (QEMU's socket
-serves one connection; a second would wait, silently, behind the first). Closing the connection
-hangs up the guest's shell. Each session is logged with who opened it, never its bytes.
+QEMU listens on ``debug.sock`` in the run dir of a VM booted cold while the setting was on, and
+in that of each clone of a template made while it was on (qemu.py); the guest's PID 1 runs a
+shell there (init/debugshell.py). A session connects to the socket, sends frames (bootargs'
+debug_frame: input, terminal sizes), and yields what the guest sends back: output bytes, then the
+shell's exit status. One session a VM at a time (QEMU's socket serves one connection; a second
+would wait, silently, behind the first). Closing the connection hangs up the guest's shell. Each
+session is logged with who opened it, never its bytes.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ class DebugConsoles:
         path = Path(record.run_dir) / common.DEBUG_SOCKET
         if not path.exists():
             raise VmError.precondition(
-                f"VM {name} has no debug port: it was started before {SETTING} was on, cloned from a "
-                "template, or runs on cloud-hypervisor (restart it with the setting on)"
+                f"VM {name} has no debug port: it was started before {SETTING} was on, or runs on "
+                "cloud-hypervisor (restart it with the setting on)"
             )
         if name in self._open:
             raise VmError.precondition(f"VM {name} has a debug shell session open already")

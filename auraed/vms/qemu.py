@@ -25,10 +25,11 @@
   shared directory maps its own copy of the template's RAM file shared (vhost-user maps it; the
   file is unlinked once QEMU has it) and gets vhost-user-fs-pci plugged there after its restore
   (QEMU 7.2 cannot migrate it, so no template has it); microvm cannot (such a clone boots cold);
-- with ``debug_console`` (vm_debug_console) a VM booted cold gets a second virtio-serial port,
-  ``auraed.bootargs.DEBUG_PORT``, on a unix socket QEMU listens on (``debug.sock`` in the run dir),
-  and ``auraed.debug_console=1`` on its kernel command line (the guest's PID 1 then runs a shell
-  there); templates and clones never (a clone's devices must be its template's).
+- with ``debug_console`` (vm_debug_console) a VM booted cold or a template gets a second
+  virtio-serial port, ``auraed.bootargs.DEBUG_PORT``, on a unix socket QEMU listens on
+  (``debug.sock`` in the run dir), and ``auraed.debug_console=1`` on its kernel command line (the
+  guest's PID 1 then runs a shell there); a clone has the port when its template has it
+  (``MemoryImage.debug_console``: a clone's devices must be its template's), on its own socket.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def build_command(
     debug_console: bool = False,
 ) -> list[str]:
     """The QEMU command line for a VM (pure: tested without QEMU); ``room``: what it can grow to
-    (q35 only); ``debug_console``: the debug port (never for a template or a clone)."""
+    (q35 only); ``debug_console``: the debug port (for a clone: its template's, see debug_wanted)."""
     if machine not in MACHINES:
         raise ValueError(f"unknown machine {machine!r}")
     mmio = machine == "microvm"
@@ -188,14 +189,20 @@ def build_command(
         ]  # fmt: skip
     if image is not None:
         argv += image_arguments(spec, image, mmio)
-    elif debug_console:
-        serial = "virtio-serial-device" if mmio else "virtio-serial-pci"
-        argv += [
-            "-device", f"{serial},id=debug-bus",
-            "-chardev", f"socket,id=debug,path={spec.run_dir / common.DEBUG_SOCKET},server=on,wait=off",
-            "-device", f"virtserialport,bus=debug-bus.0,chardev=debug,name={DEBUG_PORT}",
-        ]  # fmt: skip
+    if debug_console:
+        argv += debug_arguments(spec, mmio)
     return argv
+
+
+def debug_arguments(spec: LaunchSpec, mmio: bool) -> list[str]:
+    """The debug console's port: its own virtio-serial bus, on ``debug.sock`` in the run dir (after
+    a template's own devices: a clone's are in the same order, its socket in its own run dir)."""
+    serial = "virtio-serial-device" if mmio else "virtio-serial-pci"
+    return [
+        "-device", f"{serial},id=debug-bus",
+        "-chardev", f"socket,id=debug,path={spec.run_dir / common.DEBUG_SOCKET},server=on,wait=off",
+        "-device", f"virtserialport,bus=debug-bus.0,chardev=debug,name={DEBUG_PORT}",
+    ]  # fmt: skip
 
 
 def image_arguments(spec: LaunchSpec, image: MemoryImage, mmio: bool) -> list[str]:
@@ -262,6 +269,14 @@ class QemuBackend:
         memory = max(spec.memory_mib, self.max_memory_mib or host_memory_mib())
         return Room(vcpus, memory, self.memory_slots if memory > spec.memory_mib else 0)
 
+    def debug_wanted(self, spec: LaunchSpec) -> bool:
+        """Whether ``spec`` gets the debug port: the daemon's setting for a VM booted cold; for a
+        template and its clones, what the template's record says (templates.py: the setting as
+        it was made)."""
+        if spec.image is not None:
+            return spec.image.debug_console
+        return self.debug_console
+
     def problem(self) -> str | None:
         if shutil.which(self.binary) is None:
             return f"QEMU ({self.binary}) is not installed"
@@ -321,7 +336,7 @@ class QemuBackend:
         qmp_socket = run_dir / QMP_SOCKET
         console = self.console_log_path(run_dir)
         common.remove_quietly(qmp_socket, run_dir / common.DEBUG_SOCKET)
-        debug = self.debug_console and spec.image is None
+        debug = self.debug_wanted(spec)
         # Before the VM's own words: a kernel_args "auraed.debug_console=0" overrides it.
         words = [*self.kernel_args(), *([DEBUG_CONSOLE_ARG] if debug else []), spec.cmdline]
         cmdline = " ".join(words).strip()

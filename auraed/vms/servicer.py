@@ -101,6 +101,7 @@ def template_message(record: TemplateRecord, clones: list[str]) -> pb.TemplateSt
         save_ms=round(record.save_seconds * 1000),
         memory_resident_bytes=record.memory_resident_bytes(),
         clones=clones,
+        debug_console=record.debug_console,
     )
 
 

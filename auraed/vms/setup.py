@@ -47,7 +47,7 @@ def build(
         ),
     }
     if config.vm_debug_console:
-        log.warning("VMs: vm_debug_console is on: QEMU VMs booted cold get a debug shell (DebugShell)")
+        log.warning("VMs: vm_debug_console is on: QEMU VMs, templates, clones get a debug shell (DebugShell)")
     log.info(
         "VMs: QEMU %s (%s), KVM %s, address pool %s",
         config.qemu_binary,

@@ -13,12 +13,16 @@ device state, resumes it) that is then given its identity on its identity port b
 fresh entropy, the time, its hostname and network, its own certificate and key from the host CA
 (``send_identity``). A clone that did not take its identity is stopped and reported, never served.
 
+With the daemon's vm_debug_console on, a template is made with the debug port (its record says
+so) and its clones have it too, each on its own socket; with it flipped, the template is rebuilt
+before its next clone (a clone's devices must be its template's, or QEMU refuses its state).
+
 Records are in the store (kind ``vm-template``). A template is rebuilt when what it was made
-from changes (the files' content hash, the accelerator, the machine type), and made on first use
-when a VM asks for ``auto``: the one template of its shape, named ``auto-<hash of the shape>``.
-A template still used by a running VM is not removed. At start, a template left building is
-cleaned up (its VMM killed, its files removed) and one whose files are gone (a host reboot
-emptied the runtime dir) is made again at its next use.
+from changes (the files' content hash, the accelerator, the machine type, the debug console), and
+made on first use when a VM asks for ``auto``: the one template of its shape, named
+``auto-<hash of the shape>``. A template still used by a running VM is not removed. At start, a
+template left building is cleaned up (its VMM killed, its files removed) and one whose files are
+gone (a host reboot emptied the runtime dir) is made again at its next use.
 """
 
 from __future__ import annotations
@@ -115,13 +119,17 @@ class TemplateRecord:
     build_seconds: float = 0.0
     save_seconds: float = 0.0
     imports_seconds: float = 0.0
+    debug_console: bool = False  # made with the debug port (vm_debug_console), so its clones have it
 
     @property
     def build_dir(self) -> Path:
         return Path(self.run_dir) / f"build-{self.build}"
 
     def image(self) -> MemoryImage:
-        return MemoryImage(str(self.build_dir / MEMORY_FILE), str(self.build_dir / STATE_FILE), clone=True)
+        build = self.build_dir
+        return MemoryImage(
+            str(build / MEMORY_FILE), str(build / STATE_FILE), clone=True, debug_console=self.debug_console
+        )
 
     def files_present(self) -> bool:
         # The state is a file (QEMU's migration stream) or a directory (cloud-hypervisor's snapshot).
@@ -209,9 +217,10 @@ class Templates:
 
     def digest(self, shape: TemplateShape, backend: Backend) -> str:
         """What a template must be rebuilt for when it changes: the files' contents, the machine
-        type and the accelerator."""
+        type, the accelerator and the debug port (only when on: templates made before it stay)."""
         parts = [self._fingerprints.digest(f) for f in shape.files()]
         parts += [str(getattr(backend, "machine", "")), str(getattr(backend, "accelerator", ""))]
+        parts += ["debug_console"] if debug_console_of(backend) else []
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
     # -- making ------------------------------------------------------------------------------
@@ -268,7 +277,7 @@ class Templates:
                 raise VmError.already_exists(
                     f"VM template {name} (of another shape: {record.shape.describe()})"
                 )
-            why = "made" if record is None else f"rebuilt ({self._why_rebuilt(record, digest)})"
+            why = "made" if record is None else f"rebuilt ({why_rebuilt(record, digest, backend)})"
             record = await self._build(
                 name, shape=shape, backend_name=backend_name, digest=digest, auto=auto, previous=record
             )
@@ -282,14 +291,6 @@ class Templates:
                 record.memory_resident_bytes() >> 20,
             )
             return record
-
-    @staticmethod
-    def _why_rebuilt(record: TemplateRecord, digest: str) -> str:
-        if record.state != TemplateState.READY:
-            return f"it was {record.state}"
-        if record.digest != digest:
-            return "its files, machine type or accelerator changed"
-        return "its files were gone"
 
     async def _build(
         self,
@@ -315,6 +316,7 @@ class Templates:
             build=(previous.build + 1) if previous is not None else 1,
             auto=auto,
             created_at=time.time(),
+            debug_console=debug_console_of(backend),
         )
         self._save(record)  # building: a crash from here on is cleaned up at start
         old_build = previous.build_dir if previous is not None else None
@@ -359,7 +361,12 @@ class Templates:
             # The same NIC as its clones', with no peer: a template is on no network.
             net=LaunchNet("", TEMPLATE_MAC, "", "", ""),
             run_dir=build,
-            image=MemoryImage(str(build / MEMORY_FILE), str(build / STATE_FILE), clone=False),
+            image=MemoryImage(
+                str(build / MEMORY_FILE),
+                str(build / STATE_FILE),
+                clone=False,
+                debug_console=record.debug_console,
+            ),
         )
 
     async def _wait_ready(self, record: TemplateRecord, handle: VmHandle) -> dict[str, Any]:
@@ -439,6 +446,22 @@ def auto_name(shape: TemplateShape, backend: str) -> str:
         shape.key() if backend == "qemu" else hashlib.sha256(f"{shape.key()}\n{backend}".encode()).hexdigest()
     )
     return AUTO_PREFIX + key[:12]
+
+
+def debug_console_of(backend: Backend) -> bool:
+    """Whether ``backend`` gives VMs the debug port (QEMU's vm_debug_console; never cloud-hypervisor)."""
+    return bool(getattr(backend, "debug_console", False))
+
+
+def why_rebuilt(record: TemplateRecord, digest: str, backend: Backend) -> str:
+    """Why a template is made again: its state, the debug console flipped, or what its digest is of."""
+    if record.state != TemplateState.READY:
+        return f"it was {record.state}"
+    if record.debug_console != debug_console_of(backend):
+        return f"vm_debug_console is {'on' if debug_console_of(backend) else 'off'} now"
+    if record.digest != digest:
+        return "its files, machine type or accelerator changed"
+    return "its files were gone"
 
 
 def _other_backend(template: TemplateRecord, vm: str, backend: str) -> str:

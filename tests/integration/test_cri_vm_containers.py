@@ -18,19 +18,15 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from auraed.api.aurae.vms import v0 as vms
 from auraed.api.runtime import v1 as cri
 from auraed.cri.guest_containers import guest_name
 from auraed.cri.streaming.client import open_port_forward, open_remote_command, run_remote_command
-from auraed.pki import PkiPaths
-from tests.conftest import DaemonFactory
 from tests.integration.test_cri_containers import (
     ATTEMPT,
     EXITED,
@@ -41,18 +37,14 @@ from tests.integration.test_cri_containers import (
     stdout_lines,
 )
 from tests.integration.test_cri_containers import mirror as busybox_mirror
-from tests.integration.vm_pods_helpers import VMS, cgroups_of, qemu_of, vm_daemon
-from tests.support.cni import cni_network, free_port, probe
+from tests.integration.vm_pods_helpers import VMS, cgroups_of, qemu_of, vm_node_fixture
+from tests.support.cni import free_port, probe
 from tests.support.cri import (
-    BUSYBOX_IMAGE,
     cri_client,
-    mirrors_config,
     pod_config,
     pod_status,
-    pull_image,
     run_pod,
 )
-from tests.support.registry import LocalRegistry
 
 mirror = busybox_mirror  # the registry fixture, used by name
 
@@ -77,34 +69,8 @@ async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout: float
         await asyncio.sleep(0.2)
 
 
-@pytest.fixture
-async def vm_node(
-    daemon_factory: DaemonFactory, mirror: LocalRegistry, guest_image: Path, pki: PkiPaths, tmp_path: Path
-) -> AsyncIterator[Node]:
-    with cni_network(tmp_path) as network:
-        # q35, whose guests can grow (microvm's cannot: test_cri_vm_pods checks the refusal).
-        daemon = vm_daemon(
-            daemon_factory,
-            network,
-            guest_image,
-            pki,
-            "--vm-machine",
-            "q35",
-            config_text=mirrors_config(mirror),
-        )
-        node = Node(daemon, network, cri_client(daemon), "", tmp_path / "logs")
-        try:
-            node.image_id = await pull_image(node.client, BUSYBOX_IMAGE)
-            yield node
-            for pod_id in await node.pod_ids():
-                await node.stop_pod(pod_id)
-                await node.remove_pod(pod_id)
-            assert await node.containers() == []
-            async with daemon.client() as aurae:
-                assert (await aurae.call(VMS, "List", vms.VmServiceListRequest())).vms == []
-            assert not any((daemon.root / "state" / "cri" / "guest-containers").glob("*"))
-        finally:
-            await node.client.close()
+# q35, whose guests can grow (microvm's cannot: test_cri_vm_pods checks the refusal).
+vm_node = vm_node_fixture("--vm-machine", "q35")
 
 
 def test_a_cri_name_becomes_a_dns_label_in_the_guest() -> None:

@@ -13,32 +13,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from auraed.api.aurae.vms import v0 as vms
 from auraed.api.runtime import v1 as cri
-from auraed.pki import PkiPaths
 from auraed.vms.qemu import CLONE_MEMORY_FILE
 from auraed.vms.templates import AUTO_PREFIX
-from tests.conftest import DaemonFactory
 from tests.integration.test_cri_containers import Node
 from tests.integration.test_cri_containers import mirror as busybox_mirror
 from tests.integration.test_cri_vm_containers import BOOT_TIMEOUT, VmPod, eventually
-from tests.integration.vm_pods_helpers import VMS, leftovers_of_pod, vm_daemon
-from tests.support.cni import cni_network
+from tests.integration.vm_pods_helpers import VMS, leftovers_of_pod, vm_node_fixture
 from tests.support.cri import (
-    BUSYBOX_IMAGE,
-    cri_client,
-    mirrors_config,
     pod_config,
     pod_status,
-    pull_image,
     run_pod,
 )
-from tests.support.registry import LocalRegistry
 
 pytestmark = pytest.mark.slow
 
@@ -47,31 +38,7 @@ GUEST_PORT = 8443
 log = logging.getLogger(__name__)
 
 
-@pytest.fixture
-async def vm_node(
-    daemon_factory: DaemonFactory, mirror: LocalRegistry, guest_image: Path, pki: PkiPaths, tmp_path: Path
-) -> AsyncIterator[Node]:
-    with cni_network(tmp_path) as network:
-        daemon = vm_daemon(
-            daemon_factory,
-            network,
-            guest_image,
-            pki,
-            "--vm-machine",
-            "q35",
-            "--cri-vm-boot",
-            "template",
-            config_text=mirrors_config(mirror),
-        )
-        node = Node(daemon, network, cri_client(daemon), "", tmp_path / "logs")
-        try:
-            node.image_id = await pull_image(node.client, BUSYBOX_IMAGE)
-            yield node
-            for pod_id in await node.pod_ids():
-                await node.stop_pod(pod_id)
-                await node.remove_pod(pod_id)
-        finally:
-            await node.client.close()
+vm_node = vm_node_fixture("--vm-machine", "q35", "--cri-vm-boot", "template")
 
 
 async def guest_of(node: Node, pod_id: str) -> vms.VmStatus:

@@ -6,6 +6,10 @@ $((6*7)) and names PID 1; ``exit 7`` ends the session with 7; the next session g
 while a second one at the same time is refused; an identity not allowed the method gets
 PERMISSION_DENIED; the log names each session's caller and VM, never what was typed. A daemon with
 the setting off refuses the call naming it. Nothing is left (the fixtures and hack/check-leaks).
+
+One more: with the setting on, the host's ``auto`` template is made with the debug port (its
+listing says so) and a clone of it has its own, in its own run dir: the shell runs in the clone
+(its hostname, not the template's), computes, and ends with its exit status.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import pytest
 
 from auraed.api.aurae.vms import v0 as vms
 from auraed.client.client import AuraeClient, ClientError, client_config_text
+from auraed.pki import PkiPaths
 from auraed.vms.backend import DEBUG_SOCKET
 from tests.conftest import DaemonFactory, DaemonProcess
 from tests.integration.test_vms import guest_host_args
@@ -97,9 +102,15 @@ async def refused(client: AuraeClient, name: str) -> ClientError:
 
 
 async def free_every_vm(daemon: DaemonProcess) -> None:
+    """Every VM freed, then every template removed."""
     async with daemon.client() as aurae:
         for status in (await aurae.call(VMS, "List", vms.VmServiceListRequest())).vms:
             await aurae.call(VMS, "Free", vms.VmServiceFreeRequest(name=status.vm.name, timeout_ms=0))
+        listing = await aurae.call(VMS, "ListTemplates", vms.VmServiceListTemplatesRequest())
+        for template in listing.templates:
+            assert template.template is not None
+            request = vms.VmServiceRemoveTemplateRequest(name=template.template.name)
+            await aurae.call(VMS, "RemoveTemplate", request, timeout=60)
 
 
 PROMPT = b"debug# "
@@ -232,6 +243,42 @@ async def test_a_debug_shell_in_a_guest_authorized_logged_and_off_by_default(
             assert error.code == "PERMISSION_DENIED" and "DebugShell" in error.message
 
         check_log(daemon.log())
+        await free_every_vm(daemon)
+        assert not run_dir.exists()
+    finally:
+        with contextlib.suppress(Exception):
+            await free_every_vm(daemon)
+
+
+async def test_a_clone_of_a_template_made_with_the_debug_console_has_its_own_shell(
+    daemon_factory: DaemonFactory, guest_image: Path, pki: PkiPaths
+) -> None:
+    daemon = daemon_factory(*guest_host_args(guest_image, pki.ca_key), config_text=POLICY, name="dbt")
+    try:
+        async with daemon.client() as aurae:
+            vm = vms.VirtualMachine(name="c1", role="guest", memory_mib=384, template="auto")
+            await aurae.call(VMS, "Allocate", vms.VmServiceAllocateRequest(vm=vm))
+            started = time.monotonic()
+            request = vms.VmServiceStartRequest(name="c1", timeout_ms=BOOT_TIMEOUT_MS)
+            reply = await aurae.call(VMS, "Start", request, timeout=BOOT_TIMEOUT_MS / 1000 + 60)
+            print(f"\ntemplate made and clone serving {time.monotonic() - started:.1f} s after Start")
+            assert reply.status.template.startswith("auto-"), reply.status
+            listing = await aurae.call(VMS, "ListTemplates", vms.VmServiceListTemplatesRequest())
+            (template,) = listing.templates
+            assert template.debug_console and template.clones == ["c1"], template
+            run_dir = Path(reply.status.console_path).parent
+            assert (run_dir / DEBUG_SOCKET).exists()  # the clone's own, in its own run dir
+
+            shell = Shell(aurae, "c1")
+            shell.type("hostname; echo $((6*7)); exit 4\n")
+            async with asyncio.timeout(READ_TIMEOUT):
+                await shell.task
+            lines = shell.output.decode(errors="replace").replace("\r", "").split("\n")
+            assert "c1" in lines and "42" in lines, lines  # the clone's hostname, not the template's
+            assert not any(line.startswith("template-") for line in lines), lines
+            assert shell.exit_code == 4
+        log = daemon.log()
+        assert "debug shell on VM c1 opened for aurae-client" in log
         await free_every_vm(daemon)
         assert not run_dir.exists()
     finally:

@@ -1,16 +1,24 @@
 """What the tests of ``vm`` pods share: a daemon that boots pods as guests (real QEMU, TCG here),
-and the check that nothing of a pod is left on the host once it is gone."""
+a node fixture over one, and the check that nothing of a pod is left on the host once it is gone."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from auraed.api.aurae.vms import v0 as vms
 from auraed.pki import PkiPaths
 from tests.conftest import DaemonFactory, DaemonProcess
+from tests.integration.test_cri_containers import Node
 from tests.integration.test_vms import guest_host_args
-from tests.support.cni import CniNetwork
+from tests.support.cni import CniNetwork, cni_network
+from tests.support.cri import BUSYBOX_IMAGE, cri_client, mirrors_config, pull_image
+from tests.support.registry import LocalRegistry
 
 VMS = "aurae.vms.v0.VmService"
 VM_MEMORY_MIB = 512
@@ -36,6 +44,40 @@ def vm_daemon(
         *extra_args,
         config_text=config_text,
     )
+
+
+def vm_node_fixture(*extra_args: str) -> Callable[..., Any]:
+    """A ``vm_node`` fixture: a daemon of vm pods (``extra_args`` its further flags) with its own
+    CNI network and busybox pulled from the module's ``mirror``; at the end every pod is stopped
+    and removed, and no container, VM or guest-container record may be left."""
+
+    @pytest.fixture(name="vm_node")
+    async def vm_node(
+        daemon_factory: DaemonFactory, mirror: LocalRegistry, guest_image: Path, pki: PkiPaths, tmp_path: Path
+    ) -> AsyncIterator[Node]:
+        with cni_network(tmp_path) as network:
+            config = mirrors_config(mirror)
+            daemon = vm_daemon(daemon_factory, network, guest_image, pki, *extra_args, config_text=config)
+            node = Node(daemon, network, cri_client(daemon), "", tmp_path / "logs")
+            try:
+                node.image_id = await pull_image(node.client, BUSYBOX_IMAGE)
+                yield node
+                await remove_every_pod(node)
+            finally:
+                await node.client.close()
+
+    return vm_node
+
+
+async def remove_every_pod(node: Node) -> None:
+    """Every pod stopped and removed; then no container, VM or guest-container record is left."""
+    for pod_id in await node.pod_ids():
+        await node.stop_pod(pod_id)
+        await node.remove_pod(pod_id)
+    assert await node.containers() == []
+    async with node.daemon.client() as aurae:
+        assert (await aurae.call(VMS, "List", vms.VmServiceListRequest())).vms == []
+    assert not any((node.daemon.root / "state" / "cri" / "guest-containers").glob("*"))
 
 
 def pids_of(pattern: str) -> list[int]:

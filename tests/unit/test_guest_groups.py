@@ -9,7 +9,8 @@ from pathlib import Path
 from tests.conftest import GUEST_GROUP_OF
 
 INTEGRATION = Path(__file__).resolve().parent.parent / "integration"
-BOOTS = re.compile(r"\bguest_image: Path\b|\bBooted\[")
+# A guest_image fixture, a Booted guest, or a vm pods' node (vm_pods_helpers.vm_node_fixture).
+BOOTS = re.compile(r"\bguest_image: Path\b|\bBooted\[|\bvm_node_fixture\(")
 
 
 def test_every_file_that_boots_machines_is_in_a_guest_group() -> None:
@@ -20,3 +21,8 @@ def test_every_file_that_boots_machines_is_in_a_guest_group() -> None:
     }
     assert len(booting) >= 10, booting  # the pattern still finds them
     assert sorted(booting - set(GUEST_GROUP_OF)) == []
+    fixture_made = {
+        "tests/integration/test_cri_vm_containers.py",
+        "tests/integration/test_cri_vm_templates.py",
+    }
+    assert fixture_made <= booting  # found by the node fixture they make

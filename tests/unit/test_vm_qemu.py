@@ -199,29 +199,42 @@ def test_what_cannot_grow_says_why() -> None:
 @pytest.mark.parametrize(
     ("machine", "bus"), [("microvm", "virtio-serial-device"), ("q35", "virtio-serial-pci")]
 )
-def test_the_debug_console_is_a_port_only_when_on_and_never_for_a_template(machine: str, bus: str) -> None:
+def test_the_debug_console_is_a_port_only_when_on_and_a_template_s_clones_have_it_as_it_had(
+    machine: str, bus: str
+) -> None:
     def debug_words(argv: list[str]) -> list[str]:
         return [w for w in argv if "debug" in w and not w.startswith(f"{SPEC.name},debug-threads")]
 
-    off = build_command(
-        SPEC, binary="qemu-system-x86_64", machine=machine, accelerator="tcg",
-        qmp_socket=Path("/q"), console_path=Path("/c"), kernel_cmdline="console=ttyS0",
-    )  # fmt: skip
+    def built(spec: LaunchSpec, debug: bool) -> list[str]:
+        return build_command(
+            spec, binary="qemu-system-x86_64", machine=machine, accelerator="tcg",
+            qmp_socket=Path("/q"), console_path=Path("/c"), kernel_cmdline="console=ttyS0",
+            debug_console=debug,
+        )  # fmt: skip
+
+    off = built(SPEC, False)
     assert debug_words(off) == []
     assert not any("virtserialport" in w or "virtio-serial" in w for w in off)
-    on = build_command(
-        SPEC, binary="qemu-system-x86_64", machine=machine, accelerator="tcg",
-        qmp_socket=Path("/q"), console_path=Path("/c"), kernel_cmdline="console=ttyS0", debug_console=True,
-    )  # fmt: skip
+    on = built(SPEC, True)
     assert f"{bus},id=debug-bus" in option(on, "-device")
     assert "socket,id=debug,path=/run/aurae/vms/web/debug.sock,server=on,wait=off" in option(on, "-chardev")
     assert "virtserialport,bus=debug-bus.0,chardev=debug,name=org.aurae.debug" in option(on, "-device")
-    template = dataclasses.replace(SPEC, image=MemoryImage("/t/ram", "/t/state", clone=False))
-    made = build_command(
-        template, binary="qemu-system-x86_64", machine=machine, accelerator="tcg",
-        qmp_socket=Path("/q"), console_path=Path("/c"), kernel_cmdline="console=ttyS0", debug_console=True,
-    )  # fmt: skip
-    assert debug_words(made) == []
+    for debug in (False, True):
+        image = MemoryImage("/t/ram", "/t/state", clone=False, debug_console=debug)
+        template = dataclasses.replace(SPEC, image=image, run_dir=Path("/t"))
+        clone = dataclasses.replace(SPEC, image=dataclasses.replace(image, clone=True))
+        backend = QemuBackend(machine=machine, debug_console=True)
+        # The record's word, not the daemon's setting, for a template and its clone alike.
+        assert backend.debug_wanted(template) is debug and backend.debug_wanted(clone) is debug
+        made, restored = built(template, debug), built(clone, debug)
+        # The clone's devices are the template's, in the same order; its socket in its own run dir.
+        assert option(made, "-device") == option(restored, "-device")
+        sockets = [c for c in option(restored, "-chardev") if c.startswith("socket,id=debug,")]
+        assert sockets == (
+            ["socket,id=debug,path=/run/aurae/vms/web/debug.sock,server=on,wait=off"] if debug else []
+        )
+    assert QemuBackend(machine=machine, debug_console=True).debug_wanted(SPEC)
+    assert not QemuBackend(machine=machine).debug_wanted(SPEC)
 
 
 @pytest.mark.parametrize("machine", ["microvm", "q35"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
@@ -10,10 +11,19 @@ import pytest
 
 from auraed.bootargs import IDENTITY_PORT, BootArgs
 from auraed.init import identity
+from auraed.state.store import Store
 from auraed.vms.backend import LaunchNet, MemoryImage
 from auraed.vms.guests import hostname_of
 from auraed.vms.model import VmSpec
-from auraed.vms.templates import TemplateShape, identity_message
+from auraed.vms.qemu import QemuBackend
+from auraed.vms.templates import (
+    TemplateRecord,
+    Templates,
+    TemplateShape,
+    TemplateState,
+    identity_message,
+    why_rebuilt,
+)
 from tests.unit.test_vm_qemu import SPEC, command, option
 
 TEMPLATE = dataclasses.replace(
@@ -115,3 +125,32 @@ def test_the_identity_port_is_found_by_its_name(tmp_path: Path) -> None:
         (ports / port / "name").write_text(name + "\n")
     assert identity.find_port(IDENTITY_PORT, str(tmp_path / "sys"), "/dev") == "/dev/vport3p1"
     assert identity.find_port("missing", str(tmp_path / "sys"), "/dev") == ""
+
+
+def test_the_debug_console_is_part_of_a_template_s_digest_and_record_only_when_on(tmp_path: Path) -> None:
+    kernel = tmp_path / "vmlinuz"
+    kernel.write_bytes(b"kernel")
+    shape = dataclasses.replace(TemplateShape.of(spec()), kernel=str(kernel), initramfs="", root_disk="")
+    store = Store(tmp_path / "state.db")
+    try:
+        off, on = QemuBackend(machine="q35"), QemuBackend(machine="q35", debug_console=True)
+        templates = Templates(store, {"qemu": off}, tmp_path / "templates", 1.0, dict)
+        assert templates.digest(shape, on) != templates.digest(shape, off)
+        # Off, the digest is what it was before the debug console could be on a template.
+        assert (
+            templates.digest(shape, off)
+            == hashlib.sha256(
+                "\n".join([hashlib.sha256(b"kernel").hexdigest(), "q35", "tcg"]).encode()
+            ).hexdigest()
+        )
+    finally:
+        store.close()
+    record = TemplateRecord("t", shape, "qemu", "/run/aurae/templates/t", TemplateState.READY, "d")
+    doc = record.to_doc()
+    del doc["debug_console"]  # a record saved before the field: made without the port
+    old = TemplateRecord.from_doc(doc)
+    assert not old.debug_console and not old.image().debug_console
+    assert why_rebuilt(old, "d2", on) == "vm_debug_console is on now"
+    assert why_rebuilt(old, "d2", off) == "its files, machine type or accelerator changed"
+    made = dataclasses.replace(old, debug_console=True)
+    assert TemplateRecord.from_doc(made.to_doc()).image().debug_console

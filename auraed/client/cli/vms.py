@@ -161,10 +161,11 @@ def cmd_template_list(args: argparse.Namespace) -> int:
     table = Table("NAME", "STATE", "SHAPE", "RESIDENT", "CLONES", "BUILT IN", box=None, header_style="bold")
     for status in reply.templates:
         shape = status.template
+        debug = ", debug console" if status.debug_console else ""
         table.add_row(
             shape.name,
             status.state,
-            f"{shape.vcpus} vCPU, {shape.memory_mib} MiB",
+            f"{shape.vcpus} vCPU, {shape.memory_mib} MiB{debug}",
             f"{status.memory_resident_bytes >> 20} MiB",
             ", ".join(status.clones) or "-",
             f"{status.build_ms / 1000:.1f} s" if status.build_ms else "-",
