@@ -44,12 +44,22 @@ KEYS = guest.REPO / ".work" / "host-image-keys"
 KEY_NAMES = ("PK", "KEK", "db")
 
 # Besides the guest's: programs a host runs, and the libraries they link.
-HOST_PROGRAMS = ("runc", "iproute2", "containernetworking-plugins", "e2fsprogs")
+HOST_PROGRAMS = ("runc", "iproute2", "containernetworking-plugins", "e2fsprogs", "iptables")
 HOST_LIBRARIES = (
     "libbpf1", "libelf1", "libmnl0", "libselinux1", "libpcre2-8-0", "libtirpc3",
     "libgssapi-krb5-2", "libkrb5-3", "libk5crypto3", "libcom-err2", "libkrb5support0",
     "libkeyutils1", "libext2fs2", "libblkid1", "libbsd0", "libmd0", "libxtables12",
+    "libnftnl11", "libnetfilter-conntrack3", "libnfnetlink0",
 )  # fmt: skip
+# iptables as Debian 12 sets it up (its alternatives: the nf_tables backend), which the CNI plugins
+# run: bridge's ipMasq, portmap's hostPorts, firewall. xtables-nft-multi is every one of these
+# names; its extensions (the matches and targets, dlopened) are all there, 2 MB.
+IPTABLES_NAMES = (
+    "iptables", "iptables-save", "iptables-restore", "ip6tables", "ip6tables-save", "ip6tables-restore",
+    "iptables-nft", "iptables-nft-save", "iptables-nft-restore",
+    "ip6tables-nft", "ip6tables-nft-save", "ip6tables-nft-restore",
+)  # fmt: skip
+XTABLES_DIR = f"usr/lib/{guest.MULTIARCH}/xtables"
 # QEMU for the guests (and vm pods) the host boots: the emulator, its TCG accelerator and virtiofsd
 # (qemu-system-common; TCG is a module in Debian's build, /usr/lib/x86_64-linux-gnu/qemu), the firmware
 # QEMU loads (qemu-system-data: microvm's qboot and the option ROMs that boot -kernel; seabios:
@@ -107,12 +117,20 @@ STORAGE_MODULES = (
 # ixgbe, i40e; Realtek's r8169; Broadcom's tg3 and bnxt_en), besides virtio_net. Not yet: Intel's
 # ice and Mellanox's mlx5 (2 and 4 MB more, before compression), nor any firmware blob.
 NIC_MODULES = ("e1000e", "igb", "igc", "ixgbe", "i40e", "r8169", "tg3", "bnxt_en")
-# Loaded on demand by PID 1 and the daemon: containers' and pods' networking.
+# In the root for the kernel to load on demand (busybox's modprobe, by modules.alias): what the CNI
+# plugins' iptables rules need on the nf_tables backend (nft_compat runs the xt_ matches and
+# targets iptables-nft does not translate; nft_chain_nat the nat table's chains) besides the
+# guest's bridge, veth and nf_tables.
+NETFILTER_MODULES = (
+    "nf_conntrack", "nf_nat", "nft_compat", "nft_chain_nat", "nft_nat", "nft_masq", "nft_ct",
+    "xt_MASQUERADE", "xt_nat", "xt_addrtype", "xt_multiport", "xt_mark", "xt_comment", "xt_conntrack",
+    "xt_tcpudp",
+)  # fmt: skip
 # Loaded by PID 1 at boot (host.json's "modules", with their dependencies first): tun for the VMs'
 # taps (nothing else loads it: no udev), KVM for their accelerator on real machines (the one that
 # does not fit the CPU fails, logged).
 BOOT_MODULES = ("tun", "kvm_intel", "kvm_amd")
-EXTRA_MODULES = (*guest.ROOTFS_EXTRA_MODULES, "nf_conntrack", "nf_nat", "xt_MASQUERADE", *BOOT_MODULES)
+EXTRA_MODULES = (*guest.ROOTFS_EXTRA_MODULES, *NETFILTER_MODULES, *BOOT_MODULES)
 
 DATA_LABEL = "AURAE-DATA"  # the data disk's ext4 label; a blank disk with DATA_SERIAL gets it
 DATA_SERIAL = "aurae-data"
@@ -131,7 +149,12 @@ PROFILE = {
     "tls_dir": f"{STATE_DIR}/tls",
     "client_dir": f"{STATE_DIR}/client",
     "dhcp_script": "/usr/share/aurae/udhcpc.script",
+    # /etc/cni/net.d is a link to the data disk's cni/net.d, which PID 1 makes: the pods' CNI
+    # networks an operator (or a network add-on) puts there outlive a reboot, at the path every
+    # CNI installer writes to.
+    "state_dirs": ["cni/net.d"],
 }
+CNI_CONF_LINK = ("etc/cni/net.d", f"{STATE_DIR}/cni/net.d")
 DAEMON_CONFIG = f"""# auraed on a machine booted from the host image (host-image/mkhost.py writes this file).
 # A config disk (auraed.config_disk=<device> on the kernel command line) mounted on /etc/aurae
 # replaces it. The state, the PKI among it, lives on the data disk mounted on {STATE_DIR}.
@@ -200,11 +223,14 @@ class HostBuild(guest.Build):
         for alias in ("mkfs.ext4", "fsck.ext4"):
             self.replace(None, f"usr/sbin/{alias}", link="mke2fs" if alias.startswith("mkfs") else "e2fsck")
         shutil.copy(trees["e2fsprogs"] / "etc/mke2fs.conf", s / "etc/mke2fs.conf")
+        self.install_iptables()
         cni = s / "usr/lib/cni"
         cni.mkdir(parents=True, exist_ok=True)
         for plugin in CNI_PLUGINS:
             shutil.copy2(trees["containernetworking-plugins"] / "usr/lib/cni" / plugin, cni / plugin)
-        (s / "etc/cni/net.d").mkdir(parents=True, exist_ok=True)
+        link, target = CNI_CONF_LINK
+        (s / link).parent.mkdir(parents=True, exist_ok=True)
+        (s / link).symlink_to(target)
         self.used_packages |= set(HOST_PROGRAMS)
         self.install_qemu()
         self.install_guest_image()
@@ -219,6 +245,13 @@ class HostBuild(guest.Build):
         (s / "var/lib/aurae").mkdir(parents=True, exist_ok=True)
         (s / "var/lib/aurae").chmod(0o700)
         (s / "etc/resolv.conf").write_text("")
+
+    def install_iptables(self) -> None:
+        trees = self.trees
+        self.replace(trees["iptables"] / "usr/sbin/xtables-nft-multi", "usr/sbin/xtables-nft-multi")
+        for name in IPTABLES_NAMES:
+            self.replace(None, f"usr/sbin/{name}", link="xtables-nft-multi")
+        shutil.copytree(trees["iptables"] / XTABLES_DIR, self.stage / XTABLES_DIR, symlinks=True)
 
     def install_qemu(self) -> None:
         trees, s = self.trees, self.stage

@@ -80,6 +80,9 @@ class HostProfile(NamedTuple):
     # Kernel modules loaded at boot, in order (paths under /lib/modules/<release>): tun for the VMs'
     # taps (no udev here to load it on first open of /dev/net/tun), KVM for their accelerator.
     modules: tuple[str, ...] = ()
+    # Directories made under the state dir once it is mounted (relative paths): what the root links
+    # to it so that it outlives a reboot, e.g. cni/net.d for /etc/cni/net.d (pods' CNI networks).
+    state_dirs: tuple[str, ...] = ()
 
     @classmethod
     def load(cls, root: str = "/") -> HostProfile | None:
@@ -99,6 +102,7 @@ class HostProfile(NamedTuple):
             dhcp_script=str(data["dhcp_script"]),
             data_partname=str(disk.get("partname", "")),
             modules=tuple(str(m) for m in data.get("modules", ())),
+            state_dirs=tuple(str(d) for d in data.get("state_dirs", ())),
         )
 
 
@@ -141,6 +145,21 @@ class HostBoot:
             self.disk_problem = str(exc)
             log.error("data disk: %s; the state is in memory and lost at power-off", exc)
             os.makedirs(p.state_dir, mode=0o700, exist_ok=True)
+        self.make_state_dirs()
+
+    def make_state_dirs(self) -> None:
+        """The profile's directories on the state dir (0755, as /etc's would be); one that cannot be
+        made, or that names a path outside the state dir, is logged and skipped."""
+        base = os.path.realpath(self.profile.state_dir)
+        for relative in self.profile.state_dirs:
+            path = os.path.realpath(os.path.join(base, relative))
+            if os.path.isabs(relative) or not path.startswith(base + os.sep):
+                log.error("state dir %r: not a path under %s; skipped", relative, base)
+                continue
+            try:
+                os.makedirs(path, mode=0o755, exist_ok=True)
+            except OSError as exc:
+                log.error("state dir %s: %s", path, exc.strerror or exc)
 
     def configure_network(self, hostname_given: bool) -> None:
         from auraed.init import netconf

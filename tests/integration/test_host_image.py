@@ -3,7 +3,9 @@
 One machine for the whole module, booted once (tests/support/hostvm.py: kernel + initramfs, the
 root image, a blank data disk, a tap of ours with the address on the kernel command line as
 ``ip=``, no ``auraed.role``). The tests run in order on it, as an operator would: take the client
-config off the console, reach the host over mTLS on TCP, run a cell and a container, start and
+config off the console, reach the host over mTLS on TCP, run a cell and a container, run a pod
+through the machine's CRI socket as a kubelet there would (its CNI network written to
+/etc/cni/net.d, which is on the data disk; its hostPort reached from the test host), start and
 free a nested guest VM (the image's own QEMU and guest image), see the
 daemon killed and restarted with the machine up, reboot through SystemService (the same QEMU
 process: a reset) and find the same records, image and CA, then power it off and see QEMU end.
@@ -12,10 +14,15 @@ process: a reset) and find the same records, image and CA, then power it off and
 from __future__ import annotations
 
 import asyncio
+import base64
+import ipaddress
+import json
 import re
+import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,6 +40,7 @@ from auraed.state.store import Store
 from auraed.vms.placement import send_image
 from tests.integration import containers_helpers as containers
 from tests.integration.test_cells import allocate, output, start, wait_exited
+from tests.support.cni import CniNetwork, pick_subnet
 from tests.support.hostvm import READY_MARKER, Booted, HostMachine, build_host_image
 from tests.support.images import BuiltImage
 
@@ -50,6 +58,10 @@ GUEST_IMAGE = "/usr/lib/aurae/guest-image"  # host-image/mkhost.py's GUEST_IMAGE
 NESTED_CONSOLE_WAIT = 30.0
 IMAGE = "localhost/busybox:host"
 FINGERPRINT = re.compile(r"CA SHA-256  ([0-9A-F:]{95})")
+CRI_SOCKET = "/run/aurae/cri.sock"  # the daemon's default cri_socket
+CRI_CLIENT = Path(__file__).with_name("host_cri_client.py")
+CNI_CONFLIST = "/etc/cni/net.d/10-pods.conflist"  # a link to the data disk (host-image/mkhost.py)
+HOST_PORT = 18080  # on the machine's own address: nothing of the test host's
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +131,76 @@ async def test_a_cell_and_a_container_run(
     done = await containers.run(client, "hello", IMAGE, command=["echo", "hi"])
     assert done.exit_code == 0
     assert await containers.logs(client, "hello") == ["hi"]
+
+
+async def in_machine(client: AuraeClient, name: str, command: str, timeout: float = 300) -> list[str]:
+    """``command`` run by sh in the machine's ``machine-sh`` cell; its output lines (stderr too)."""
+    listed = await client.call(CELLS, "List", cells_pb.CellServiceListRequest())
+    if "machine-sh" not in {node.cell.name for node in listed.cells}:
+        await allocate(client, "machine-sh")
+    await start(client, "machine-sh", name, f"{{ {command}; }} 2>&1")
+    done = await wait_exited(client, "machine-sh", name, timeout=timeout)
+    lines = await output(client, "machine-sh", name)
+    assert done.exit_code == 0, f"{command[:200]} ended with {done.exit_code}:\n" + "\n".join(lines[-40:])
+    return lines
+
+
+async def cri(client: AuraeClient, name: str, **args: object) -> dict[str, Any]:
+    """host_cri_client.py run in the machine against its CRI socket; its result."""
+    script = base64.b64encode(CRI_CLIENT.read_bytes()).decode()
+    arguments = json.dumps({"socket": CRI_SOCKET, **args})
+    command = f"echo {script} | base64 -d > /tmp/cri_client.py && python3 /tmp/cri_client.py '{arguments}'"
+    lines = await in_machine(client, name, command)
+    results = [line.removeprefix("CRI-RESULT ") for line in lines if line.startswith("CRI-RESULT ")]
+    assert results, "\n".join(lines[-40:])
+    found: dict[str, Any] = json.loads(results[-1])
+    return found
+
+
+def fetch_page(address: str, port: int, timeout: float = 60) -> str:
+    """GET / from ``address:port``, retried until it answers (the container's httpd is starting)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((address, port), timeout=10) as conn:
+                conn.sendall(b"GET / HTTP/1.0\r\n\r\n")
+                return b"".join(iter(lambda: conn.recv(4096), b"")).decode(errors="replace")
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
+async def test_the_cri_runs_a_pod_with_a_cni_network_and_a_host_port(
+    booted: Booted[HostMachine], client: AuraeClient
+) -> None:
+    # A network the way a CNI installer puts it: a file in /etc/cni/net.d (bridge with ipMasq,
+    # portmap, loopback: iptables in the image). The pod subnet overlaps nothing of the test host's.
+    network = CniNetwork(
+        "aurae-pods", "cni0", pick_subnet(), Path("/etc/cni/net.d"), Path("/var/lib/cni/networks")
+    )
+    conflist = base64.b64encode(json.dumps(network.conflist()).encode()).decode()
+    before = await cri(client, "cri-status-before")
+    assert before["runtime"] == "auraed"
+    assert before["conditions"] == {"RuntimeReady": True, "NetworkReady": False}  # no network yet
+    await in_machine(client, "conflist", f"echo {conflist} | base64 -d > {CNI_CONFLIST}")
+    assert (await cri(client, "cri-status"))["conditions"] == {"RuntimeReady": True, "NetworkReady": True}
+    began = time.monotonic()
+    pod = await cri(client, "cri-run", do="run", image=IMAGE, host_port=HOST_PORT)
+    print(f"CRI in the host image: pod and container running in {time.monotonic() - began:.1f} s: {pod}")
+    assert pod["container_state"] == "CONTAINER_RUNNING"
+    assert ipaddress.ip_address(str(pod["pod_ip"])) in network.subnet
+    # The hostPort, from the test host to the machine's address: portmap's DNAT to the pod.
+    page = await asyncio.to_thread(fetch_page, booted.machine.address, HOST_PORT)
+    assert page.rstrip().endswith("hello-from-pod"), page
+    rules = "\n".join(await in_machine(client, "nat-rules", "iptables -t nat -S"))
+    assert f"--to-destination {pod['pod_ip']}:80" in rules and "MASQUERADE" in rules
+    gone = await cri(client, "cri-remove", do="remove", pod_id=pod["pod_id"])
+    assert gone == {"pods": 0, "containers": 0}
+    rules = "\n".join(await in_machine(client, "nat-rules-after", "iptables -t nat -S"))
+    assert str(pod["pod_ip"]) not in rules
+    leases = await in_machine(client, "leases", f"ls /var/lib/cni/networks/{network.name}")
+    assert str(pod["pod_ip"]) not in leases
 
 
 async def test_a_nested_guest_vm_starts_and_is_freed(
@@ -249,6 +331,8 @@ async def test_reboot_keeps_state_and_pki(booted: Booted[HostMachine], client: A
         )
         assert any(IMAGE in image.references for image in listed_images.images)
         assert (await containers.run(again, "after", IMAGE, command=["true"])).exit_code == 0
+        # The pods' CNI network is on the data disk: the CRI's network is ready again.
+        assert (await cri(again, "cri-status-rebooted"))["conditions"]["NetworkReady"] is True
 
 
 async def list_containers(client: AuraeClient) -> list[containers_pb.ContainerStatus]:

@@ -153,3 +153,14 @@ async def test_the_supervisor_restarts_a_dead_daemon_and_relays_its_requests(tmp
     supervisor.request_stop()
     assert await asyncio.wait_for(task, 30) == 0
     assert not (tmp_path / "init.sock").exists()
+
+
+def test_the_profiles_state_dirs_are_made_under_the_state_dir_only(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    wanted = ("cni/net.d", "../outside", "/etc/abs", "a/../../escape")
+    HostBoot(profile(state)._replace(state_dirs=wanted), "").make_state_dirs()
+    assert (state / "cni/net.d").is_dir() and (state / "cni/net.d").stat().st_mode & 0o777 == 0o755
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]  # nothing made outside it
+    assert sorted(p.name for p in state.iterdir()) == ["cni"]
+    HostBoot(profile(state)._replace(state_dirs=("cni/net.d",)), "").make_state_dirs()  # again: no error

@@ -1,0 +1,109 @@
+"""A kubelet's part, run inside a machine booted from the host image (test_host_image.py sends it
+to a cell there): CRI calls on the machine's own CRI socket, their results as one JSON line.
+
+It uses only what the image holds (its Python, grpcio and auraed's generated CRI messages), so
+what it shows is what a kubelet on that machine would get. ``argv[1]`` is a JSON object: ``do``
+(``status``, the default, ``run`` or ``remove``), ``socket``, and for ``run`` the ``image`` and ``host_port``;
+for ``remove`` the ``pod_id``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+import grpc
+
+from auraed.api.runtime import v1 as cri
+from auraed.client import AuraeClient
+
+RUNTIME = "runtime.v1.RuntimeService"
+IMAGES = "runtime.v1.ImageService"
+RESULT = "CRI-RESULT "
+CALL_TIMEOUT = 300.0  # a pod's first CNI ADD and a container's start under TCG, on a loaded machine
+RUNNING_WAIT = 120.0
+POD_NAME = "web"
+# busybox's httpd serving one page on the container's port 80.
+SERVER = "mkdir -p /www && echo hello-from-pod > /www/index.html && exec httpd -f -p 80 -h /www"
+
+
+async def status(client: AuraeClient) -> dict[str, Any]:
+    version = await client.call(RUNTIME, "Version", cri.VersionRequest(), CALL_TIMEOUT)
+    reply = await client.call(RUNTIME, "Status", cri.StatusRequest(), CALL_TIMEOUT)
+    conditions = {c.type: c.status for c in reply.status.conditions}
+    return {"runtime": version.runtime_name, "conditions": conditions}
+
+
+async def run(client: AuraeClient, image: str, host_port: int) -> dict[str, Any]:
+    found = await client.call(
+        IMAGES, "ImageStatus", cri.ImageStatusRequest(image=cri.ImageSpec(image=image)), CALL_TIMEOUT
+    )
+    metadata = cri.PodSandboxMetadata(name=POD_NAME, uid=f"{POD_NAME}-uid", namespace="default")
+    pod = cri.PodSandboxConfig(
+        metadata=metadata,
+        hostname=POD_NAME,
+        log_directory=f"/var/log/pods/default_{POD_NAME}_{POD_NAME}-uid",
+        port_mappings=[cri.PortMapping(protocol=cri.Protocol.TCP, container_port=80, host_port=host_port)],
+        linux=cri.LinuxPodSandboxConfig(),
+    )
+    # The cell handler: a vm pod here would be a guest under TCG inside TCG (minutes to serve).
+    request = cri.RunPodSandboxRequest(config=pod, runtime_handler="cell")
+    pod_id = (await client.call(RUNTIME, "RunPodSandbox", request, CALL_TIMEOUT)).pod_sandbox_id
+    container = cri.ContainerConfig(
+        metadata=cri.ContainerMetadata(name="server"),
+        image=cri.ImageSpec(image=found.image.id),
+        command=["sh", "-c", SERVER],
+        log_path="server/0.log",
+    )
+    create = cri.CreateContainerRequest(pod_sandbox_id=pod_id, config=container, sandbox_config=pod)
+    container_id = (await client.call(RUNTIME, "CreateContainer", create, CALL_TIMEOUT)).container_id
+    await client.call(RUNTIME, "StartContainer", cri.StartContainerRequest(container_id=container_id))
+    state = await wait_running(client, container_id)
+    reply = await client.call(RUNTIME, "PodSandboxStatus", cri.PodSandboxStatusRequest(pod_sandbox_id=pod_id))
+    return {
+        "image_id": found.image.id,
+        "pod_id": pod_id,
+        "container_id": container_id,
+        "container_state": state,
+        "pod_ip": reply.status.network.ip,
+    }
+
+
+async def wait_running(client: AuraeClient, container_id: str) -> str:
+    request = cri.ContainerStatusRequest(container_id=container_id)
+    deadline = time.monotonic() + RUNNING_WAIT
+    while True:
+        state = (await client.call(RUNTIME, "ContainerStatus", request, CALL_TIMEOUT)).status.state
+        if state != cri.ContainerState.CONTAINER_CREATED or time.monotonic() > deadline:
+            return str(state.name)
+        await asyncio.sleep(0.5)
+
+
+async def remove(client: AuraeClient, pod_id: str) -> dict[str, Any]:
+    await client.call(
+        RUNTIME, "StopPodSandbox", cri.StopPodSandboxRequest(pod_sandbox_id=pod_id), CALL_TIMEOUT
+    )
+    await client.call(RUNTIME, "RemovePodSandbox", cri.RemovePodSandboxRequest(pod_sandbox_id=pod_id))
+    pods = (await client.call(RUNTIME, "ListPodSandbox", cri.ListPodSandboxRequest())).items
+    containers = (await client.call(RUNTIME, "ListContainers", cri.ListContainersRequest())).containers
+    return {"pods": len(pods), "containers": len(containers)}
+
+
+async def main(args: dict[str, Any]) -> dict[str, Any]:
+    client = AuraeClient(grpc.aio.insecure_channel(f"unix:{args['socket']}"))
+    try:
+        do = args.get("do", "status")
+        if do == "run":
+            return await run(client, args["image"], int(args["host_port"]))
+        if do == "remove":
+            return await remove(client, args["pod_id"])
+        return await status(client)
+    finally:
+        await client.close()
+
+
+if __name__ == "__main__":
+    print(RESULT + json.dumps(asyncio.run(main(json.loads(sys.argv[1])))), flush=True)
