@@ -114,9 +114,11 @@ STORAGE_MODULES = (
     "usb_storage", "uas", "ext4",
 )  # fmt: skip
 # Loaded by the initramfs too: the common wired NICs of PCs and servers (Intel's e1000e, igb, igc,
-# ixgbe, i40e; Realtek's r8169; Broadcom's tg3 and bnxt_en), besides virtio_net. Not yet: Intel's
-# ice and Mellanox's mlx5 (2 and 4 MB more, before compression), nor any firmware blob.
-NIC_MODULES = ("e1000e", "igb", "igc", "ixgbe", "i40e", "r8169", "tg3", "bnxt_en")
+# ixgbe, i40e, ice; Realtek's r8169; Broadcom's tg3 and bnxt_en; Mellanox/NVIDIA's mlx5_core: 1.5
+# MB more gzipped for the last two), besides virtio_net. No firmware blob: Debian's firmware
+# packages are in non-free-firmware, which this build's apt sources do not have (ice then runs
+# its safe mode without its DDP package; mlx5's firmware is on the card).
+NIC_MODULES = ("e1000e", "igb", "igc", "ixgbe", "i40e", "ice", "r8169", "tg3", "bnxt_en", "mlx5_core")
 # In the root for the kernel to load on demand (busybox's modprobe, by modules.alias): what the CNI
 # plugins' iptables rules need on the nf_tables backend (nft_compat runs the xt_ matches and
 # targets iptables-nft does not translate; nft_chain_nat the nat table's chains) besides the
