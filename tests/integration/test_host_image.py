@@ -1,15 +1,14 @@
 """A machine booted from the host image: auraed as its PID 1 in the host role, for real (QEMU TCG).
 
-One machine for the whole module, booted once (tests/support/hostvm.py: kernel + initramfs, the
-root image, a blank data disk, a tap of ours with the address on the kernel command line as
-``ip=``, no ``auraed.role``). The tests run in order on it, as an operator would: take the client
-config off the console, reach the host over mTLS on TCP, see every driver of the initramfs loaded,
-run a cell and a container, run a pod
-through the machine's CRI socket as a kubelet there would (its CNI network written to
-/etc/cni/net.d, which is on the data disk; its hostPort reached from the test host), start and
-free a nested guest VM (the image's own QEMU and guest image), see the
-daemon killed and restarted with the machine up, reboot through SystemService (the same QEMU
-process: a reset) and find the same records, image and CA, then power it off and see QEMU end.
+One machine for the whole module, booted once (tests/support/hostvm.py: kernel + initramfs, the root
+image, a blank data disk, a tap of ours with the address on the kernel command line as ``ip=``, no
+``auraed.role``). The tests run in order on it, as an operator would: take the client config off the
+console, reach the host over mTLS on TCP, see every driver of the initramfs loaded, run a cell and a
+container, run a pod through the machine's CRI socket as a kubelet there would (its CNI network
+written to /etc/cni/net.d, which is on the data disk; its hostPort reached from the test host),
+start and free a nested guest VM (the image's own QEMU and guest image), see the daemon killed and
+restarted with the machine up, reboot through SystemService (the same QEMU process: a reset) and
+find the same records, image and CA, then power it off and see QEMU end.
 """
 
 from __future__ import annotations
