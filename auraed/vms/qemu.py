@@ -42,6 +42,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -315,7 +316,7 @@ class QemuBackend:
         copy = spec.run_dir / CLONE_MEMORY_FILE
         try:
             source = Path(spec.image.memory_path)
-            took, copied = await run_to_end(asyncio.to_thread(copy_sparse, source, copy))
+            took, copied = await run_to_end(copy_sparse(source, copy, spec.cgroup_procs))
             handle = await self._start(spec, shared_clone=True)
         finally:
             common.remove_quietly(copy)  # never left, the clone made or not
@@ -746,42 +747,27 @@ class QemuBackend:
         await client.close()
 
 
-def copy_sparse(source: Path, target: Path) -> tuple[float, int]:
-    """``source`` copied to ``target`` (owner-only), its holes left holes (SEEK_DATA/SEEK_HOLE,
-    the data by copy_file_range: a reflink where the filesystem has them); the seconds it took
-    and the bytes of data copied."""
+async def copy_sparse(source: Path, target: Path, cgroup_procs: tuple[str, ...] = ()) -> tuple[float, int]:
+    """``source`` copied to ``target`` by a child in the cgroup(s) of ``cgroup_procs`` (auraed.vms.sparse:
+    its pages are charged there, the VMM's, not the daemon's); the seconds it took and the bytes
+    of data copied."""
     started = time.monotonic()
-    copied = 0
     common.remove_quietly(target)
-    src = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            size = os.fstat(src).st_size
-            os.ftruncate(dst, size)
-            offset = 0
-            while offset < size:
-                try:
-                    data = os.lseek(src, offset, os.SEEK_DATA)
-                except OSError:  # ENXIO: only a hole is left
-                    break
-                hole = os.lseek(src, data, os.SEEK_HOLE)
-                position = data
-                while position < hole:
-                    done = os.copy_file_range(src, dst, hole - position, position, position)
-                    if done <= 0:
-                        raise OSError(f"copy_file_range of {source} stopped at {position}")
-                    position += done
-                copied += hole - data
-                offset = hole
-        finally:
-            os.close(dst)
-    except BaseException:
+    argv = common.in_cgroup(
+        [sys.executable, "-m", "auraed.vms.sparse", str(source), str(target)], cgroup_procs
+    )
+    child = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await child.communicate()
+    if child.returncode != 0:
         common.remove_quietly(target)
-        raise
-    finally:
-        os.close(src)
-    return time.monotonic() - started, copied
+        why = err.decode(errors="replace").strip() or f"exit status {child.returncode}"
+        raise VmError.internal(f"could not copy the template's RAM {source} for a clone: {why}")
+    return time.monotonic() - started, int(out)
 
 
 def _tail(path: Path, limit: int = 1000) -> str:

@@ -4,14 +4,16 @@ QEMU guests (TCG here) through the kubelet's socket.
 One test: the first pod of its shape makes the template (a boot of its own), and its guest is a
 clone of it, its virtio-fs (the pod's volumes) plugged as it resumed: a host path is read and
 written from a container in the guest, the pod IP reaches the guest's auraed, its RAM copy is
-gone from the host's files. A second pod of the same shape is cloned from the same template, not
-made again. Stopped and removed, neither leaves anything (nor any RAM copy).
+gone from the host's files and charged to the pod's VMM cgroup. A second pod of the same shape
+is cloned from the same template, not made again. Stopped and removed, neither leaves anything
+(nor any RAM copy).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -48,6 +50,13 @@ async def guest_of(node: Node, pod_id: str) -> vms.VmStatus:
     return status
 
 
+def vmm_page_cache(node: Node, pod_id: str) -> int:
+    """Bytes of file pages (the RAM copy among them) charged to the pod's VMM cgroup (v1 memory)."""
+    stat = Path("/sys/fs/cgroup/memory") / node.daemon.cgroup_base / "_pods" / pod_id / "vmm" / "memory.stat"
+    fields = dict(line.split() for line in stat.read_text().splitlines())
+    return int(fields["cache"])
+
+
 def ram_copies(node: Node) -> list[Path]:
     return list((node.daemon.root / "run" / "vms").glob(f"*/{CLONE_MEMORY_FILE}"))
 
@@ -66,6 +75,13 @@ async def test_a_vm_pod_is_cloned_from_the_template_of_its_shape_with_its_volume
     guest = await guest_of(node, pod_id)
     assert guest.template.startswith(AUTO_PREFIX) and guest.restore_ms is not None, guest
     assert ram_copies(node) == []  # unlinked once QEMU mapped it
+    # The copy was written by a child in the pod's VMM cgroup: its pages are the pod's to pay for,
+    # not the daemon's (the pod cgroup holds the clone's QEMU and its memory).
+    copied_mib = int(
+        re.findall(r"RAM copied for its shared directory in \d+ ms \((\d+) MiB", node.daemon.log())[-1]
+    )
+    assert copied_mib > 64
+    assert vmm_page_cache(node, pod_id) >= copied_mib << 20
 
     # The pod IP is the guest's: its auraed's TLS port answers there.
     status = (await pod_status(node.client, pod_id)).status

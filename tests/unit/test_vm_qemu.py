@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from auraed.vms.backend import LaunchDisk, LaunchNet, LaunchSpec, MemoryImage
+from auraed.vms.errors import VmError
 from auraed.vms.model import RunInfo, grown_memory_mib, host_memory_mib
 from auraed.vms.qemu import QemuBackend, Room, build_command, copy_sparse, host_tsc_khz
 
@@ -254,17 +255,21 @@ def test_a_q35_template_and_its_clones_have_one_free_root_port_for_hotplug(machi
     assert not [d for d in option(cold, "-device") if d.startswith("pcie-root-port")]
 
 
-def test_a_sparse_copy_keeps_the_holes_and_the_data(tmp_path: Path) -> None:
+async def test_a_sparse_copy_keeps_the_holes_and_the_data(tmp_path: Path) -> None:
     source, target = tmp_path / "ram", tmp_path / "copy"
     with source.open("wb") as ram:
         ram.truncate(64 << 20)
         for mib in (0, 7, 63):
             ram.seek(mib << 20)
             ram.write(bytes([mib + 1]) * (1 << 20))
-    took, copied = copy_sparse(source, target)
+    # By a child process (python -m auraed.vms.sparse), as a clone's copy is made in its VMM's cgroup.
+    took, copied = await copy_sparse(source, target)
     assert took >= 0 and copied >= 3 << 20 and copied < 64 << 20
     assert target.read_bytes() == source.read_bytes()
     assert target.stat().st_blocks * 512 < 16 << 20 and target.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(VmError, match=r"could not copy the template's RAM .*No such file"):
+        await copy_sparse(tmp_path / "gone", tmp_path / "copy2")
+    assert not (tmp_path / "copy2").exists()
 
 
 def test_only_a_q35_clone_can_have_a_shared_directory() -> None:
