@@ -6,7 +6,8 @@ clone of it, its virtio-fs (the pod's volumes) plugged as it resumed: a host pat
 written from a container in the guest, the pod IP reaches the guest's auraed, its RAM copy is
 gone from the host's files and charged to the pod's VMM cgroup. A second pod of the same shape
 is cloned from the same template, not made again. Stopped and removed, neither leaves anything
-(nor any RAM copy).
+(nor any RAM copy). With microvm, which cannot plug a clone's virtio-fs, a pod boots cold and the
+log says why.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 
 
 vm_node = vm_node_fixture("--vm-machine", "q35", "--cri-vm-boot", "template")
+# microvm cannot plug a clone's virtio-fs (no PCIe hotplug), and every vm pod has its share.
+microvm_node = vm_node_fixture("--vm-machine", "microvm", "--cri-vm-boot", "template", name="microvm_node")
 
 
 async def guest_of(node: Node, pod_id: str) -> vms.VmStatus:
@@ -125,3 +128,23 @@ async def test_a_vm_pod_is_cloned_from_the_template_of_its_shape_with_its_volume
     for made in (pod_id, second):  # the bridge's veths are any pod's: checked once both are gone
         assert leftovers_of_pod(node.daemon, node.network, made) == {}
     assert ram_copies(node) == []
+
+
+async def test_a_pod_that_cannot_be_a_clone_boots_cold_and_says_why(microvm_node: Node) -> None:
+    node = microvm_node
+    pod_id = await asyncio.wait_for(
+        run_pod(node.client, pod_config("cold-pod", namespace="vm-pods"), "vm"), BOOT_TIMEOUT
+    )
+    guest = await guest_of(node, pod_id)
+    assert guest.template == "" and guest.restore_ms is None, guest
+    said = f"VM pod-{pod_id[:16]} boots cold instead of from template auto: it has a shared directory"
+    assert said in node.daemon.log() and "hotplug" in node.daemon.log().split(said, 1)[1].split("\n", 1)[0]
+    async with node.daemon.client() as aurae:  # none was made for it
+        assert (await aurae.call(VMS, "ListTemplates", vms.VmServiceListTemplatesRequest())).templates == []
+    status = (await pod_status(node.client, pod_id)).status
+    assert status is not None and status.network is not None
+    _, writer = await asyncio.wait_for(asyncio.open_connection(status.network.ip, GUEST_PORT), 30)
+    writer.close()
+    await node.stop_pod(pod_id)
+    await node.remove_pod(pod_id)
+    assert leftovers_of_pod(node.daemon, node.network, pod_id) == {}

@@ -46,12 +46,12 @@ def vm_daemon(
     )
 
 
-def vm_node_fixture(*extra_args: str) -> Callable[..., Any]:
-    """A ``vm_node`` fixture: a daemon of vm pods (``extra_args`` its further flags) with its own
-    CNI network and busybox pulled from the module's ``mirror``; at the end every pod is stopped
-    and removed, and no container, VM or guest-container record may be left."""
+def vm_node_fixture(*extra_args: str, name: str = "vm_node") -> Callable[..., Any]:
+    """A ``vm_node`` fixture (or ``name``): a daemon of vm pods (``extra_args`` its further flags)
+    with its own CNI network and busybox pulled from the module's ``mirror``; at the end every pod
+    is stopped and removed, and no container, VM or guest-container record may be left."""
 
-    @pytest.fixture(name="vm_node")
+    @pytest.fixture(name=name)
     async def vm_node(
         daemon_factory: DaemonFactory, mirror: LocalRegistry, guest_image: Path, pki: PkiPaths, tmp_path: Path
     ) -> AsyncIterator[Node]:
