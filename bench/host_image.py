@@ -91,35 +91,50 @@ def phases(console: str) -> dict[str, float]:
     return found
 
 
+async def boot_to_serving(machine: Any, client_dir: Path) -> tuple[ClientConfig, float]:
+    """Start ``machine`` (a HostMachine or DiskMachine); its client config off the console and the
+    seconds from QEMU's start until health answered SERVING over mTLS (then its status screen)."""
+    from tests.support.hostvm import READY_MARKER
+
+    machine.start()
+    deadline = time.monotonic() + TIMEOUT
+    machine.wait_for("----- END AURAE CLIENT CONFIG -----", TIMEOUT)
+    config = machine.client_config(client_dir)
+    serving = await wait_serving(config, deadline) - machine.started
+    machine.wait_for(READY_MARKER, 30)
+    return config, serving
+
+
+def bare_boot(machine: Any) -> float:
+    """Seconds until the bare initramfs's marker, then its power-off; the machine closed."""
+    try:
+        machine.start()
+        seconds: float = machine.wait_for(BARE_MARKER, TIMEOUT)
+        machine.wait_exit(60)
+        return seconds
+    finally:
+        machine.close()
+
+
 async def disk_boot(image: Path, work: Path, index: int) -> dict[str, Any]:
     """disk.img by UEFI until SERVING; then the bare initramfs on the same q35 machine."""
-    from tests.support.hostvm import READY_MARKER, DiskMachine
+    from tests.support.hostvm import DiskMachine
 
     result: dict[str, Any] = {}
     machine = DiskMachine(image)
     try:
-        machine.start()
-        deadline = time.monotonic() + TIMEOUT
-        machine.wait_for("----- END AURAE CLIENT CONFIG -----", TIMEOUT)
-        config = machine.client_config(work / f"disk-client-{index}")
-        result["disk_s"] = await wait_serving(config, deadline) - machine.started
-        machine.wait_for(READY_MARKER, 30)
+        _, result["disk_s"] = await boot_to_serving(machine, work / f"disk-client-{index}")
         result["disk_firmware_s"] = machine.seen_at("Linux version")
         result["disk_phases"] = phases(machine.console)
     finally:
         machine.close()
     bare = DiskMachine(image)
-    try:
-        bare.args = [
-            *bare.qemu_args("bios"),
-            "-kernel", str(image / "vmlinuz"), "-initrd", str(image / "bare-initramfs.img"),
-            "-append", "console=ttyS0",
-        ]  # fmt: skip
-        bare.start()
-        result["bare_q35_s"] = bare.wait_for(BARE_MARKER, TIMEOUT)
-        bare.wait_exit(60)
-    finally:
-        bare.close()
+    bare.args = [
+        *bare.qemu_args("bios"),
+        "-kernel", str(image / "vmlinuz"), "-initrd", str(image / "bare-initramfs.img"),
+        "-append", "console=ttyS0",
+    ]  # fmt: skip
+    result["bare_q35_s"] = bare_boot(bare)
     return result
 
 
@@ -129,12 +144,7 @@ async def one_round(image: Path, memory_mib: int, work: Path, index: int) -> dic
     result: dict[str, Any] = {}
     machine = HostMachine(image, memory_mib=memory_mib, kernel="vmlinuz")
     try:
-        machine.start()
-        deadline = time.monotonic() + TIMEOUT
-        machine.wait_for("----- END AURAE CLIENT CONFIG -----", TIMEOUT)
-        config = machine.client_config(work / f"client-{index}")
-        result["first_s"] = await wait_serving(config, deadline) - machine.started
-        machine.wait_for(READY_MARKER, 30)
+        config, result["first_s"] = await boot_to_serving(machine, work / f"client-{index}")
         result["first_screen_s"] = machine.seen_at(READY_MARKER)
         result["first_phases"] = phases(machine.console)
         mark = machine.mark()
@@ -150,12 +160,7 @@ async def one_round(image: Path, memory_mib: int, work: Path, index: int) -> dic
     finally:
         machine.close()
     bare = HostMachine(image, memory_mib=memory_mib, initramfs="bare-initramfs.img", kernel="vmlinuz")
-    try:
-        bare.start()
-        result["bare_s"] = bare.wait_for(BARE_MARKER, TIMEOUT)
-        bare.wait_exit(60)
-    finally:
-        bare.close()
+    result["bare_s"] = bare_boot(bare)
     result.update(await disk_boot(image, work, index))
     return result
 
