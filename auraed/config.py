@@ -187,6 +187,14 @@ class DaemonConfig:
             "is rebuilt first). Authorized by method like every call; each session is logged"
         ),
     )
+    console_shell: bool = field(
+        default=False,
+        metadata=_help(
+            "on a machine booted from the host image (auraed as PID 1, host role): a root shell on "
+            "the machine's console when Enter is pressed there; off, the console shows the status "
+            "screen only. Each session is logged (when and how long, never what is typed)"
+        ),
+    )
     vm_guest_port: int = field(default=8443, metadata=_help("port the guests' auraed listens on (mTLS)"))
     qemu_binary: str = field(default="qemu-system-x86_64", metadata=_help("QEMU system emulator"))
     virtiofsd_binary: str = field(

@@ -85,6 +85,7 @@ GUEST_GROUPS = {
     "guests-1": (
         "test_nested.py",
         "test_host_image.py",
+        "test_host_console.py",
         "test_guest_image.py",
         "test_orka_vms.py",
         "test_vms.py",

@@ -22,6 +22,9 @@ namespace that finds it, and no ``auraed.role=guest``, runs the machine this way
   with the CA's fingerprint.
 
 SIGTERM, SIGPWR and the power button power the machine off; SIGINT (Ctrl-Alt-Del) reboots it.
+
+The console has no login and no shell: the status screen only, unless the daemon's config turns
+``console_shell`` on (:class:`ConsoleShell`: a root shell there each time Enter is pressed).
 """
 
 from __future__ import annotations
@@ -62,6 +65,15 @@ DHCP_TIMEOUT = 30.0
 RESTART_BACKOFF: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 30.0)
 STABLE_RUN = 60.0  # a daemon that served this long before dying starts again at the first backoff
 STOP_WAIT_EXTRA = 30.0  # seconds beyond stop_grace_period the daemon has to stop before SIGKILL
+# console_shell: busybox's cttyhack gives the shell the console's real tty (ttyS0, tty1: what
+# /sys/class/tty/console/active names) as its controlling terminal, so ^C and job control work.
+CONSOLE_SHELL = ("cttyhack", "sh", "-l")
+CONSOLE_SHELL_ENV = {
+    "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/root",
+    "TERM": "linux",
+    "PS1": "aurae# ",
+}
 SIOCGIFADDR = 0x8915
 SIOCGIFNETMASK = 0x891B
 
@@ -307,8 +319,10 @@ class DaemonSupervisor:
         stop_grace: float,
         environ: Mapping[str, str] | None = None,
         socket_path: str = INIT_SOCKET,
+        console_shell: bool = False,
     ) -> None:
         self.argv = list(argv)
+        self.shell = ConsoleShell(self.show_status) if console_shell else None
         self.boot = boot
         self.on_action = on_action
         self.stop_grace = stop_grace
@@ -328,6 +342,8 @@ class DaemonSupervisor:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         self._open_socket(loop)
+        if self.shell is not None:
+            self.shell.start(loop)
         status = 0
         try:
             while not self._stopping:
@@ -348,6 +364,8 @@ class DaemonSupervisor:
                     await asyncio.wait_for(self._exited.wait(), delay)  # set only when stopping
         finally:
             self._close_socket(loop)
+            if self.shell is not None:
+                self.shell.stop()
         return 0 if status is None else status
 
     async def _run_once(self) -> int:
@@ -422,11 +440,98 @@ class DaemonSupervisor:
     def handle(self, fields: dict[str, str]) -> None:
         if fields.get("READY") == "1":
             self.ready_at = time.monotonic()
-            pid = self.process.pid if self.process is not None else 0
-            console(status_screen(self.boot, pid, self.restarts))
+            self.show_status()
         action = fields.get("AURAE_ACTION", "")
         if action in ACTIONS:
             self.on_action(action, fields.get("AURAE_REASON", "") or f"the daemon asked to {action}")
+
+    def show_status(self) -> None:
+        """The status screen, once the daemon serves (again after a console shell ends)."""
+        if self.ready_at is None or self.process is None:
+            return
+        console(status_screen(self.boot, self.process.pid, self.restarts, shell=self.shell is not None))
+
+
+class ConsoleShell:
+    """console_shell: a root shell on the machine's console (PID 1's fd 0) each time Enter is
+    pressed there, one at a time; PID 1 reads nothing of the console while it runs, and shows
+    ``on_closed`` (the status screen) when it ends. Sessions are logged, never what is typed."""
+
+    def __init__(
+        self,
+        on_closed: Callable[[], None],
+        fd: int = 0,
+        argv: Sequence[str] = CONSOLE_SHELL,
+        environ: Mapping[str, str] = CONSOLE_SHELL_ENV,
+    ) -> None:
+        self.on_closed = on_closed
+        self.fd = fd
+        self.argv = list(argv)
+        self.environ = dict(environ)
+        self.sessions = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._listening = False
+        self._stopped = False
+        self._session: asyncio.Task[None] | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._listen()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._unlisten()
+
+    def _listen(self) -> None:
+        assert self._loop is not None
+        if self._stopped or self._listening:
+            return
+        try:
+            self._loop.add_reader(self.fd, self._on_input)
+            self._listening = True
+        except (OSError, ValueError) as exc:
+            log.error("console shell: cannot read the console: %s", exc)
+
+    def _unlisten(self) -> None:
+        if self._listening and self._loop is not None:
+            self._loop.remove_reader(self.fd)
+        self._listening = False
+
+    def _on_input(self) -> None:
+        try:
+            data = os.read(self.fd, 4096)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            log.error("console shell: reading the console: %s", exc)
+            data = b""
+        if not data:  # no console input at all (/dev/null, a closed line)
+            self._unlisten()
+            return
+        if b"\n" in data or b"\r" in data:
+            self._unlisten()
+            assert self._loop is not None
+            self._session = self._loop.create_task(self._run_session())
+
+    async def _run_session(self) -> None:
+        self.sessions += 1
+        started = time.monotonic()
+        log.warning("console shell %d opened on the console (console_shell is on)", self.sessions)
+        status: int | None = None
+        try:
+            shell = await asyncio.create_subprocess_exec(
+                *self.argv, env=self.environ, cwd="/", start_new_session=True
+            )
+            status = await shell.wait()
+        except OSError as exc:
+            log.error("console shell: cannot start %s: %s", self.argv[0], exc)
+        log.warning(
+            "console shell %d closed after %.0f s (%s)",
+            self.sessions, time.monotonic() - started, describe_status(status),
+        )  # fmt: skip
+        if not self._stopped:
+            self.on_closed()
+            self._listen()
 
 
 def parse_notify(data: bytes) -> dict[str, str]:
@@ -455,7 +560,7 @@ def uptime() -> float:
         return 0.0
 
 
-def status_screen(boot: HostBoot, daemon_pid: int, restarts: int) -> str:
+def status_screen(boot: HostBoot, daemon_pid: int, restarts: int, shell: bool = False) -> str:
     p = boot.profile
     addresses = interface_addresses()
     try:
@@ -480,6 +585,7 @@ def status_screen(boot: HostBoot, daemon_pid: int, restarts: int) -> str:
         f" aurae API   mTLS on {', '.join(endpoints)}",
         f" CA SHA-256  {fingerprint}",
         f" data disk   {disk}",
+        *([" console     press Enter for a root shell (console_shell = true)"] if shell else []),
         f" client      config in {p.client_dir} (shown on the console at first boot)",
         "=" * width,
     ]

@@ -912,7 +912,11 @@ def main(argv: Sequence[str], make_daemon: DaemonFactory) -> NoReturn:
             from auraed.init.host import DaemonSupervisor
 
             supervisor = DaemonSupervisor(
-                argv, init.host, init.request_action, stop_grace=config.stop_grace_period
+                argv,
+                init.host,
+                init.request_action,
+                stop_grace=config.stop_grace_period,
+                console_shell=config.console_shell,
             )
             status = init.run(supervisor)
         else:

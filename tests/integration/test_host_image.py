@@ -111,6 +111,19 @@ async def test_first_boot_serves_mtls_on_tcp(booted: Booted[HostMachine], client
     assert "PID 1 is auraed (host role)" in console
 
 
+async def test_the_console_has_no_shell_by_default(booted: Booted[HostMachine], client: AuraeClient) -> None:
+    # The image's config leaves console_shell off: what is typed on the console is echoed by the
+    # tty and goes nowhere (test_host_console.py turns it on).
+    machine = booted.machine
+    mark = machine.mark()
+    machine.type_line("")
+    machine.type_line("echo CONSOLE-$((6*7))")
+    await asyncio.sleep(5)
+    assert "CONSOLE-42" not in machine.console[mark:] and "console shell" not in machine.console[mark:]
+    assert "root shell" not in machine.console
+    assert await health(client) == 1  # SERVING
+
+
 async def test_the_initramfs_loaded_every_driver_it_holds(
     booted: Booted[HostMachine], client: AuraeClient
 ) -> None:

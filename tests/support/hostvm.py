@@ -40,6 +40,7 @@ READY_MARKER = "(shown on the console at first boot)"
 """The end of the status screen PID 1 prints once the daemon serves (its last line): waiting for
 its first line instead raced the rest of the screen (the CA fingerprint) to the console."""
 TEST_RANGE = ipaddress.IPv4Network("10.213.64.0/18")  # the host-image tests' share of the VM pool
+CONFIG_SERIAL = "aurae-config"  # a config disk's virtio serial (auraed.config_disk=serial=...)
 
 
 def build_host_image() -> Path:
@@ -63,6 +64,7 @@ class HostMachine:
         initramfs: str = "initramfs.img",
         static_ip: bool = True,
         kernel: str = "vmlinux",
+        config_disk: Path | None = None,
     ) -> None:
         self.image = image
         self.root = Path(tempfile.mkdtemp(prefix="aurae-hostvm-", dir="/tmp"))
@@ -83,6 +85,8 @@ class HostMachine:
         self.address = self.net.guest_ip
         mask = ipaddress.IPv4Network(f"0.0.0.0/{self.net.prefixlen}").netmask
         ip = f"ip={self.net.guest_ip}::{self.net.host_ip}:{mask}:aurae-host:eth0:off" if static_ip else ""
+        if config_disk is not None:  # mounted on /etc/aurae in place of the image's configuration
+            extra_append += f" auraed.config_disk=serial={CONFIG_SERIAL}"
         append = (
             f"console=ttyS0 tsc_early_khz={host_tsc_khz()} auraed.root=serial=aurae-root {ip} {extra_append}"
         )
@@ -102,6 +106,11 @@ class HostMachine:
             "-object", "rng-random,id=rng0,filename=/dev/urandom",
             "-device", "virtio-rng-device,rng=rng0",
         ]  # fmt: skip
+        if config_disk is not None:
+            self.args += [
+                "-drive", f"id=config,file={config_disk},format=raw,if=none,readonly=on",
+                "-device", f"virtio-blk-device,drive=config,serial={CONFIG_SERIAL}",
+            ]  # fmt: skip
         self.process: subprocess.Popen[bytes] | None = None
         self._output: list[str] = []
         self._arrived: list[tuple[int, float]] = []  # (console offset after a line, when it came)
@@ -112,7 +121,7 @@ class HostMachine:
     def start(self) -> None:
         self.started = time.monotonic()
         self.process = subprocess.Popen(
-            self.args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -154,6 +163,12 @@ class HostMachine:
             time.sleep(0.05)
         raise AssertionError(f"no {text!r} within {timeout}s:\n{self.tail()}")
 
+    def type_line(self, text: str) -> None:
+        """``text`` and Enter typed on the machine's serial console (QEMU's stdin)."""
+        assert self.process is not None and self.process.stdin is not None
+        self.process.stdin.write(text.encode() + b"\r")
+        self.process.stdin.flush()
+
     def tail(self, chars: int = 6000) -> str:
         return self.console[-chars:]
 
@@ -184,8 +199,10 @@ class HostMachine:
             self.process.wait()
             if self._reader is not None:
                 self._reader.join(5)
-            if self.process.stdout is not None:
-                self.process.stdout.close()
+            for pipe in (self.process.stdin, self.process.stdout):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
         with contextlib.suppress(Exception):
             network.delete_tap(self.net.tap, self.owner)
         shutil.rmtree(self.root, ignore_errors=True)

@@ -16,7 +16,15 @@ from cryptography.hazmat.primitives import hashes
 
 from auraed.client.client import load_client_config
 from auraed.init import datadisk, hostpki, ipconfig
-from auraed.init.host import DaemonSupervisor, HostBoot, HostProfile, ca_fingerprint, parse_notify
+from auraed.init.host import (
+    ConsoleShell,
+    DaemonSupervisor,
+    HostBoot,
+    HostProfile,
+    ca_fingerprint,
+    parse_notify,
+    status_screen,
+)
 from auraed.pki import ensure_dev_pki
 
 
@@ -164,3 +172,48 @@ def test_the_profiles_state_dirs_are_made_under_the_state_dir_only(tmp_path: Pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]  # nothing made outside it
     assert sorted(p.name for p in state.iterdir()) == ["cni"]
     HostBoot(profile(state)._replace(state_dirs=("cni/net.d",)), "").make_state_dirs()  # again: no error
+
+
+async def test_the_console_shell_runs_once_per_enter_and_stops_at_the_consoles_end(tmp_path: Path) -> None:
+    read_end, write_end = os.pipe()
+    closed: list[int] = []
+    record = tmp_path / "sessions"
+    shell = ConsoleShell(
+        lambda: closed.append(len(closed)),
+        fd=read_end,
+        argv=("sh", "-c", f"echo one >> {record}"),
+        environ={},
+    )
+    shell.start(asyncio.get_running_loop())
+
+    async def sessions(count: int) -> None:
+        for _ in range(200):
+            if len(closed) >= count:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"{len(closed)} sessions, not {count}")
+
+    os.write(write_end, b"no newline yet")
+    await asyncio.sleep(0.2)
+    assert closed == []  # a shell only at Enter
+    os.write(write_end, b"\n")
+    await sessions(1)
+    os.write(write_end, b"\r\n")
+    await sessions(2)
+    assert record.read_text() == "one\none\n" and shell.sessions == 2
+    os.close(write_end)  # the console's end: nothing more is read, no shell started
+    await asyncio.sleep(0.2)
+    assert closed == [0, 1] and not shell._listening
+    shell.stop()
+    os.close(read_end)
+
+
+def test_no_console_shell_unless_the_config_says_so(tmp_path: Path) -> None:
+    boot = HostBoot(profile(tmp_path), "")
+    assert DaemonSupervisor([], boot, lambda a, r: None, stop_grace=1.0).shell is None
+    assert DaemonSupervisor([], boot, lambda a, r: None, stop_grace=1.0, console_shell=True).shell is not None
+    screen = status_screen(boot, 42, 0, shell=True)
+    assert "press Enter for a root shell" in screen and screen.splitlines()[-2].endswith(
+        "(shown on the console at first boot)"
+    )
+    assert "root shell" not in status_screen(boot, 42, 0)
