@@ -4,7 +4,7 @@ Made from the build's own outputs, without root, loop devices or mounts (host-im
 :func:`make_disk` at the end of a build):
 
 1. UEFI, the removable-media path ``\\EFI\\BOOT\\BOOTX64.EFI``: Debian's shim (shim-signed's
-   ``shimx64.efi``, signed by Microsoft's UEFI CA, the key every stock PC and server trusts) with
+   ``shimx64.efi``, signed by Microsoft's third-party UEFI CA, in most stock machines' db) with
    Debian's signed GRUB (grub-efi-amd64-signed's ``grubx64.efi``) and shim's MokManager
    (shim-helpers-amd64-signed's ``mmx64.efi``) beside it: the chain Debian's own installer boots
    by. GRUB's built-in prefix is ``/EFI/debian``; :data:`EFI_GRUB_CFG` there boots
