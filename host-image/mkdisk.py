@@ -3,18 +3,26 @@
 Made from the build's own outputs, without root, loop devices or mounts (host-image/mkhost.py calls
 :func:`make_disk` at the end of a build):
 
-1. ``BOOTX64.EFI``: a Unified Kernel Image -- systemd-boot-efi's ``linuxx64.efi.stub`` (the .deb the
-   build fetches like the others) with ``vmlinuz``, ``initramfs.img``, the kernel command line
-   (:data:`CMDLINE`) and an os-release added as PE sections by ``objcopy`` (binutils). The firmware
-   runs it from the removable-media path ``\\EFI\\BOOT\\BOOTX64.EFI``: no boot loader, no boot entry,
-   no configuration file.
-2. GRUB for legacy BIOS (grub-pc-bin's modules, the .deb the build fetches; ``grub-mkimage`` from
+1. UEFI, the removable-media path ``\\EFI\\BOOT\\BOOTX64.EFI``: Debian's shim (shim-signed's
+   ``shimx64.efi``, signed by Microsoft's third-party UEFI CA, in most stock machines' db) with
+   Debian's signed GRUB (grub-efi-amd64-signed's ``grubx64.efi``) and shim's MokManager
+   (shim-helpers-amd64-signed's ``mmx64.efi``) beside it: the chain Debian's own installer boots
+   by. GRUB's built-in prefix is ``/EFI/debian``; :data:`EFI_GRUB_CFG` there boots
+   ``/aurae/vmlinuz`` (Debian's kernel, Debian-signed: shim verifies it for GRUB) and
+   ``/aurae/initramfs.img`` (not verified) with :data:`CMDLINE`. Nothing of it is built here: the
+   signed files are copied as Debian ships them.
+2. ``\\EFI\\aurae\\aurae.efi``: a Unified Kernel Image -- systemd-boot-efi's
+   ``linuxx64.efi.stub`` (the .deb the build fetches like the others) with ``vmlinuz``,
+   ``initramfs.img``, the kernel command line (:data:`CMDLINE`) and an os-release added as PE
+   sections by ``objcopy`` (binutils), signed with the owner's db key: for a machine that enrolled
+   the owner's keys (and not Microsoft's), booted by a boot entry of its own.
+3. GRUB for legacy BIOS (grub-pc-bin's modules, the .deb the build fetches; ``grub-mkimage`` from
    grub-common): ``core.img`` with every module it needs built in, its prefix ``(,gpt1)/grub`` (the
    ESP of the disk the BIOS booted), and ``grub.cfg`` booting ``/aurae/vmlinuz`` and
    ``/aurae/initramfs.img`` from the ESP with the same command line (:data:`CMDLINE`).
-3. the ESP: a FAT32 image made by ``mkfs.fat`` (dosfstools) on a plain file, filled by mtools'
+4. the ESP: a FAT32 image made by ``mkfs.fat`` (dosfstools) on a plain file, filled by mtools'
    ``mmd``/``mcopy``.
-4. the disk: a sparse file, partitioned by ``sgdisk`` (gdisk), the ESP and ``rootfs.img`` written at
+5. the disk: a sparse file, partitioned by ``sgdisk`` (gdisk), the ESP and ``rootfs.img`` written at
    their partitions' offsets. The third partition, GPT name ``aurae-data``, stays all zeros: the
    first boot formats it (auraed/init/datadisk.py) because it is blank, never otherwise. GRUB's
    ``boot.img`` goes into the protective MBR's boot code and ``core.img`` into the BIOS boot
@@ -30,6 +38,7 @@ import shutil
 import struct
 import subprocess
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 MIB = 1024 * 1024
@@ -54,6 +63,21 @@ READ_ONLY_ATTRIBUTE = 60  # GPT attribute bit: read-only
 # With Secure Boot off, a boot entry's own options replace this line (systemd-stub's rule).
 CMDLINE = f"console=tty0 console=ttyS0,115200 auraed.root=PARTLABEL={ROOT_NAME} auraed.rootwait=30"
 STUB = "usr/lib/systemd/boot/efi/linuxx64.efi.stub"
+# Debian's signed UEFI boot chain, as its packages ship it (package, path in it): shim signed by
+# Microsoft's UEFI CA 2011 (shim-signed), its MokManager and Debian's GRUB signed by Debian's CA,
+# whose certificate is built into shim (shim-helpers-amd64-signed, grub-efi-amd64-signed).
+SHIM = ("shim-signed", "usr/lib/shim/shimx64.efi.signed")
+MOK_MANAGER = ("shim-helpers-amd64-signed", "usr/lib/shim/mmx64.efi.signed")
+GRUB_EFI = ("grub-efi-amd64-signed", "usr/lib/grub/x86_64-efi-signed/grubx64.efi.signed")
+# On the ESP: shim at the removable-media path, which every UEFI firmware runs from a disk with no
+# boot entry; shim runs grubx64.efi (and mmx64.efi, when a MOK request or a refused signature asks
+# for it) from its own directory; GRUB reads grub.cfg from its built-in prefix, /EFI/debian on the
+# partition it was loaded from. The owner-signed UKI at a path of its own, for a boot entry.
+EFI_BOOT = "EFI/BOOT/BOOTX64.EFI"
+EFI_GRUB = "EFI/BOOT/grubx64.efi"
+EFI_MOK_MANAGER = "EFI/BOOT/mmx64.efi"
+EFI_GRUB_CFG_PATH = "EFI/debian/grub.cfg"
+UKI_PATH = "EFI/aurae/aurae.efi"
 GRUB_DIR = "usr/lib/grub/i386-pc"  # in grub-pc-bin's tree
 # Built into core.img: reading the GPT disk and the ESP, the serial console, normal mode (grub.cfg)
 # and the Linux loader. Nothing is loaded from the ESP but grub.cfg, the kernel and the initramfs.
@@ -63,13 +87,27 @@ GRUB_MODULES = (
 )  # fmt: skip
 GRUB_PREFIX = "(,gpt1)/grub"  # partition 1 of the disk the BIOS booted from: the ESP
 GRUB_CFG = """# auraed host image {digest}: legacy BIOS boot (host-image/mkdisk.py writes this file).
-# UEFI firmware runs \\EFI\\BOOT\\BOOTX64.EFI instead, which has the same command line built in.
+# UEFI firmware runs \\EFI\\BOOT\\BOOTX64.EFI (shim, then Debian's GRUB: \\EFI\\debian\\grub.cfg) instead.
 serial --unit=0 --speed=115200
 terminal_input console serial
 terminal_output console serial
 set timeout=0
 menuentry "auraed host image {digest}" {{
 	echo "aurae-grub: booting /aurae/vmlinuz (BIOS)"
+	linux /aurae/vmlinuz {cmdline}
+	initrd /aurae/initramfs.img
+}}
+"""
+# Debian's signed GRUB (UEFI, under shim). No serial or terminal commands: GRUB writes to the
+# firmware's console, which the firmware itself copies to the serial port when it redirects its
+# console there (OVMF does; a server's BIOS does with serial-over-LAN on); GRUB's own driver on the
+# same UART would write every line twice. With Secure Boot on, ``linux`` has shim verify the kernel
+# (Debian's, signed by Debian's CA, which shim trusts); the initramfs and this file are not verified.
+EFI_GRUB_CFG = """# auraed host image {digest}: UEFI boot by shim and Debian's signed GRUB (written by
+# host-image/mkdisk.py at GRUB's built-in prefix, /EFI/debian). Legacy BIOS: /grub/grub.cfg.
+set timeout=0
+menuentry "auraed host image {digest}" {{
+	echo "aurae-grub: booting /aurae/vmlinuz (UEFI, shim)"
 	linux /aurae/vmlinuz {cmdline}
 	initrd /aurae/initramfs.img
 }}
@@ -196,35 +234,69 @@ def sign(uki: Path, key: Path, certificate: Path) -> None:
     signed.rename(uki)
 
 
+@dataclass(frozen=True)
+class SignedChain:
+    """Debian's signed UEFI boot chain (:data:`SHIM`, :data:`MOK_MANAGER`, :data:`GRUB_EFI`)."""
+
+    shim: Path
+    mok_manager: Path
+    grub: Path
+
+    @classmethod
+    def from_trees(cls, trees: dict[str, Path]) -> SignedChain:
+        """The files in the packages' extracted trees (package name -> tree)."""
+        return cls(*(trees[package] / path for package, path in (SHIM, MOK_MANAGER, GRUB_EFI)))
+
+
+def signers(program: Path) -> list[str]:
+    """The subjects of the certificates that signed ``program`` (its first one's chain first)."""
+    return [
+        line.split("subject:", 1)[1].strip()
+        for line in run(["sbverify", "--list", str(program)]).splitlines()
+        if line.strip().startswith("- subject:")
+    ]
+
+
 def make_disk(
     work: Path,
     stub: Path,
     grub_dir: Path,
     digest: str,
+    chain: SignedChain,
     *,
     disk_mib: int = DISK_MIB,
     signer: tuple[Path, Path] | None = None,
 ) -> dict[str, object]:
     """``work/disk.img`` from ``work``'s vmlinuz, initramfs.img and rootfs.img, booted by UEFI with
-    ``stub`` (systemd-stub; the UKI signed with ``signer``'s key and certificate for Secure Boot) or
-    by BIOS with GRUB's ``grub_dir``; returns its layout for the manifest."""
-    uki = work / "BOOTX64.EFI"
+    Debian's signed ``chain`` (shim, GRUB) at the removable-media path or with ``stub``'s UKI
+    (systemd-stub; signed with ``signer``'s key and certificate for Secure Boot) by a boot entry,
+    or by BIOS with GRUB's ``grub_dir``; returns its layout for the manifest."""
+    uki = work / "aurae.efi"
     esp = work / "esp.img"
     disk = work / "disk.img"
     grub_cfg = work / "grub.cfg"
+    efi_grub_cfg = work / "efi-grub.cfg"
     core_img = work / "core.img"
     os_release = OS_RELEASE.format(digest=digest)
+    for path in (chain.shim, chain.mok_manager, chain.grub):
+        if not path.is_file():
+            raise DiskError(f"{path} is missing (its package's file names changed?)")
     make_uki(stub, work / "vmlinuz", work / "initramfs.img", uki, cmdline=CMDLINE, os_release=os_release)
     try:
         if signer is not None:
             sign(uki, *signer)
         make_grub_core(grub_dir, core_img)
         grub_cfg.write_text(GRUB_CFG.format(digest=digest, cmdline=CMDLINE))
+        efi_grub_cfg.write_text(EFI_GRUB_CFG.format(digest=digest, cmdline=CMDLINE))
         make_esp(
             esp,
             digest,
             {
-                "EFI/BOOT/BOOTX64.EFI": uki,
+                EFI_BOOT: chain.shim,
+                EFI_GRUB: chain.grub,
+                EFI_MOK_MANAGER: chain.mok_manager,
+                EFI_GRUB_CFG_PATH: efi_grub_cfg,
+                UKI_PATH: uki,
                 "grub/grub.cfg": grub_cfg,
                 "aurae/vmlinuz": work / "vmlinuz",
                 "aurae/initramfs.img": work / "initramfs.img",
@@ -234,6 +306,7 @@ def make_disk(
     finally:
         uki.unlink(missing_ok=True)
         grub_cfg.unlink(missing_ok=True)
+        efi_grub_cfg.unlink(missing_ok=True)
     rootfs = work / "rootfs.img"
     root_mib = -(-rootfs.stat().st_size // (ROOT_ALIGN_MIB * MIB)) * ROOT_ALIGN_MIB
     if 1 + ESP_MIB + root_mib + 64 + 1 > disk_mib:
@@ -270,7 +343,11 @@ def make_disk(
     run(["sgdisk", "--verify", str(disk)])
     return {
         "size": disk_mib * MIB,
-        "boot": "UEFI: \\EFI\\BOOT\\BOOTX64.EFI, a unified kernel image (systemd-stub)",
+        "boot": "UEFI: \\EFI\\BOOT\\BOOTX64.EFI, Debian's shim, then its signed GRUB"
+        " (\\EFI\\BOOT\\grubx64.efi, \\EFI\\debian\\grub.cfg): /aurae/vmlinuz, /aurae/initramfs.img",
+        "shim_signed_by": signers(chain.shim),
+        "grub_efi_signed_by": signers(chain.grub),
+        "uki": "\\EFI\\aurae\\aurae.efi, a unified kernel image (systemd-stub), for a boot entry",
         "bios_boot": "GRUB: boot.img in the MBR, core.img in aurae-bios, /grub/grub.cfg on the ESP",
         "uki_bytes": uki_size,
         "uki_signed_by": "" if signer is None else signer_subject(signer[1]),

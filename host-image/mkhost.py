@@ -92,9 +92,13 @@ QEMU_FIRMWARE = (
 GUEST_IMAGE = "/usr/lib/aurae/guest-image"
 GUEST_IMAGE_FILES = ("vmlinuz", "initramfs.img", "rootfs.img", "manifest.json")
 LIBRARY_PACKAGES = (*guest.LIBRARY_PACKAGES, *HOST_LIBRARIES, *QEMU_LIBRARIES)
-# Not in the root: the EFI stub disk.img's unified kernel image is made of, and GRUB's BIOS boot
-# code and modules (host-image/mkdisk.py; grub-mkimage itself is grub-common's, from hack/setup).
-BOOT_PACKAGES = ("systemd-boot-efi", "grub-pc-bin")
+# Not in the root: the EFI stub disk.img's unified kernel image is made of, GRUB's BIOS boot code
+# and modules (host-image/mkdisk.py; grub-mkimage itself is grub-common's, from hack/setup), and
+# Debian's signed UEFI chain, copied to the ESP as shipped: shim (signed by Microsoft's UEFI CA),
+# its MokManager and GRUB (signed by Debian).
+BOOT_PACKAGES = (
+    "systemd-boot-efi", "grub-pc-bin", "shim-signed", "shim-helpers-amd64-signed", "grub-efi-amd64-signed",
+)  # fmt: skip
 PACKAGES = (
     *guest.PACKAGES, *HOST_PROGRAMS, *HOST_LIBRARIES, *QEMU_PROGRAMS, *QEMU_LIBRARIES, *BOOT_PACKAGES,
 )  # fmt: skip
@@ -187,9 +191,9 @@ class HostBuild(guest.Build):
             stub = self.trees["systemd-boot-efi"] / mkdisk.STUB
             grub = self.trees["grub-pc-bin"] / mkdisk.GRUB_DIR
             try:
-                layout = mkdisk.make_disk(
-                    self.work, stub, grub, self.inputs.digest, signer=(KEYS / "db.key", KEYS / "db.crt")
-                )
+                chain = mkdisk.SignedChain.from_trees(self.trees)
+                signer = (KEYS / "db.key", KEYS / "db.crt")
+                layout = mkdisk.make_disk(self.work, stub, grub, self.inputs.digest, chain, signer=signer)
             except mkdisk.DiskError as exc:
                 raise guest.BuildError(str(exc)) from None
             certificates = self.work / "secureboot"

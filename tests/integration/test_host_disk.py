@@ -9,12 +9,16 @@ first boot, and the address comes from DHCP (busybox udhcpd on the test's own ta
 one guest address of its /30).
 
 The tests run in order. First boot by UEFI with Secure Boot enforced (Debian's OVMF secboot build
-on a q35 with SMM, the image's own PK, KEK and db enrolled into a copy of its blank variables: the
-firmware runs \\EFI\\BOOT\\BOOTX64.EFI, the unified kernel image the build signed, from the ESP):
-mTLS health, a cell made, then a power-off ends QEMU. Second boot, a new QEMU on the same disk,
-by legacy BIOS (SeaBIOS, QEMU's default firmware: GRUB's boot.img in the MBR, core.img in the BIOS
-boot partition, grub.cfg, kernel and initramfs on the ESP): the same data partition, cell and CA.
-Then a power-off, and the disk is read from the outside.
+on a q35 with SMM, the image's own PK, KEK and db enrolled into a copy of its blank variables, with
+the boot entry an owner adds: the firmware runs \\EFI\\aurae\\aurae.efi, the unified kernel image
+the build signed, from the ESP): mTLS health, a cell made, then a power-off ends QEMU. Second boot,
+a new QEMU on the same disk, by legacy BIOS (SeaBIOS, QEMU's default firmware: GRUB's boot.img in
+the MBR, core.img in the BIOS boot partition, grub.cfg, kernel and initramfs on the ESP): the same
+data partition, cell and CA. Third boot by UEFI with Secure Boot enforced and only Microsoft's
+keys, as a stock machine ships (OVMF's secboot build with Debian's ``OVMF_VARS_4M.ms.fd``, no boot
+entry: the firmware runs \\EFI\\BOOT\\BOOTX64.EFI, Debian's Microsoft-signed shim, which runs
+Debian's signed GRUB, whose ``linux`` has shim verify Debian's kernel): the same again. Then a
+power-off, and the disk is read from the outside.
 """
 
 from __future__ import annotations
@@ -37,7 +41,15 @@ from auraed.client import AuraeClient
 from auraed.init.host import ca_fingerprint
 from tests.integration.test_cells import allocate
 from tests.integration.test_host_image import BOOT_TIMEOUT, CELLS, DISCOVERY, FINGERPRINT, SYSTEM, health
-from tests.support.hostvm import OVMF_SECBOOT_CODE, READY_MARKER, Booted, DiskMachine, build_host_image
+from tests.support.hostvm import (
+    OVMF_MS_VARS,
+    OVMF_SECBOOT_CODE,
+    READY_MARKER,
+    UKI_BOOT_ENTRY,
+    Booted,
+    DiskMachine,
+    build_host_image,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -75,8 +87,11 @@ async def test_the_disk_boots_by_uefi_with_secure_boot_and_serves_mtls(
     assert "-kernel" not in machine.args and "-initrd" not in machine.args
     assert str(OVMF_SECBOOT_CODE) in " ".join(machine.args)
     console = machine.console
-    # The firmware enforces Secure Boot with only the image's keys: it ran the signed UKI, and the
-    # kernel saw Secure Boot on (and locked itself down; the initramfs's modules are Debian's, signed).
+    # The firmware enforces Secure Boot with only the image's keys: it ran the signed UKI by its boot
+    # entry, and the kernel saw Secure Boot on (and locked itself down; the initramfs's modules are
+    # Debian's, signed).
+    assert f'BdsDxe: starting Boot0000 "file aurae.efi" from {UKI_BOOT_ENTRY}' in console
+    assert "aurae-grub:" not in console  # no GRUB, no shim: the UKI's own built-in command line
     assert "secureboot: Secure boot enabled" in console
     assert "Kernel is locked down from EFI Secure Boot;" in console
     assert "Loaded X.509 cert 'auraed host image db: " in console  # db, read back by the kernel
@@ -128,12 +143,57 @@ async def test_the_disk_boots_by_bios_with_the_same_state_and_pki(booted: Booted
         assert "kept" in {node.cell.name for node in listed.cells}
 
 
-async def test_power_off_again_and_the_disk_holds_the_data(booted: Booted[DiskMachine]) -> None:
+async def test_the_disk_boots_by_shim_with_microsofts_keys_and_the_same_state(
+    booted: Booted[DiskMachine],
+) -> None:
     machine = booted.machine
+    await power_off(booted)
+    assert OVMF_MS_VARS.is_file(), "Debian's ovmf is missing: run hack/setup"
+    mark = machine.mark()
+    machine.boot("uefi-microsoft")
+    ready = machine.wait_for(READY_MARKER, BOOT_TIMEOUT, since=mark)
+    kernel = machine.seen_at("Linux version", since=mark)
+    print(
+        "disk.img by UEFI, Secure Boot with Microsoft's keys (shim, GRUB): "
+        f"SERVING {ready:.1f} s after QEMU started, kernel {kernel:.1f} s"
+    )
+    args = " ".join(machine.args)
+    assert str(OVMF_SECBOOT_CODE) in args and "vars-microsoft.fd" in args and "smm=on" in args
+    after = machine.console[mark:]
+    # No boot entry: the firmware ran the removable-media path, shim (signed by Microsoft's UEFI
+    # CA, in db); shim ran Debian's GRUB (signed by Debian's CA, shim's own), whose grub.cfg is
+    # \EFI\debian\grub.cfg; GRUB had shim verify the kernel (Debian-signed) before booting it.
+    assert 'BdsDxe: starting Boot0001 "UEFI QEMU HARDDISK ' in after
+    assert "file aurae.efi" not in after
+    assert "aurae-grub: booting /aurae/vmlinuz (UEFI, shim)" in after
+    assert "EFI stub: UEFI Secure Boot is enabled." in after
+    assert "secureboot: Secure boot enabled" in after
+    assert "Kernel is locked down from EFI Secure Boot;" in after
+    assert "Loaded X.509 cert 'Microsoft Corporation UEFI CA 2011: " in after  # db: Microsoft's
+    assert "Loaded X.509 cert 'auraed host image db: " not in after  # and not ours
+    assert "Loaded X.509 cert 'Debian Secure Boot CA: " in after  # shim's, passed on (MokListRT)
+    assert "warning: cannot load module" not in after
+    command_line = after.split("Command line:", 1)[1].split("\n", 1)[0].strip()
+    assert command_line == f"BOOT_IMAGE=/aurae/vmlinuz {read_manifest(machine.image)['disk']['cmdline']}"
+    assert "aurae-initramfs: root /dev/sda2 (erofs)" in after
+    assert "formatted this boot" not in after and "grown" not in after
+    assert "/dev/sda3 (label AURAE-DATA) on /var/lib/aurae" in after
+    assert FINGERPRINT.findall(after) == [ca_fingerprint(booted.config.ca_crt.read_bytes())]
+    async with booted.client() as again:
+        listed = await again.call(CELLS, "List", cells_pb.CellServiceListRequest())
+        assert "kept" in {node.cell.name for node in listed.cells}
+
+
+async def power_off(booted: Booted[DiskMachine]) -> None:
     async with booted.client() as client:
         request = system_pb.SystemServiceShutdownRequest(reason="test power-off")
         assert (await client.call(SYSTEM, "Shutdown", request)).then == "poweroff"
-    assert await asyncio.to_thread(machine.wait_exit, 90) == 0
+    assert await asyncio.to_thread(booted.machine.wait_exit, 90) == 0
+
+
+async def test_power_off_again_and_the_disk_holds_the_data(booted: Booted[DiskMachine]) -> None:
+    machine = booted.machine
+    await power_off(booted)
     # From the outside: the root partition is rootfs.img byte for byte, the data one ext4 AURAE-DATA
     # filling the grown disk, the GPT valid with its backup at the new end, and sector 0 GRUB's
     # boot code still, around the protective MBR the first boot resized.

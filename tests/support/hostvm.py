@@ -12,7 +12,8 @@ reset does. The console (serial) is collected by a thread; ``close`` kills QEMU 
 tap and every file.
 
 ``DiskMachine`` boots host-image's ``disk.img`` instead, as a PC or server boots it after ``dd``:
-a grown copy as a q35 machine's SATA disk, an Intel e1000e NIC, UEFI (OVMF) or legacy BIOS
+a grown copy as a q35 machine's SATA disk, an Intel e1000e NIC, UEFI (OVMF: Secure Boot off, on
+with the image's own keys, or on with Microsoft's, as a stock machine ships) or legacy BIOS
 (SeaBIOS) firmware, the address by DHCP (busybox udhcpd on the tap).
 """
 
@@ -211,15 +212,22 @@ class HostMachine:
 OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
 OVMF_SECBOOT_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.secboot.fd")  # Secure Boot: needs SMM
 OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")  # blank: no keys, Secure Boot off
-FIRMWARES = ("uefi", "uefi-secure-boot", "bios")
+# Microsoft's KEK and db (Windows Production PCA 2011, UEFI CA 2011) enrolled, Secure Boot on: a
+# stock PC's or server's variables, as Debian's ovmf ships them.
+OVMF_MS_VARS = Path("/usr/share/OVMF/OVMF_VARS_4M.ms.fd")
+FIRMWARES = ("uefi", "uefi-secure-boot", "uefi-microsoft", "bios")
+UKI_BOOT_ENTRY = "\\EFI\\aurae\\aurae.efi"  # the owner-signed UKI's boot entry (mkdisk.UKI_PATH)
 GROW = 512 * 1024 * 1024  # the copy is a disk bigger than the image, as a real one is
 
 
 class DiskMachine(HostMachine):
-    """HostMachine's tap, console and clean-up; booted from disk.img by OVMF (``firmware="uefi"``),
-    OVMF with Secure Boot on and the image's own keys enrolled (``"uefi-secure-boot"``: PK, KEK
-    and db from its secureboot/, by virt-firmware's virt-fw-vars, on a q35 with SMM) or SeaBIOS
-    (``"bios"``), addressed by DHCP. ``boot`` starts a new QEMU on the same disk."""
+    """HostMachine's tap, console and clean-up; booted from disk.img by OVMF (``firmware="uefi"``:
+    the removable-media path, shim and GRUB), OVMF with Secure Boot on and the image's own keys
+    enrolled (``"uefi-secure-boot"``: PK, KEK and db from its secureboot/, by virt-firmware's
+    virt-fw-vars, on a q35 with SMM, and the boot entry an owner adds for the signed UKI), OVMF
+    with Secure Boot on and only Microsoft's keys (``"uefi-microsoft"``: the removable-media path,
+    Debian's Microsoft-signed shim) or SeaBIOS (``"bios"``), addressed by DHCP. ``boot`` starts a
+    new QEMU on the same disk."""
 
     def __init__(self, image: Path, firmware: str = "uefi") -> None:
         super().__init__(image, data_mib=1, static_ip=False)
@@ -241,12 +249,13 @@ class DiskMachine(HostMachine):
                 "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_CODE}",
                 "-drive", f"if=pflash,format=raw,unit=1,file={self.root / 'vars.fd'}",
             ]  # fmt: skip
-        elif firmware == "uefi-secure-boot":
+        elif firmware in ("uefi-secure-boot", "uefi-microsoft"):
             machine = "q35,smm=on"  # the secboot build keeps its variables in SMM: nothing else writes db
+            variables = self.enrolled_vars() if firmware == "uefi-secure-boot" else self.microsoft_vars()
             pflash = [
                 "-global", "driver=cfi.pflash01,property=secure,value=on",
                 "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_SECBOOT_CODE}",
-                "-drive", f"if=pflash,format=raw,unit=1,file={self.enrolled_vars()}",
+                "-drive", f"if=pflash,format=raw,unit=1,file={variables}",
             ]  # fmt: skip
         return [
             "qemu-system-x86_64",
@@ -262,7 +271,9 @@ class DiskMachine(HostMachine):
         ]  # fmt: skip
 
     def enrolled_vars(self) -> Path:
-        """A copy of OVMF's blank variables with the image's PK, KEK and db enrolled, Secure Boot on."""
+        """A copy of OVMF's blank variables with the image's PK, KEK and db enrolled, Secure Boot on,
+        and a boot entry for the UKI (a short-form file path: the firmware finds it on the ESP), as
+        its owner adds with efibootmgr or the firmware's screens."""
         path = self.root / "vars-secure-boot.fd"
         if not path.exists():
             keys = self.image / "secureboot"
@@ -273,9 +284,17 @@ class DiskMachine(HostMachine):
                     str(tool), "--input", str(OVMF_VARS), "--output", str(path),
                     "--set-pk", owner, str(keys / "PK.crt"), "--add-kek", owner, str(keys / "KEK.crt"),
                     "--add-db", owner, str(keys / "db.crt"), "--no-microsoft", "--sb",
+                    "--append-boot-filepath", UKI_BOOT_ENTRY,
                 ],
                 check=True, capture_output=True,
             )  # fmt: skip
+        return path
+
+    def microsoft_vars(self) -> Path:
+        """A copy of OVMF's variables with Microsoft's keys enrolled (Secure Boot on), no boot entry."""
+        path = self.root / "vars-microsoft.fd"
+        if not path.exists():
+            shutil.copy(OVMF_MS_VARS, path)
         return path
 
     def boot(self, firmware: str) -> None:
