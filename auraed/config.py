@@ -187,6 +187,15 @@ class DaemonConfig:
             "is rebuilt first). Authorized by method like every call; each session is logged"
         ),
     )
+    vm_tcg_cache_mib: int = field(
+        default=0,
+        metadata=_help(
+            "without KVM: the most MiB of host memory each QEMU VM's TCG translation cache takes "
+            "(-accel tcg,tb-size); 0 leaves QEMU's own, 1 GiB, which a VM fills as its guest runs "
+            "code (~70 MB an idle guest here), none of it shared. Smaller: less memory per VM, more "
+            "code translated again when the cache fills. No effect with KVM"
+        ),
+    )
     console_shell: bool = field(
         default=False,
         metadata=_help(
@@ -552,6 +561,7 @@ MAX_LOG_BUFFER_LINES = 1_000_000
 MAX_GUEST_READY_TIMEOUT = 86400.0  # a day; a guest not serving by then never will
 MAX_VM_VCPUS = 255  # the most a VM may have (vms/model.py MAX_VCPUS)
 MAX_VM_MEMORY_SLOTS = 255  # QEMU's ACPI memory hotplug has 256
+MAX_TCG_CACHE_MIB = 2048  # QEMU's largest code buffer on an x86-64 host (tcg/region.c)
 MAX_PORT = 65535  # TCP ports are 16 bits; grpc takes a bigger one modulo 65536, listening elsewhere
 _HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
 
@@ -667,6 +677,8 @@ def _validate(config: DaemonConfig) -> DaemonConfig:
         raise ConfigError("vm_max_memory_mib: must be 0 (the host's MemTotal) or more")
     if not 1 <= config.vm_memory_slots <= MAX_VM_MEMORY_SLOTS:
         raise ConfigError(f"vm_memory_slots: must be 1 to {MAX_VM_MEMORY_SLOTS}")
+    if not 0 <= config.vm_tcg_cache_mib <= MAX_TCG_CACHE_MIB:
+        raise ConfigError(f"vm_tcg_cache_mib: must be 0 (QEMU's own size) to {MAX_TCG_CACHE_MIB}")
     if not 1 <= config.vm_guest_port <= MAX_PORT:
         raise ConfigError(f"vm_guest_port: must be a port from 1 to {MAX_PORT}")
     _validate_cri(config)

@@ -121,6 +121,7 @@ def build_command(
     tap_fd: int = -1,
     room: Room | None = None,
     debug_console: bool = False,
+    tcg_cache_mib: int = 0,
 ) -> list[str]:
     """The QEMU command line for a VM (pure: tested without QEMU); ``room``: what it can grow to
     (q35 only); ``debug_console``: the debug port (for a clone: its template's, see debug_wanted)."""
@@ -145,7 +146,7 @@ def build_command(
         binary,
         "-name", f"{spec.name},debug-threads=on",
         "-M", machine_arg,
-        "-accel", accelerator,
+        "-accel", accel_option(accelerator, tcg_cache_mib),
         "-cpu", "host" if accelerator == "kvm" else "max",
         "-smp", smp,
         "-m", memory,
@@ -193,6 +194,14 @@ def build_command(
     if debug_console:
         argv += debug_arguments(spec, mmio)
     return argv
+
+
+def accel_option(accelerator: str, tcg_cache_mib: int) -> str:
+    """``-accel``'s value: TCG with its translation cache capped at ``tcg_cache_mib`` (0: QEMU's own
+    size, 1 GiB on a 64-bit host, which each VM fills with the code its guest runs, privately)."""
+    if accelerator == "tcg" and tcg_cache_mib > 0:
+        return f"tcg,tb-size={tcg_cache_mib}"
+    return accelerator
 
 
 def debug_arguments(spec: LaunchSpec, mmio: bool) -> list[str]:
@@ -249,6 +258,7 @@ class QemuBackend:
         max_memory_mib: int = 0,
         memory_slots: int = 10,
         debug_console: bool = False,
+        tcg_cache_mib: int = 0,
     ) -> None:
         if machine not in MACHINES:
             raise VmError(ErrorKind.INVALID_ARGUMENT, f"vm_machine: {machine!r} is not one of {MACHINES}")
@@ -261,6 +271,7 @@ class QemuBackend:
         self.max_memory_mib = max_memory_mib
         self.memory_slots = memory_slots
         self.debug_console = debug_console
+        self.tcg_cache_mib = tcg_cache_mib  # vm_tcg_cache_mib
 
     def room(self, spec: LaunchSpec) -> Room:
         """The room ``spec`` gets to grow: none on microvm, nor for a template or a clone (all 0)."""
@@ -369,6 +380,7 @@ class QemuBackend:
                 kernel_cmdline=cmdline,
                 tap_fd=tap_fd,
                 debug_console=debug,
+                tcg_cache_mib=self.tcg_cache_mib,
             )
             log.debug("starting VM %s: %s", spec.name, " ".join(argv))
             # To completion: a QEMU spawned by a thread its caller stopped waiting for would run on.

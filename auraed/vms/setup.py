@@ -39,6 +39,7 @@ def build(
             max_memory_mib=config.vm_max_memory_mib,
             memory_slots=config.vm_memory_slots,
             debug_console=config.vm_debug_console,
+            tcg_cache_mib=config.vm_tcg_cache_mib,
         ),
         "cloud-hypervisor": CloudHypervisorBackend(
             binary=config.cloud_hypervisor_binary,

@@ -108,6 +108,10 @@ def test_values_are_checked_whatever_their_source(tmp_path: Path) -> None:
         load_config([*empty, "--keepalive-time", "-1"], {})
     with pytest.raises(ConfigError, match="keepalive_timeout: must be positive"):
         load_config(empty, {"AURAED_KEEPALIVE_TIMEOUT": "0"})
+    for size in ("-1", "2049"):
+        with pytest.raises(ConfigError, match=r"vm_tcg_cache_mib: must be 0 \(QEMU's own size\) to 2048"):
+            load_config([*empty, "--vm-tcg-cache-mib", size], {})
+    assert load_config([*empty, "--vm-tcg-cache-mib", "64"], {}).vm_tcg_cache_mib == 64
 
 
 def test_the_client_config_reads_keepalive_and_refuses_nonsense(tmp_path: Path) -> None:

@@ -276,3 +276,17 @@ def test_only_a_q35_clone_can_have_a_shared_directory() -> None:
     assert QemuBackend(machine="q35").shared_clone_problem() is None
     problem = QemuBackend(machine="microvm").shared_clone_problem()
     assert problem is not None and "hotplug" in problem and 'vm_machine = "q35"' in problem
+
+
+def test_the_tcg_translation_cache_is_capped_only_when_asked_and_only_for_tcg() -> None:
+    def accel(accelerator: str, cache: int) -> list[str]:
+        argv = build_command(
+            SPEC, binary="qemu-system-x86_64", machine="microvm", accelerator=accelerator,
+            qmp_socket=Path("/q"), console_path=Path("/c"), kernel_cmdline="console=ttyS0",
+            tcg_cache_mib=cache,
+        )  # fmt: skip
+        return option(argv, "-accel")
+
+    assert accel("tcg", 0) == ["tcg"]
+    assert accel("tcg", 32) == ["tcg,tb-size=32"]
+    assert accel("kvm", 32) == ["kvm"]
