@@ -132,15 +132,7 @@ async def test_the_disk_boots_by_bios_with_the_same_state_and_pki(booted: Booted
     after = machine.console[mark:]
     assert "BdsDxe" not in after  # no UEFI this time
     assert "aurae-grub: booting /aurae/vmlinuz (BIOS)" in after  # grub.cfg, on the serial console
-    command_line = after.split("Command line:", 1)[1].split("\n", 1)[0].strip()
-    assert command_line == f"BOOT_IMAGE=/aurae/vmlinuz {read_manifest(machine.image)['disk']['cmdline']}"
-    assert "aurae-initramfs: root /dev/sda2 (erofs)" in after
-    assert "formatted this boot" not in after and "grown" not in after
-    assert "/dev/sda3 (label AURAE-DATA) on /var/lib/aurae" in after
-    assert FINGERPRINT.findall(after) == [ca_fingerprint(booted.config.ca_crt.read_bytes())]
-    async with booted.client() as again:  # the first boot's client config: the same CA
-        listed = await again.call(CELLS, "List", cells_pb.CellServiceListRequest())
-        assert "kept" in {node.cell.name for node in listed.cells}
+    await same_machine_as_before(booted, after)
 
 
 async def test_the_disk_boots_by_shim_with_microsofts_keys_and_the_same_state(
@@ -173,15 +165,7 @@ async def test_the_disk_boots_by_shim_with_microsofts_keys_and_the_same_state(
     assert "Loaded X.509 cert 'auraed host image db: " not in after  # and not ours
     assert "Loaded X.509 cert 'Debian Secure Boot CA: " in after  # shim's, passed on (MokListRT)
     assert "warning: cannot load module" not in after
-    command_line = after.split("Command line:", 1)[1].split("\n", 1)[0].strip()
-    assert command_line == f"BOOT_IMAGE=/aurae/vmlinuz {read_manifest(machine.image)['disk']['cmdline']}"
-    assert "aurae-initramfs: root /dev/sda2 (erofs)" in after
-    assert "formatted this boot" not in after and "grown" not in after
-    assert "/dev/sda3 (label AURAE-DATA) on /var/lib/aurae" in after
-    assert FINGERPRINT.findall(after) == [ca_fingerprint(booted.config.ca_crt.read_bytes())]
-    async with booted.client() as again:
-        listed = await again.call(CELLS, "List", cells_pb.CellServiceListRequest())
-        assert "kept" in {node.cell.name for node in listed.cells}
+    await same_machine_as_before(booted, after)
 
 
 async def power_off(booted: Booted[DiskMachine]) -> None:
@@ -230,3 +214,20 @@ def read_manifest(image: Path) -> dict[str, Any]:
 def read_layout(image: Path) -> dict[str, dict[str, int]]:
     partitions: dict[str, dict[str, int]] = read_manifest(image)["disk"]["partitions"]
     return partitions
+
+
+async def same_machine_as_before(booted: Booted[DiskMachine], after: str) -> None:
+    """A later boot of the disk (console ``after``): GRUB's command line, the same root and data
+    partition, not formatted again, the same CA (the first boot's client config still works) and
+    the cell made then."""
+    command_line = after.split("Command line:", 1)[1].split("\n", 1)[0].strip()
+    assert (
+        command_line == f"BOOT_IMAGE=/aurae/vmlinuz {read_manifest(booted.machine.image)['disk']['cmdline']}"
+    )
+    assert "aurae-initramfs: root /dev/sda2 (erofs)" in after
+    assert "formatted this boot" not in after and "grown" not in after
+    assert "/dev/sda3 (label AURAE-DATA) on /var/lib/aurae" in after
+    assert FINGERPRINT.findall(after) == [ca_fingerprint(booted.config.ca_crt.read_bytes())]
+    async with booted.client() as again:
+        listed = await again.call(CELLS, "List", cells_pb.CellServiceListRequest())
+        assert "kept" in {node.cell.name for node in listed.cells}
