@@ -26,6 +26,7 @@ from auraed.init.host import (
     status_screen,
 )
 from auraed.pki import ensure_dev_pki
+from auraed.pki.certs import create_ca, write_pem_files
 
 
 def test_ip_static_dhcp_and_off() -> None:
@@ -125,6 +126,21 @@ def test_the_client_config_is_shown_once_and_runs_as_a_script(
     # Later boots reuse the CA and show nothing.
     assert hostpki.ensure(host) == (fingerprint, False)
     assert hostpki.BEGIN not in capfd.readouterr().err
+
+
+def test_an_operators_ca_put_on_the_data_disk_first_is_the_hosts(tmp_path: Path) -> None:
+    host = profile(tmp_path / "state")
+    tls = Path(host.tls_dir)
+    tls.mkdir(parents=True)
+    operator = create_ca()
+    write_pem_files(tls, "ca", operator.cert, operator.key)
+    ca_pem = (tls / "ca.crt").read_bytes()
+    fingerprint, shown = hostpki.ensure(host)
+    assert shown and fingerprint == ca_fingerprint(ca_pem)
+    assert (tls / "ca.crt").read_bytes() == ca_pem  # kept, not replaced
+    server = x509.load_pem_x509_certificate((tls / "server.crt").read_bytes())
+    assert server.issuer == operator.cert.subject  # the host's certificate is from the operator's CA
+    assert (Path(host.client_dir) / "ca.crt").read_bytes() == ca_pem
 
 
 STAND_IN = """
