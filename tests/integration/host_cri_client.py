@@ -3,8 +3,9 @@ to a cell there): CRI calls on the machine's own CRI socket, their results as on
 
 It uses only what the image holds (its Python, grpcio and auraed's generated CRI messages), so
 what it shows is what a kubelet on that machine would get. ``argv[1]`` is a JSON object: ``do``
-(``status``, the default, ``run`` or ``remove``), ``socket``, and for ``run`` the ``image`` and ``host_port``;
-for ``remove`` the ``pod_id``.
+(``status``, the default, ``run``, ``probe`` or ``remove``), ``socket``, and for ``run`` the
+``image`` and ``host_port``; for ``probe`` the ``pod_id``, ``container_id`` and ``image_id``; for
+``remove`` the ``pod_id``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ RUNNING_WAIT = 120.0
 POD_NAME = "web"
 # busybox's httpd serving one page on the container's port 80.
 SERVER = "mkdir -p /www && echo hello-from-pod > /www/index.html && exec httpd -f -p 80 -h /www"
+# In the container: its own cgroup (v2, its namespace's root) and the limit there.
+READ_LIMIT = "echo exec-ok; cat /sys/fs/cgroup/memory.max"
+RESIZED_MEMORY = 64 << 20
 
 
 async def status(client: AuraeClient) -> dict[str, Any]:
@@ -82,6 +86,53 @@ async def wait_running(client: AuraeClient, container_id: str) -> str:
         await asyncio.sleep(0.5)
 
 
+async def probe(client: AuraeClient, pod_id: str, container_id: str, image_id: str) -> dict[str, Any]:
+    """What a kubelet asks of a running pod on this machine's cgroup v2: exec, stats, a resize,
+    and a container killed by its memory limit."""
+    exec_sync = cri.ExecSyncRequest(container_id=container_id, cmd=["sh", "-c", READ_LIMIT], timeout=60)
+    before = await client.call(RUNTIME, "ExecSync", exec_sync, CALL_TIMEOUT)
+    limits = cri.LinuxContainerResources(memory_limit_in_bytes=RESIZED_MEMORY)
+    update = cri.UpdateContainerResourcesRequest(container_id=container_id, linux=limits)
+    await client.call(RUNTIME, "UpdateContainerResources", update, CALL_TIMEOUT)
+    after = await client.call(RUNTIME, "ExecSync", exec_sync, CALL_TIMEOUT)
+    stats = (
+        await client.call(RUNTIME, "ContainerStats", cri.ContainerStatsRequest(container_id=container_id))
+    ).stats
+    pod_stats = (
+        await client.call(RUNTIME, "PodSandboxStats", cri.PodSandboxStatsRequest(pod_sandbox_id=pod_id))
+    ).stats
+    return {
+        "exec_before": [before.exit_code, before.stdout.decode().split()],
+        "exec_after": [after.exit_code, after.stdout.decode().split()],
+        "cpu_ns": stats.cpu.usage_core_nano_seconds.value,
+        "working_set": stats.memory.working_set_bytes.value,
+        "pod_cpu_ns": pod_stats.linux.cpu.usage_core_nano_seconds.value,
+        "pod_memory": pod_stats.linux.memory.working_set_bytes.value,
+        "oom": await oom_killed(client, pod_id, image_id),
+    }
+
+
+async def oom_killed(client: AuraeClient, pod_id: str, image_id: str) -> list[Any]:
+    """A container of 16 MiB that asks for 64: its exit code and reason once it ended."""
+    config = cri.ContainerConfig(
+        metadata=cri.ContainerMetadata(name="hog"),
+        image=cri.ImageSpec(image=image_id),
+        command=["dd", "if=/dev/zero", "of=/dev/null", "bs=64M", "count=1"],
+        log_path="hog/0.log",
+        linux=cri.LinuxContainerConfig(resources=cri.LinuxContainerResources(memory_limit_in_bytes=16 << 20)),
+    )
+    create = cri.CreateContainerRequest(pod_sandbox_id=pod_id, config=config)
+    hog = (await client.call(RUNTIME, "CreateContainer", create, CALL_TIMEOUT)).container_id
+    await client.call(RUNTIME, "StartContainer", cri.StartContainerRequest(container_id=hog), CALL_TIMEOUT)
+    request = cri.ContainerStatusRequest(container_id=hog)
+    deadline = time.monotonic() + RUNNING_WAIT
+    while True:
+        status = (await client.call(RUNTIME, "ContainerStatus", request, CALL_TIMEOUT)).status
+        if status.state == cri.ContainerState.CONTAINER_EXITED or time.monotonic() > deadline:
+            return [str(status.state.name), status.exit_code, status.reason]
+        await asyncio.sleep(0.5)
+
+
 async def remove(client: AuraeClient, pod_id: str) -> dict[str, Any]:
     await client.call(
         RUNTIME, "StopPodSandbox", cri.StopPodSandboxRequest(pod_sandbox_id=pod_id), CALL_TIMEOUT
@@ -98,6 +149,8 @@ async def main(args: dict[str, Any]) -> dict[str, Any]:
         do = args.get("do", "status")
         if do == "run":
             return await run(client, args["image"], int(args["host_port"]))
+        if do == "probe":
+            return await probe(client, args["pod_id"], args["container_id"], args["image_id"])
         if do == "remove":
             return await remove(client, args["pod_id"])
         return await status(client)

@@ -220,6 +220,15 @@ async def test_the_cri_runs_a_pod_with_a_cni_network_and_a_host_port(
     assert page.rstrip().endswith("hello-from-pod"), page
     rules = "\n".join(await in_machine(client, "nat-rules", "iptables -t nat -S"))
     assert f"--to-destination {pod['pod_ip']}:80" in rules and "MASQUERADE" in rules
+    # What a kubelet asks of a running pod, on this machine's cgroup v2 (the test host's is v1).
+    ids = {key: pod[key] for key in ("pod_id", "container_id", "image_id")}
+    probed = await cri(client, "cri-probe", do="probe", **ids)
+    print(f"CRI in the host image, a running pod: {probed}")
+    assert probed["exec_before"] == [0, ["exec-ok", "max"]]  # no limit of its own
+    assert probed["exec_after"] == [0, ["exec-ok", str(64 << 20)]]  # UpdateContainerResources
+    assert probed["cpu_ns"] > 0 and probed["working_set"] > 0
+    assert probed["pod_cpu_ns"] >= probed["cpu_ns"] and probed["pod_memory"] > 0
+    assert probed["oom"] == ["CONTAINER_EXITED", 137, "OOMKilled"]
     gone = await cri(client, "cri-remove", do="remove", pod_id=pod["pod_id"])
     assert gone == {"pods": 0, "containers": 0}
     rules = "\n".join(await in_machine(client, "nat-rules-after", "iptables -t nat -S"))
