@@ -88,6 +88,10 @@ class ContainerHost(Protocol):
 
     def all(self) -> list[ContainerRecord]: ...
 
+    def place(self, pod_id: str) -> str:
+        """Where the containers of pod ``pod_id`` run, for their errors ("" for the host itself,
+        " in guest VM <name>" for a guest, which may be the one not answering)."""
+
     async def create(
         self, request: ContainerRequest, image: str, labels: dict[str, str], *, sandbox: SandboxContext,
         log_path: Path | None, pid_of: ContainerRecord | None = None,
@@ -158,6 +162,9 @@ class LocalHost:
 
     def all(self) -> list[ContainerRecord]:
         return self.containers.all()
+
+    def place(self, pod_id: str) -> str:
+        return ""  # the host's own: an error names no other machine
 
     async def create(
         self, request: ContainerRequest, image: str, labels: dict[str, str], *, sandbox: SandboxContext,

@@ -35,8 +35,6 @@ from auraed.cri.errors import CriError
 from auraed.cri.model import PodRecord, PodState
 from auraed.cri.pods import MIN_PREFIX, Pods
 from auraed.cri.security import NamespaceScope
-from auraed.cri.vm import HANDLER as VM_HANDLER
-from auraed.cri.vm import pod_vm_name
 from auraed.errors import AuraeError, ErrorKind
 from auraed.state.store import Store
 from auraed.system.cgroupfs import Cgroupfs
@@ -432,12 +430,9 @@ class CriContainers:
         return ExecResult(exit_code, stdout, stderr)
 
     def _where(self, container_id: str) -> str:
-        """Where a container of a vm pod runs, for its errors: its guest (which may be the one
-        not answering); "" for a host container."""
+        """Where the container runs, for its errors (its host's ``place``)."""
         record = self.find(container_id)
-        if record is None or record.handler != VM_HANDLER:
-            return ""
-        return f" in guest VM {pod_vm_name(record.pod_id)}"
+        return "" if record is None else self._host(record).place(record.pod_id)
 
     async def reopen_log(self, container_id: str) -> None:
         container = self.running(container_id, "reopen its log")

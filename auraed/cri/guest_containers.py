@@ -378,6 +378,9 @@ class GuestContainers:
 
     # -- lookups ---------------------------------------------------------------------------
 
+    def place(self, pod_id: str) -> str:
+        return f" in guest VM {self._vm_of(pod_id)}"
+
     def _guested(self, container_id: str) -> _Guested:
         guested = self._containers.get(container_id)
         if guested is None:
