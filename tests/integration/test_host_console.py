@@ -3,8 +3,9 @@
 A machine booted from the host image with a config disk (``auraed.config_disk=``, mounted on
 /etc/aurae in place of the image's configuration: the image's auraed.toml plus ``console_shell =
 true``). Enter on its serial console gives a root shell there, one at a time; its end brings the
-status screen back, and each session is logged without what was typed. The image's own config
-leaves it off (test_host_image.py checks that nothing typed there runs).
+status screen back, and each session is logged without what was typed. An orphan made from it is
+reaped by PID 1. The image's own config leaves it off (test_host_image.py checks that nothing
+typed there runs).
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ async def test_enter_on_the_console_gives_a_root_shell_there(booted: Booted[Host
         from tests.integration.test_host_image import health
 
         assert await health(client) == 1
+    # An orphan: the subshell ends at once, its sleep is reparented to PID 1 (no subreaper
+    # between the console shell and it), which must reap it when it ends.
+    machine.type_line(
+        "(sleep 1 & echo $! > /tmp/orphan); sleep 4; test -e /proc/$(cat /tmp/orphan) || echo REAPED"
+    )
+    machine.wait_for("\nREAPED", SHELL_TIMEOUT, since=mark)  # not the typed line's echo
     closed = machine.mark()
     machine.type_line("exit 3")
     machine.wait_for("console shell 1 closed after", SHELL_TIMEOUT, since=closed)
