@@ -40,10 +40,11 @@ async def _exec(args: argparse.Namespace, client: AuraeClient) -> int:
     def deliver(data: bytes) -> None:
         queue.put_nowait(ExecRequest(stdin=data) if data else ExecRequest(close_stdin=True))
 
+    # Without -i the process's stdin is /dev/null from the start (ExecStart.stdin false): nothing
+    # follows the start but signals. A close_stdin right after it was a second write racing a
+    # server that refuses the start (a container not found), and grpc's aio client then reports
+    # its own "INTERNAL: Internal error from Core" instead of the server's status (grpc#36066).
     stop_reading: Callable[[], object] = forward_stdin(loop, deliver) if args.interactive else lambda: None
-    if not args.interactive and not args.tty:
-        # The process's stdin ends now; the stream stays open for the signals aer passes on.
-        queue.put_nowait(ExecRequest(close_stdin=True))
 
     async def requests() -> AsyncIterator[ExecRequest]:
         yield ExecRequest(start=start)
