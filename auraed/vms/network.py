@@ -285,7 +285,7 @@ def _check_ours(tap: str) -> None:
 def pick(pool: ipaddress.IPv4Network, held: Collection[NetInfo], held_taps: Collection[str]) -> NetInfo:
     """A block and a tap name for a new VM, against the host as it is now and the VMs' ``held``."""
     block = choose_block(pool, [block_of(net) for net in held], host_networks())
-    return block.net_info(tap_name({*link_names(), *held_taps}))
+    return block.net_info(free_tap_name(held_taps))
 
 
 @_off_loop
