@@ -14,6 +14,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -77,12 +78,25 @@ async def run(client: AuraeClient, image: str, host_port: int) -> dict[str, Any]
 
 
 async def wait_running(client: AuraeClient, container_id: str) -> str:
+    status = await wait_state(
+        client, container_id, lambda state: state != cri.ContainerState.CONTAINER_CREATED
+    )
+    return str(status.state.name)
+
+
+async def wait_state(
+    client: AuraeClient, container_id: str, done: Callable[[cri.ContainerState], bool]
+) -> cri.ContainerStatus:
+    """The container's status once ``done`` says its state is what was waited for (or, past
+    RUNNING_WAIT, as it is then)."""
     request = cri.ContainerStatusRequest(container_id=container_id)
     deadline = time.monotonic() + RUNNING_WAIT
     while True:
-        state = (await client.call(RUNTIME, "ContainerStatus", request, CALL_TIMEOUT)).status.state
-        if state != cri.ContainerState.CONTAINER_CREATED or time.monotonic() > deadline:
-            return str(state.name)
+        status: cri.ContainerStatus = (
+            await client.call(RUNTIME, "ContainerStatus", request, CALL_TIMEOUT)
+        ).status
+        if done(status.state) or time.monotonic() > deadline:
+            return status
         await asyncio.sleep(0.5)
 
 
@@ -124,13 +138,8 @@ async def oom_killed(client: AuraeClient, pod_id: str, image_id: str) -> list[An
     create = cri.CreateContainerRequest(pod_sandbox_id=pod_id, config=config)
     hog = (await client.call(RUNTIME, "CreateContainer", create, CALL_TIMEOUT)).container_id
     await client.call(RUNTIME, "StartContainer", cri.StartContainerRequest(container_id=hog), CALL_TIMEOUT)
-    request = cri.ContainerStatusRequest(container_id=hog)
-    deadline = time.monotonic() + RUNNING_WAIT
-    while True:
-        status = (await client.call(RUNTIME, "ContainerStatus", request, CALL_TIMEOUT)).status
-        if status.state == cri.ContainerState.CONTAINER_EXITED or time.monotonic() > deadline:
-            return [str(status.state.name), status.exit_code, status.reason]
-        await asyncio.sleep(0.5)
+    status = await wait_state(client, hog, lambda state: state == cri.ContainerState.CONTAINER_EXITED)
+    return [str(status.state.name), status.exit_code, status.reason]
 
 
 async def remove(client: AuraeClient, pod_id: str) -> dict[str, Any]:
