@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from auraed.pki import PkiPaths
+from tests.support.configdisk import config_disk as squashfs_config_disk
 
 pytestmark = pytest.mark.slow
 
@@ -244,18 +245,12 @@ runtime_dir = "/run/aurae/run"
 def config_disk(pki: PkiPaths, work: Path, config_text: str = UNIX_ONLY_GUEST_CONFIG) -> Path:
     """A squashfs config disk as PID 1 mounts it at /etc/aurae (serial "config"): the server's
     credentials and ``config_text`` as auraed.toml."""
-    tree = work / "config"
-    (tree / "pki").mkdir(parents=True)
-    for name, source in (
-        ("ca.crt", pki.ca_crt),
-        ("server.crt", pki.server_crt),
-        ("server.key", pki.server_key),
-    ):
-        shutil.copy(source, tree / "pki" / name)
-    (tree / "auraed.toml").write_text(config_text)
-    image = work / "config.img"
-    subprocess.run(["mksquashfs", str(tree), str(image), "-quiet", "-noappend", "-all-root"], check=True)
-    return image
+    credentials = {
+        "pki/ca.crt": pki.ca_crt,
+        "pki/server.crt": pki.server_crt,
+        "pki/server.key": pki.server_key,
+    }
+    return squashfs_config_disk(work, config_text, credentials)
 
 
 def qmp(path: Path, command: str) -> dict[str, object]:

@@ -11,13 +11,13 @@ typed there runs).
 from __future__ import annotations
 
 import importlib
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.support.configdisk import config_disk as squashfs_config_disk
 from tests.support.hostvm import READY_MARKER, Booted, HostMachine, build_host_image
 
 pytestmark = pytest.mark.slow
@@ -35,12 +35,7 @@ def config_disk(work: Path) -> Path:
         mkhost = importlib.import_module("mkhost")  # a build script beside guest-image/'s, not a package
     finally:
         sys.path.remove(str(HOST_IMAGE))
-    tree = work / "config"
-    tree.mkdir()
-    (tree / "auraed.toml").write_text(mkhost.DAEMON_CONFIG + "console_shell = true\n")
-    image = work / "config.img"
-    subprocess.run(["mksquashfs", str(tree), str(image), "-quiet", "-noappend", "-all-root"], check=True)
-    return image
+    return squashfs_config_disk(work, mkhost.DAEMON_CONFIG + "console_shell = true\n")
 
 
 @pytest.fixture(scope="module")
