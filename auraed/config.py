@@ -105,6 +105,16 @@ class DaemonConfig:
     )
     server_crt: Path = field(default=Path("/etc/aurae/pki/server.crt"), metadata=_help("server certificate"))
     server_key: Path = field(default=Path("/etc/aurae/pki/server.key"), metadata=_help("server private key"))
+    check_server_credentials: bool = field(
+        default=True,
+        metadata=_help(
+            "at start, shake hands with itself once in memory (a client trusting only ca_crt against "
+            "server_crt and server_key) and refuse, naming the file, credentials grpc would take and "
+            "then fail every client with. The host turns it off in the config it writes for each "
+            "guest, whose credentials it has just issued from its own CA (under TCG the check was "
+            "0.3-0.4 s of a clone's start)"
+        ),
+    )
     state_dir: Path = field(
         default=Path("/var/lib/aurae"), metadata=_help("persistent state (SQLite store, images)")
     )

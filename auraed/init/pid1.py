@@ -795,7 +795,10 @@ def _clone_config(
 
         template.ready(started)
         await asyncio.to_thread(template.take_identity, root)
-        return load_config(argv)
+        loading = time.monotonic()
+        config = load_config(argv)
+        log.info("the clone's configuration loaded in %.0f ms", (time.monotonic() - loading) * 1000)
+        return config
 
     return wait
 

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -220,7 +221,9 @@ class Daemon:
         # Before anything else: bad credentials would otherwise pass for a bind failure, or be
         # served, every client then refused. (A template has none yet: checked once it has.)
         if held is None:
-            credentials = server_credentials(config.ca_crt, config.server_crt, config.server_key)
+            credentials = server_credentials(
+                config.ca_crt, config.server_crt, config.server_key, config.check_server_credentials
+            )
         private_directory(config.state_dir, "state directory")
         private_directory(config.runtime_dir, "runtime directory")
         # Before touching any state: two daemons on one state dir would fight over every record.
@@ -270,11 +273,7 @@ class Daemon:
         )
         if held is not None:
             config, credentials = await self._clone_config(held, supervisor)
-        add_unix_listener(server, config.socket, credentials)
-        self._socket_bound = True
-        if config.tcp_listen:
-            port = add_tcp_listener(server, config.tcp_listen, credentials)
-            log.info("serving on %s (port %d)", config.tcp_listen, port)
+        self._add_listeners(server, config, credentials)
         # Before the aurae API's line: a watcher that saw it finds the kubelet's socket too.
         if self.role is Role.HOST and config.cri and self.images is not None:
             await self._serve_cri()
@@ -291,6 +290,17 @@ class Daemon:
         # one vCPU, which boot-to-ready should not wait for.
         supervisor.start()
 
+    def _add_listeners(
+        self, server: grpc.aio.Server, config: DaemonConfig, credentials: grpc.ServerCredentials
+    ) -> None:
+        started = time.monotonic()
+        add_unix_listener(server, config.socket, credentials)
+        self._socket_bound = True
+        if config.tcp_listen:
+            port = add_tcp_listener(server, config.tcp_listen, credentials)
+            took = (time.monotonic() - started) * 1000
+            log.info("serving on %s (port %d; listeners added in %.0f ms)", config.tcp_listen, port, took)
+
     async def _clone_config(
         self, held: Callable[[], Awaitable[DaemonConfig]], supervisor: Supervisor
     ) -> tuple[DaemonConfig, grpc.ServerCredentials]:
@@ -300,7 +310,12 @@ class Daemon:
         TLS object: a TLS library's random state made in the template would be every clone's."""
         supervisor.start()
         self.config = config = await held()
-        return config, server_credentials(config.ca_crt, config.server_crt, config.server_key)
+        started = time.monotonic()
+        credentials = server_credentials(
+            config.ca_crt, config.server_crt, config.server_key, config.check_server_credentials
+        )
+        log.info("the clone's credentials loaded in %.0f ms", (time.monotonic() - started) * 1000)
+        return config, credentials
 
     async def _handlers(
         self, cells: Cells, services: list[str], capabilities: Capabilities

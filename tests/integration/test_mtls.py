@@ -36,7 +36,7 @@ from auraed.pki import (
 from auraed.pki.certs import load_ca
 from auraed.server.listeners import check_server_credentials
 from auraed.wire.channel import DEFAULT_KEEPALIVE_TIME, DEFAULT_KEEPALIVE_TIMEOUT
-from tests.conftest import DaemonFactory, DaemonProcess, start_refused
+from tests.conftest import DaemonFactory, DaemonProcess, remove_daemon_leftovers, start_refused
 from tests.support import workers
 
 CONTAINERS = "aurae.containers.v0.ContainerService"
@@ -347,6 +347,31 @@ def test_bad_server_credentials_are_refused_at_start_naming_the_file(pki: PkiPat
     foreign_key = cases["foreign"][1]
     said = _refused_start(pki, pki.server_crt, foreign_key)
     assert f"server key {foreign_key} does not belong to the server certificate {pki.server_crt}" in said
+
+
+async def test_without_the_check_bad_credentials_are_served_and_every_client_fails(
+    pki: PkiPaths, tmp_path: Path
+) -> None:
+    """check_server_credentials = false (what a host writes for its guests, whose credentials it
+    has just issued): the start shakes no hands with itself, so an expired certificate is served,
+    and every client's handshake fails: that check is what refuses them at start."""
+    ca = load_ca(pki.ca_crt.parent)
+    now = dt.datetime.now(dt.UTC)
+    expired = _issue(
+        ca, ExtendedKeyUsageOID.SERVER_AUTH, now - dt.timedelta(days=10), now - dt.timedelta(days=1)
+    )
+    crt, key = write_pem_files(tmp_path, "expired", *expired)
+    root = Path(tempfile.mkdtemp(prefix="aurae-nocheck-", dir="/tmp"))
+    daemon = DaemonProcess(
+        root, dataclasses.replace(pki, server_crt=crt, server_key=key), ["--no-check-server-credentials"]
+    )
+    daemon.start()
+    try:
+        error = await _refused(daemon.client_config())
+        assert error.code == "UNAVAILABLE", error
+    finally:
+        daemon.stop()
+        remove_daemon_leftovers(daemon)
 
 
 def _issue(

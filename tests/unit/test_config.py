@@ -301,6 +301,19 @@ def test_a_guest_lets_the_host_ping_it_as_often_as_the_host_may(tmp_path: Path) 
     ) == (30.0, 20.0)
 
 
+def test_only_a_guest_the_host_configured_skips_checking_its_credentials(tmp_path: Path) -> None:
+    """Every daemon checks its credentials at start unless told not to; a host tells its guests,
+    whose credentials it issues (a cold guest's config disk and a clone's identity alike)."""
+    from auraed.vms.guest_config import template_config
+
+    assert load_config([], {}).check_server_credentials
+    assert not load_config(["--no-check-server-credentials"], {}).check_server_credentials
+    guest = load_config(
+        ["--config", str(write_config(tmp_path, template_config(8443, "aurae-host")["auraed.toml"]))], {}
+    )
+    assert not guest.check_server_credentials
+
+
 def test_a_vm_pod_boots_cold_unless_told_to_clone_from_a_template(tmp_path: Path) -> None:
     assert load_config([], {}).cri_vm_boot == "cold"
     assert load_config(["--cri-vm-boot", "template"], {}).cri_vm_boot == "template"
