@@ -55,8 +55,11 @@ monitor.json, container.pid: mtimes on the guest's clock) and the CRI timestamp 
 Series rotate from one iteration to the next with ``--gap-ms`` idle before each. The first
 Create through the host (which sends the image's blobs) is reported apart: the placement cost.
 
-Targets (issue): guest boot <= 1.5x the bare boot (p50); guest auraed RssAnon <= 11 MiB (the Go
-kata-agent's figure); a container in a guest <= 1.3x bare ``crun run`` in the same guest (p50).
+Targets (issues): guest boot <= 2.5x the bare boot (p50) and guest auraed RssAnon <= 16 MiB, as the
+templates issue re-based them (1.5x and the Go kata-agent's 11 MiB before: not reachable with
+CPython + grpcio as PID 1); a container in a guest <= 1.3x bare ``crun run`` in the same guest (p50);
+a clone to SERVING <= 0.2x the bare boot and an idle clone's QEMU private memory <= 25% a cold
+guest's.
 """
 
 from __future__ import annotations
@@ -116,8 +119,8 @@ BENCH_RANGE = ipaddress.IPv4Network("10.213.128.0/18")  # the tests take 10.213.
 BARE_MARKER = "AURAE-BARE-BOOT-OK"
 IMAGE = "bench/busybox:1"
 LINE = "ready"
-TARGET_BOOT_RATIO = 1.5
-TARGET_RSS_ANON_KIB = 11 * 1024
+TARGET_BOOT_RATIO = 2.5  # re-based by the templates issue (1.5x before): CPython + grpcio as PID 1
+TARGET_RSS_ANON_KIB = 16 * 1024  # the same (11 MiB, the Go kata-agent's, before); import grpc is 12.3
 TARGET_CONTAINER_RATIO = 1.3
 TARGET_CLONE_RATIO = 0.2  # clone to SERVING against a bare boot of the same kernel and VMM
 TARGET_CLONE_MEMORY = 0.25  # an idle clone's QEMU private memory against a cold guest's
@@ -416,7 +419,6 @@ IMPORT_STEPS = [
     ["auraed.api (generated messages)",
      ["auraed.api.aurae.cells.v0", "auraed.api.aurae.containers.v0", "auraed.api.aurae.observe.v0",
       "auraed.api.aurae.discovery.v0"]],
-    ["requests, urllib3, charset_normalizer, idna, certifi (registry client)", ["requests"]],
     ["zstandard", ["zstandard"]],
     ["the rest of auraed (daemon, cells, containers, images, observe, init)", list(DAEMON_MODULES)],
 ]  # fmt: skip
