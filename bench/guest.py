@@ -955,7 +955,7 @@ def clone_log_steps(console: str) -> list[list[Any]]:
         if when is None or text is None:
             continue
         steps.append(
-            [f"{text.group(3)}: {text.group(4)}"[:90], round((when - previous) * 1000) if previous else 0]
+            [f"{text.group(3)}: {text.group(4)}"[:160], round((when - previous) * 1000) if previous else 0]
         )
         previous = when
         if "serving on unix:" in raw:
