@@ -304,14 +304,20 @@ def test_a_guest_lets_the_host_ping_it_as_often_as_the_host_may(tmp_path: Path) 
 def test_only_a_guest_the_host_configured_skips_checking_its_credentials(tmp_path: Path) -> None:
     """Every daemon checks its credentials at start unless told not to; a host tells its guests,
     whose credentials it issues (a cold guest's config disk and a clone's identity alike)."""
-    from auraed.vms.guest_config import template_config
+    import ipaddress
+
+    from auraed.pki import create_ca
+    from auraed.vms.guest_config import GuestIdentity, config_files, template_config
 
     assert load_config([], {}).check_server_credentials
     assert not load_config(["--no-check-server-credentials"], {}).check_server_credentials
-    guest = load_config(
-        ["--config", str(write_config(tmp_path, template_config(8443, "aurae-host")["auraed.toml"]))], {}
-    )
-    assert not guest.check_server_credentials
+    cold = GuestIdentity("g1", ipaddress.IPv4Interface("10.213.0.2/30"), ipaddress.IPv4Address("10.213.0.1"))
+    for text in (
+        template_config(8443, "aurae-host")["auraed.toml"],
+        config_files(cold, create_ca("test"), "aurae-host")["auraed.toml"],
+    ):
+        guest = load_config(["--config", str(write_config(tmp_path, text))], {})
+        assert not guest.check_server_credentials
 
 
 def test_a_vm_pod_boots_cold_unless_told_to_clone_from_a_template(tmp_path: Path) -> None:
