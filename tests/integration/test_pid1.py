@@ -85,6 +85,19 @@ def sleepers():
     return count
 
 
+# Every process of this pid namespace but PID 1, with its command: a child forked but not yet
+# exec'd (a subshell's sleep) is neither a sleeper nor a zombie yet, and would end later.
+def others():
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and name != "1":
+            try:
+                found.append([int(name), Path(f"/proc/{name}/comm").read_text().strip()])
+            except OSError:
+                pass
+    return found
+
+
 def mounts_under(root):
     found = []
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
@@ -183,7 +196,7 @@ class Workload:
         # Every orphan has ended and been reaped: within 20 s, for a machine under heavy load
         # (5 s was once not enough with a benchmark booting guests beside the suite).
         deadline = time.monotonic() + 20
-        while (zombies_of_pid1() or sleepers()) and time.monotonic() < deadline:
+        while others() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         root = init.layout.root.rstrip("/")
         before = mounts_under(root)
@@ -204,6 +217,7 @@ class Workload:
             "codes": codes,
             "zombies": zombies_of_pid1(),
             "sleepers": sleepers(),
+            "others": others(),
             "reaped": init.reaper.reaped,
             "mounts": before,
             "mounts_again": mounts_under(root),
@@ -295,7 +309,8 @@ def test_pid1_reaps_orphans_keeps_owned_statuses_mounts_and_stops_on_sigterm(sho
         assert codes["supervisor"] == list(range(1, 6))
         assert codes["orphan_maker"] == 42
         # Every orphan (ORPHANS from the maker, one per popen/asyncio/supervisor case) was reaped.
-        assert result["zombies"] == [] and result["sleepers"] == 0
+        assert result["zombies"] == [] and result["sleepers"] == 0, result["others"]
+        assert result["others"] == []
         assert result["reaped"] >= ORPHANS + 30 + 30 + 5
         assert result["pid"] == 1
 
