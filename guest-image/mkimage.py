@@ -109,11 +109,13 @@ GROUP = """root:x:0:
 nogroup:x:65534:
 """
 # Run by the image's own python3 (chrooted) at build time: what the guest's daemon imports must
-# not bring importlib.metadata back (VERSION_LOOKUPS).
+# not bring importlib.metadata back (VERSION_LOOKUPS), nor reflection, which its first call imports
+# (server/rpc.py LazyService).
 LEAN_CHECK_SCRIPT = """
 import sys
 import auraed.__main__, auraed.init.pid1, auraed.server.daemon
-print(" ".join(sorted(m for m in ("importlib.metadata", "email", "zipfile") if m in sys.modules)))
+late = ("importlib.metadata", "email", "zipfile", "grpc_reflection.v1alpha")
+print(" ".join(sorted(m for m in late if m in sys.modules)))
 """
 # Run by the image's own python3 (chrooted) at build time: every auraed module and the native pieces.
 CHECK_SCRIPT = """
@@ -823,7 +825,9 @@ class Build:
             )
         heavy = run(["chroot", str(self.stage), "/usr/bin/python3", "-B", "-c", LEAN_CHECK_SCRIPT], env=env)
         if heavy.strip():
-            raise BuildError(f"the guest's daemon imports {heavy.strip()} again: see VERSION_LOOKUPS")
+            raise BuildError(
+                f"the guest's daemon imports {heavy.strip()} at start again: see LEAN_CHECK_SCRIPT"
+            )
         # crun re-executes itself through /proc (not mounted here): ask the loader instead.
         crun = run(
             ["chroot", str(self.stage), "/usr/lib64/ld-linux-x86-64.so.2", "--list", "/usr/bin/crun"], env=env

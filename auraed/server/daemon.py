@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import sys
@@ -14,7 +15,6 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from auraed.api.google_proto_descriptor_pool import default_google_proto_descriptor_pool
 from auraed.cells.cells import Cells
@@ -46,7 +46,7 @@ from auraed.server.listeners import (
 )
 from auraed.server.network_service import SERVICE_NAME as NETWORK
 from auraed.server.network_service import NetworkServicer
-from auraed.server.rpc import CollectedHandlers, generic_handler
+from auraed.server.rpc import CollectedHandlers, LazyService, generic_handler
 from auraed.server.system_service import SERVICE_NAME as SYSTEM
 from auraed.server.system_service import Machine, SystemServicer
 from auraed.state.store import Store
@@ -70,7 +70,7 @@ log = logging.getLogger("auraed")
 CONTAINERS = "aurae.containers.v0.ContainerService"
 VMS = "aurae.vms.v0.VmService"
 HEALTH = "grpc.health.v1.Health"
-REFLECTION = reflection.SERVICE_NAME
+REFLECTION = "grpc.reflection.v1alpha.ServerReflection"
 SERVER_STOP_GRACE = 2.0  # seconds in-flight calls get once shutdown begins
 QUIET_LIBRARIES = ("pyroute2",)
 """Libraries whose DEBUG lines the daemon drops when it logs at DEBUG: pyroute2 logs every
@@ -95,8 +95,25 @@ def setup_logging(config: DaemonConfig, hub: ObserveHub) -> None:
         root.addHandler(handler)
 
 
+def _reflection(services: list[str]) -> list[grpc.GenericRpcHandler]:
+    """Reflection of ``services``, health and itself (made at its first call: LazyService)."""
+    from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+
+    _register_standard_descriptors()
+    standard = CollectedHandlers()
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+        reflection.aio.ReflectionServicer(
+            [*services, HEALTH, REFLECTION], pool=default_google_proto_descriptor_pool
+        ),
+        standard,
+    )
+    return standard.handlers
+
+
 def _register_standard_descriptors() -> None:
     """Reflection answers from our pool: it must also know health's and reflection's own files."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
     pool = default_google_proto_descriptor_pool
     for module in (health_pb2, reflection_pb2):
         try:
@@ -344,12 +361,10 @@ class Daemon:
         ]
         standard = CollectedHandlers()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, standard)
-        _register_standard_descriptors()
-        reflected = [*services, HEALTH, REFLECTION]
-        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
-            reflection.aio.ReflectionServicer(reflected, pool=default_google_proto_descriptor_pool), standard
-        )
         handlers += standard.handlers
+        # Few clients ask (grpcurl, a debugging operator); its modules cost ~0.2 MiB and ~0.1 s of
+        # a guest's imports under TCG, so it is imported by the first call.
+        handlers.append(LazyService(REFLECTION, functools.partial(_reflection, services)))
         if self.role is Role.HOST and self.guests is not None and self.images is not None:
             from auraed.server.guest_router import GuestRouter
             from auraed.vms.placement import ImagePlacer

@@ -156,3 +156,24 @@ class CollectedHandlers:
     def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
         # The helpers register the same handlers through add_generic_rpc_handlers as well.
         pass
+
+
+class LazyService(grpc.GenericRpcHandler):  # type: ignore[misc]
+    """``service``'s handlers, made by ``make`` at its first call, not at start: for a service few
+    clients call whose library is costly to import (reflection's, in a guest under emulation)."""
+
+    def __init__(self, service: str, make: Callable[[], Sequence[grpc.GenericRpcHandler]]) -> None:
+        self._prefix = f"/{service}/"
+        self._make = make
+        self._handlers: Sequence[grpc.GenericRpcHandler] | None = None
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        if not str(handler_call_details.method).startswith(self._prefix):
+            return None
+        if self._handlers is None:
+            self._handlers = self._make()
+        for handler in self._handlers:
+            found = handler.service(handler_call_details)
+            if found is not None:
+                return found
+        return None
