@@ -37,11 +37,11 @@ from auraed.server.listeners import (
     add_plain_unix_listener,
     add_tcp_listener,
     add_unix_listener,
+    config_credentials,
     lock_state_dir,
     prepare_unix_socket,
     private_directory,
     remove_unix_socket,
-    server_credentials,
     server_options,
 )
 from auraed.server.network_service import SERVICE_NAME as NETWORK
@@ -238,9 +238,7 @@ class Daemon:
         # Before anything else: bad credentials would otherwise pass for a bind failure, or be
         # served, every client then refused. (A template has none yet: checked once it has.)
         if held is None:
-            credentials = server_credentials(
-                config.ca_crt, config.server_crt, config.server_key, config.check_server_credentials
-            )
+            credentials = config_credentials(config)
         private_directory(config.state_dir, "state directory")
         private_directory(config.runtime_dir, "runtime directory")
         # Before touching any state: two daemons on one state dir would fight over every record.
@@ -328,9 +326,7 @@ class Daemon:
         supervisor.start()
         self.config = config = await held()
         started = time.monotonic()
-        credentials = server_credentials(
-            config.ca_crt, config.server_crt, config.server_key, config.check_server_credentials
-        )
+        credentials = config_credentials(config)
         log.info("the clone's credentials loaded in %.0f ms", (time.monotonic() - started) * 1000)
         return config, credentials
 

@@ -133,6 +133,13 @@ def server_credentials(
     return grpc.ssl_server_credentials([(key, crt)], root_certificates=ca, require_client_auth=True)
 
 
+def config_credentials(config: DaemonConfig) -> grpc.ServerCredentials:
+    """``server_credentials`` of the daemon's configuration, checked unless it says not to."""
+    return server_credentials(
+        config.ca_crt, config.server_crt, config.server_key, config.check_server_credentials
+    )
+
+
 def server_options(config: DaemonConfig) -> list[tuple[str, int]]:
     """grpc server arguments: one daemon per port, and keepalive both ways (see DaemonConfig)."""
     options = [
