@@ -23,6 +23,7 @@ from typing import Any
 
 from auraed.errors import ConfigError
 from auraed.names import MAX_WAIT_MS
+from auraed.system.pod_namespaces import DEFAULT_POD_INIT
 from auraed.wire.channel import GUEST_PING_INTERVAL_MIN, MAX_KEEPALIVE_SECONDS
 
 DEFAULT_CONFIG_FILE = Path("/etc/aurae/auraed.toml")
@@ -126,6 +127,13 @@ class DaemonConfig:
         default=Path("/sys/fs/cgroup"), metadata=_help("where the cgroup hierarchies are mounted")
     )
     cgroup_base: str = field(default="aurae", metadata=_help("cgroup under which every cell is created"))
+    pod_init: Path = field(
+        default=DEFAULT_POD_INIT,
+        metadata=_help(
+            "static program run, confined, as PID 1 of a pod's shared PID namespace (on the host "
+            "and in guests): it must reap orphans and end on SIGTERM, as catatonit -P does"
+        ),
+    )
     stop_grace_period: float = field(
         default=10.0, metadata=_help("seconds between SIGTERM and SIGKILL when stopping (0 to 600)")
     )

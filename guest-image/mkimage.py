@@ -8,7 +8,7 @@ a directory whose hash matches is reused. It holds:
 - ``initramfs.img``: busybox-static, the virtio/filesystem modules and ``/init`` (``files/init``),
   which mounts ``rootfs.img`` read-only under a tmpfs overlay and switch_roots to ``auraed.init=``.
 - ``rootfs.img``: the read-only root: Debian's python3 with a trimmed stdlib, auraed and its runtime
-  dependencies from the venv, crun, busybox, precompiled bytecode, ``/sbin/aurae-init``.
+  dependencies from the venv, crun, catatonit, busybox, precompiled bytecode, ``/sbin/aurae-init``.
 - ``bare-initramfs.img``: prints ``AURAE-BARE-BOOT-OK`` and powers off (boot benchmark, backend tests).
 - ``manifest.json``: kernel version, inputs hash, package versions, file sizes, build time.
 
@@ -61,7 +61,8 @@ LIBRARY_PACKAGES = (
     "libcap2", "libseccomp2", "libsystemd0", "libyajl2", "libgcrypt20", "libgpg-error0", "libzstd1",
     "liblz4-1",
 )  # fmt: skip
-PACKAGES = ("busybox-static", "crun", *PYTHON_PACKAGES, *LIBRARY_PACKAGES)
+# catatonit: the init of a pod's shared PID namespace (auraed.system.pod_namespaces), static.
+PACKAGES = ("busybox-static", "crun", "catatonit", *PYTHON_PACKAGES, *LIBRARY_PACKAGES)
 
 # Loaded by the initramfs, in this order after their dependencies (from modules.dep).
 INITRAMFS_MODULES = (
@@ -634,7 +635,8 @@ class Build:
         s = self.stage
         shutil.copy(self.busybox(), s / "usr/bin/busybox")
         shutil.copy(self.trees["crun"] / "usr/bin/crun", s / "usr/bin/crun")
-        self.used_packages |= {"busybox-static", "crun"}
+        shutil.copy(self.trees["catatonit"] / "usr/bin/catatonit", s / "usr/bin/catatonit")
+        self.used_packages |= {"busybox-static", "crun", "catatonit"}
         for line in run([str(self.busybox()), "--list-full"]).split():
             directory, _, applet = line.rpartition("/")
             target_dir = {"bin": "usr/bin", "sbin": "usr/sbin"}.get(directory, directory)

@@ -16,6 +16,7 @@ from auraed.containers.errors import ContainerError
 from auraed.containers.sandbox import SandboxContext, SharedNamespaces
 from auraed.names import validate_label
 from auraed.system.pod_namespaces import (
+    DEFAULT_POD_INIT,
     NamespaceError,
     PodNamespaceSpec,
     create_pod_namespaces,
@@ -30,8 +31,9 @@ PID_ONLY = PodNamespaceSpec(network=False, ipc=False, uts=False, pid=True)
 class PidGroups:
     """The groups' namespaces, under ``root``."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, init_program: Path = DEFAULT_POD_INIT) -> None:
         self._root = root
+        self._init_program = init_program
 
     def sandbox(self, group: str) -> SandboxContext:
         """A container of ``group``: the group's PID namespace, made if it is not there yet."""
@@ -40,7 +42,7 @@ class PidGroups:
         pin = directory / "pid"
         if not pin.exists():
             try:
-                made = create_pod_namespaces(directory, PID_ONLY)
+                made = create_pod_namespaces(directory, PID_ONLY, self._init_program)
             except NamespaceError as exc:
                 raise ContainerError(exc.kind, f"config.shared_pid: {exc.message}") from None
             pin = Path(str(made.pid))

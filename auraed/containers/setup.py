@@ -52,7 +52,7 @@ def build(
         supervisor=supervisor,
         root=config.state_dir / "containers",
         sockets_dir=config.runtime_dir / "consoles",
-        pid_groups=PidGroups(config.runtime_dir / "pid-groups"),
+        pid_groups=PidGroups(config.runtime_dir / "pid-groups", config.pod_init),
         default_stop_timeout=config.stop_grace_period,
         log_watch=log_watch,
     )

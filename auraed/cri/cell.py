@@ -60,6 +60,7 @@ from auraed.system import namespaces
 from auraed.system.cgroupfs import DEFAULT_CPU_PERIOD_US, CgroupError, Cgroupfs, CgroupLimits
 from auraed.system.netns_dial import open_localhost_in
 from auraed.system.pod_namespaces import (
+    DEFAULT_POD_INIT,
     IPC,
     NET,
     PID,
@@ -367,8 +368,10 @@ class CellSandbox:
         *,
         host_resolv_conf: Path = HOST_RESOLV_CONF,
         host_hosts: Path = HOST_HOSTS,
+        pod_init: Path = DEFAULT_POD_INIT,
     ) -> None:
         self._cni = cni
+        self._pod_init = pod_init
         self._cgroups = cgroups
         self._pods_dir = pods_dir
         self._host_resolv_conf = host_resolv_conf
@@ -494,7 +497,7 @@ class CellSandbox:
                 sysctls=spec.sysctls,
             )
             try:
-                pinned = create_pod_namespaces(layout.namespace_dir, request)
+                pinned = create_pod_namespaces(layout.namespace_dir, request, self._pod_init)
             except NamespaceError as exc:
                 raise _namespace_error(exc) from None
             if pinned.init_pid is not None:

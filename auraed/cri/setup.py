@@ -114,7 +114,7 @@ async def build(
     """The CRI with its pods and containers recovered: what a crash left half made is undone
     first. Without ``guests`` there is no ``vm`` handler."""
     cni = Cni(store, cni_settings(config))
-    cell = CellSandbox(cni, cgroups, config.runtime_dir / PODS_DIR)
+    cell = CellSandbox(cni, cgroups, config.runtime_dir / PODS_DIR, pod_init=config.pod_init)
     controllers: dict[str, SandboxController] = {"cell": cell}
     hosts: dict[str, ContainerHost] = {"cell": LocalHost(containers, cgroups)}
     if guests is not None:

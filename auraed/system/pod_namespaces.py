@@ -13,8 +13,11 @@ A PID namespace is the exception: the kernel names one (``pid_for_children``) on
 PID 1, and refuses every new process in it (ENOMEM) once its PID 1 has ended, pin or no pin. So
 a shared PID namespace gets a minimal init, ``aurae-pod-init``: spawned from the same thread
 (posix_spawn, no fork of the daemon), it is PID 1 there, sits in the pod's other namespaces, reaps
-the orphans of the pod's containers and exits on SIGTERM or SIGINT. Its pid and start time are
-written beside the pins, so removal finds it after a restart of auraed too.
+the orphans of the pod's containers and exits on SIGTERM or SIGINT. The pod's containers reach it
+through /proc/1, so it is confined as containerd's pause container is (auraed.system.confine):
+its own mount namespace over an empty read-only root holding only its static program, no open
+descriptors, no capabilities, no_new_privs, the pause image's unprivileged id. Its pid and start
+time are written beside the pins, so removal finds it after a restart of auraed too.
 
 Removal is idempotent and works from the directory alone: the init is killed (the kernel then
 kills everything in the PID namespace), every pin unmounted and deleted, the directory removed.
@@ -28,14 +31,13 @@ import errno
 import os
 import re
 import signal
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from auraed.errors import RESOURCE_ERRNOS, AuraeError, ErrorKind
-from auraed.system import namespaces, processes
+from auraed.system import confine, namespaces, processes
 from auraed.system.threads import in_new_thread
 
 NET, IPC, UTS, PID = "net", "ipc", "uts", "pid"
@@ -45,32 +47,17 @@ INIT_RECORD = "pid-init"
 """File beside the pins: "<pid> <start ticks> <parent pid> <parent start ticks>" of the PID
 namespace's init (its parent: only the auraed that started it may reap it)."""
 POD_INIT_NAME = "aurae-pod-init"
-"""What ps shows for a shared PID namespace's init (its argv[0])."""
+"""What ps shows for a shared PID namespace's init (its argv[0], and its file's name in its root)."""
+DEFAULT_POD_INIT = Path("/usr/bin/catatonit")
+"""The init's program: catatonit (Debian's package, statically linked, as it must be in a root
+holding nothing else), podman's pod infra process; ``-P``, its pause mode, reaps every orphan and
+ends on SIGTERM or SIGINT."""
+POD_INIT_ARGS = ("-P",)
 INIT_EXIT_TIMEOUT = 5.0
 """Seconds a killed init may take to be gone (SIGKILL: milliseconds)."""
 _INIT_EXIT_POLL = 0.01
 HOST_NAME_MAX = 64
 SYSCTL_ROOT = Path("/proc/sys")
-
-# PID 1 of the pod's PID namespace: reaps every orphan, leaves on SIGTERM/SIGINT. Signals are
-# blocked and taken with sigwaitinfo, so none is lost between a reap and the wait; dispositions
-# are reset first, since an inherited SIG_IGN would discard them.
-POD_INIT_PROGRAM = """
-import os, signal
-os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-stop = {signal.SIGTERM, signal.SIGINT}
-for sig in stop:
-    signal.signal(sig, signal.SIG_DFL)
-signal.pthread_sigmask(signal.SIG_BLOCK, stop | {signal.SIGCHLD})
-while True:
-    try:
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
-    except ChildProcessError:
-        pass
-    if signal.sigwaitinfo(stop | {signal.SIGCHLD}).si_signo in stop:
-        os._exit(0)
-"""
 
 # IPC namespace sysctls (ipc/ipc_sysctl.c, ipc/mq_sysctl.c), the UTS one that is not the
 # hostname, and the network namespace's whole tree: all a pod may set without touching the host.
@@ -192,30 +179,32 @@ def _write_sysctls(sysctls: Mapping[str, str]) -> None:
             raise NamespaceError.invalid(f"sysctls.{name}", f"cannot set {value!r}: {problem}") from None
 
 
-def _spawn_init(directory: Path) -> int:
+def _spawn_confined_init(program: Path, directory: Path) -> int:
     """Start the PID namespace's init from the calling thread (after its unshare(CLONE_NEWPID)),
-    record it, and return its pid."""
-    pid = os.posix_spawn(
-        sys.executable,
-        [POD_INIT_NAME, "-S", "-I", "-c", POD_INIT_PROGRAM],
-        {},
-        file_actions=[
-            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDWR, 0),
-            (os.POSIX_SPAWN_DUP2, 0, 1),
-            (os.POSIX_SPAWN_DUP2, 0, 2),
-        ],
-        setsid=True,
-    )
+    confined (auraed.system.confine): the thread cannot reach the host's files afterwards."""
+    path = confine.confine_thread(program, POD_INIT_NAME, directory)
+    return os.posix_spawn(path, [POD_INIT_NAME, *POD_INIT_ARGS], {}, setsid=True)
+
+
+def _record_init(directory: Path, pid: int) -> None:
     parent = os.getpid()
     fields = (pid, processes.start_ticks(pid), parent, processes.start_ticks(parent))
     (directory / INIT_RECORD).write_text(" ".join(map(str, fields)) + "\n")
-    return pid
 
 
-def create_pod_namespaces(directory: Path, spec: PodNamespaceSpec) -> PodNamespaces:
+def create_pod_namespaces(
+    directory: Path, spec: PodNamespaceSpec, init_program: Path = DEFAULT_POD_INIT
+) -> PodNamespaces:
     """Make and pin the namespaces ``spec`` asks for under ``directory`` (created; it must not
-    hold pins already). On any failure, whatever was made is removed again before raising."""
+    hold pins already), with ``init_program`` as the PID namespace's init where ``spec`` asks for
+    one. On any failure, whatever was made is removed again before raising."""
     _check(spec)
+    if spec.pid and not init_program.is_file():
+        raise NamespaceError(
+            ErrorKind.FAILED_PRECONDITION,
+            f"a shared PID namespace needs its init, {init_program}, which is missing "
+            "(the pod_init setting; Debian's catatonit package)",
+        )
     kinds = {NET: spec.network, IPC: spec.ipc, UTS: spec.uts}
     flags = {NET: namespaces.CLONE_NEWNET, IPC: namespaces.CLONE_NEWIPC, UTS: namespaces.CLONE_NEWUTS}
     unshare_flags = sum(flags[kind] for kind, wanted in kinds.items() if wanted)
@@ -238,12 +227,13 @@ def create_pod_namespaces(directory: Path, spec: PodNamespaceSpec) -> PodNamespa
                 namespaces.pin_namespace(namespaces.thread_namespace(kind), directory / kind)
         if not spec.pid:
             return None
-        init = _spawn_init(directory)
-        namespaces.pin_namespace(f"/proc/{init}/ns/pid", directory / PID)
-        return init
+        return _spawn_confined_init(init_program, directory)  # the thread's last act: see there
 
     try:
         init = in_new_thread(worker)
+        if init is not None:
+            _record_init(directory, init)
+            namespaces.pin_namespace(f"/proc/{init}/ns/pid", directory / PID)
     except BaseException:
         remove_pod_namespaces(directory)
         raise

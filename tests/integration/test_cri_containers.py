@@ -39,6 +39,7 @@ from tests.support.cri import (
     cri_client,
     list_pods,
     mirrors_config,
+    namespaces,
     pod_config,
     pod_status,
     publish,
@@ -994,5 +995,62 @@ async def test_security_context_reaches_the_container(node: Node, tmp_path: Path
         node.create(pod_id, secured("group-only", run_as_group=cri.Int64Value(value=1002)))
     )
     assert refused.code == "INVALID_ARGUMENT" and "run_as_group" in refused.message
+    await node.stop_pod(pod_id)
+    await node.remove_pod(pod_id)
+
+
+# -- pod isolation -----------------------------------------------------------------------------
+
+
+async def test_shared_pid_pod_init_shows_nothing_of_the_host(node: Node, tmp_path: Path) -> None:
+    """The attack of issue 33: a pod sharing its PID namespace has auraed's pod init as PID 1;
+    a container of it with CAP_SYS_PTRACE (a debugging sidecar; RuntimeDefault seccomp) reads
+    and writes through /proc/1 whatever the init can reach. The init must reach nothing: an
+    empty read-only root, no descriptors, no environment, no capabilities, an unprivileged id."""
+    secret = tmp_path / "host-secret"
+    secret.write_text("host secret\n")
+    pod = pod_config(
+        "shared-pid", namespace="critest", linux=cri.LinuxPodSandboxConfig(security_context=namespaces())
+    )
+    pod_id = await run_pod(node.client, pod)
+    context = cri.LinuxContainerSecurityContext(
+        capabilities=cri.Capability(add_capabilities=["SYS_PTRACE"]),
+        seccomp=cri.SecurityProfile(profile_type=cri.SecurityProfileProfileType.RuntimeDefault),
+        namespace_options=cri.NamespaceOption(pid=cri.NamespaceMode.POD),
+    )
+    debugger = await node.run(
+        pod_id, node.config("debugger", TOP, linux=cri.LinuxContainerConfig(security_context=context))
+    )
+    await node.wait_state(debugger, RUNNING)
+
+    async def shell(script: str) -> tuple[int, str, str]:
+        reply = await node.exec_sync(debugger, ["sh", "-c", script])
+        return reply.exit_code, reply.stdout.decode(), reply.stderr.decode()
+
+    assert (await shell("cat /proc/1/comm"))[1] == "aurae-pod-init\n"
+    assert (await shell("ls -A /proc/1/root/"))[1] == "aurae-pod-init\n"
+    assert (await shell("readlink /proc/1/root; readlink /proc/1/cwd; ls -A /proc/1/cwd/"))[
+        1
+    ] == "/\n/\naurae-pod-init\n"
+    code, out, _ = await shell(f"cat /proc/1/root{secret}")
+    assert code != 0 and "host secret" not in out
+    for target in (f"/proc/1/root{tmp_path}/written", "/proc/1/root/written", "/proc/1/cwd/written"):
+        assert (await shell(f"echo x > {target}"))[0] != 0, target
+    assert not (tmp_path / "written").exists()
+    # Its one descriptor is its signalfd: nothing of a file of the host's.
+    assert (await shell("for fd in /proc/1/fd/*; do readlink $fd; done"))[1] == "anon_inode:[signalfd]\n"
+    assert (await shell("wc -c < /proc/1/environ"))[1].strip() == "0"
+    status = dict(
+        line.split(":", 1) for line in (await shell("cat /proc/1/status"))[1].splitlines() if ":" in line
+    )
+    assert {key: status[key].split() for key in ("Uid", "Gid")} == {
+        "Uid": ["65535"] * 4,
+        "Gid": ["65535"] * 4,
+    }
+    capabilities = {key: status[key].strip() for key in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")}
+    assert set(capabilities.values()) == {"0000000000000000"}, capabilities
+    assert status["NoNewPrivs"].strip() == "1" and status["Groups"].strip() == ""
+    # And it still is the namespace's init: an orphan of the container is reaped.
+    assert (await shell("sh -c 'sleep 0.1 &'; sleep 1; ps -o stat | grep -c Z"))[1].strip() == "0"
     await node.stop_pod(pod_id)
     await node.remove_pod(pod_id)

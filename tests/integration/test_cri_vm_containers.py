@@ -130,6 +130,7 @@ async def test_a_vm_pods_containers_run_in_its_guest(vm_node: Node, tmp_path: Pa
     await the_pods_files_and_host_port_reach_the_guest(pod, server, host_port)
     await the_pod_cgroup_holds_its_vm(pod, server)
     await exec_runs_in_the_guest(pod, server)
+    await the_pod_init_shows_nothing_of_the_guest(pod)
     await resources_update_in_the_guest(pod, server)
     await the_guest_grows_with_its_pod(pod, server)
     await stats_and_port_forward(pod, server)
@@ -291,6 +292,44 @@ async def the_guest_grows_with_its_pod(pod: VmPod, server: str) -> None:
     async with node.daemon.client() as aurae:
         (listed,) = (await aurae.call(VMS, "List", vms.VmServiceListRequest(name=vm))).vms
     assert listed.vm is not None and listed.vm.memory_mib == 896
+
+
+async def the_pod_init_shows_nothing_of_the_guest(pod: VmPod) -> None:
+    """The attack of issue 33 in a guest: a container with CAP_SYS_PTRACE reaching the pod's
+    init through /proc/1 found the guest's root there (/etc/aurae/pki/server.key). It must find
+    an empty root, no descriptor of a file, no environment, no capabilities."""
+    node = pod.node
+    context = cri.LinuxContainerSecurityContext(
+        capabilities=cri.Capability(add_capabilities=["SYS_PTRACE"]),
+        seccomp=cri.SecurityProfile(profile_type=cri.SecurityProfileProfileType.RuntimeDefault),
+    )
+    linux = cri.LinuxContainerConfig(
+        resources=cri.LinuxContainerResources(cpu_shares=2), security_context=context
+    )
+    debugger = await pod.create("debugger", ["sleep", "600"], linux=linux)
+    await node.start(debugger)
+    await node.wait_state(debugger, RUNNING, TIMEOUT)
+
+    async def shell(script: str) -> tuple[int, str]:
+        reply = await node.exec_sync(debugger, ["sh", "-c", script])
+        return reply.exit_code, reply.stdout.decode()
+
+    assert await shell("cat /proc/1/comm; ls -A /proc/1/root/ /proc/1/cwd/") == (
+        0,
+        "aurae-pod-init\n/proc/1/cwd/:\naurae-pod-init\n\n/proc/1/root/:\naurae-pod-init\n",
+    )
+    code, out = await shell("cat /proc/1/root/etc/aurae/pki/server.key")
+    assert code != 0 and "PRIVATE KEY" not in out
+    assert (await shell("echo x > /proc/1/root/written"))[0] != 0
+    assert await shell("for fd in /proc/1/fd/*; do readlink $fd; done") == (0, "anon_inode:[signalfd]\n")
+    assert await shell("wc -c < /proc/1/environ") == (0, "0\n")
+    assert await shell("grep -E '^(CapEff|CapBnd|NoNewPrivs|Uid)' /proc/1/status") == (
+        0,
+        "Uid:\t65535\t65535\t65535\t65535\nCapEff:\t0000000000000000\nCapBnd:\t0000000000000000\n"
+        "NoNewPrivs:\t1\n",
+    )
+    await node.stop(debugger)
+    await node.remove(debugger)
 
 
 async def stats_and_port_forward(pod: VmPod, server: str) -> None:
