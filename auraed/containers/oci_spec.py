@@ -885,7 +885,14 @@ def _rlimits(request: ContainerRequest, host: HostFacts) -> list[dict[str, Any]]
 
 
 def _hostname(request: ContainerRequest, sandbox: SandboxContext) -> str | None:
-    """The hostname the container's UTS namespace gets; None for one joined, which keeps its own."""
+    """The hostname the container's UTS namespace gets; None for one joined or the host's, which
+    keep their own."""
+    if "uts" in sandbox.namespaces.host:
+        if request.hostname or sandbox.hostname is not None or sandbox.namespaces.uts is not None:
+            raise SpecError(
+                "invalid", "hostname: a container in the host's UTS namespace keeps the host's name"
+            )
+        return None
     if sandbox.hostname is None and sandbox.namespaces.uts is None:
         where = "hostname" if request.hostname else "name"
         name = check_text(request.hostname or request.name, where)
@@ -909,13 +916,20 @@ def _namespaces(request: ContainerRequest, shared: SharedNamespaces) -> list[dic
             "invalid", "host_network: the container cannot both share the host's and join a network namespace"
         )
     joined = {"pid": shared.pid, "ipc": shared.ipc, "uts": shared.uts, "network": shared.network}
+    unknown = shared.host - {"pid", "ipc", "uts"}
+    if unknown:
+        raise SpecError(
+            "invalid", f"sandbox.namespaces.host: {', '.join(sorted(unknown))} cannot be the host's"
+        )
     namespaces: list[dict[str, str]] = []
     for kind in ("pid", "ipc", "uts", "mount", "cgroup", "network"):
         path = joined.get(kind)
+        if path is not None and kind in shared.host:
+            raise SpecError("invalid", f"sandbox.namespaces.{kind}: both the host's and joined by path")
         if path is not None:
             where = f"sandbox.namespaces.{kind}"
             namespaces.append({"type": kind, "path": check_path(os.fspath(path), where)})
-        elif kind != "network" or not request.host_network:
+        elif kind not in shared.host and (kind != "network" or not request.host_network):
             namespaces.append({"type": kind})
     return namespaces
 

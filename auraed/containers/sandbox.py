@@ -22,12 +22,17 @@ cell name, so the two never meet)."""
 @dataclass(frozen=True)
 class SharedNamespaces:
     """Namespaces a container joins, each by a path (a pinned bind mount or ``/proc/<pid>/ns/<type>``,
-    the OCI spec's ``linux.namespaces[].path``); None: a new one of its own."""
+    the OCI spec's ``linux.namespaces[].path``); None: a new one of its own, unless its kind
+    (``ipc``, ``uts``, ``pid``) is in ``host``: then the container stays in the runtime's own, the
+    host's, left out of the spec as containerd leaves it (a path such as /proc/1/ns/ipc fails
+    where auraed is not in PID 1's namespaces or may not open them). A pod on the host's network
+    says so by the request's ``host_network``."""
 
     network: Path | None = None
     ipc: Path | None = None
     uts: Path | None = None
     pid: Path | None = None
+    host: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

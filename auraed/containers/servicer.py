@@ -139,11 +139,6 @@ def container_request(config: pb.ContainerConfig) -> ContainerRequest:
     )
 
 
-MACHINE_NAMESPACES = Path("/proc/1/ns")
-"""The namespaces of the machine's init (auraed itself in a guest), of which host_ipc joins the
-IPC one."""
-
-
 def _seccomp_section(text: str) -> dict[str, Any] | None:
     """``seccomp_json`` as the OCI seccomp section it must be (the runtime checks its rules)."""
     if not text:
@@ -166,9 +161,9 @@ def container_sandbox(
     sandbox = groups.sandbox(config.shared_pid) if config.shared_pid else HOST_LOCAL
     if pid_of is not None:
         sandbox = in_pid_namespace_of(sandbox, pid_of.pid)
-    if config.host_ipc:
-        ipc = MACHINE_NAMESPACES / "ipc"
-        sandbox = dataclasses.replace(sandbox, namespaces=dataclasses.replace(sandbox.namespaces, ipc=ipc))
+    if config.host_ipc:  # the runtime's own, auraed's: left out of the spec (SharedNamespaces.host)
+        host = sandbox.namespaces.host | {"ipc"}
+        sandbox = dataclasses.replace(sandbox, namespaces=dataclasses.replace(sandbox.namespaces, host=host))
     return sandbox
 
 
@@ -307,8 +302,6 @@ class ContainerServicer:
     async def import_image_layout(
         self, request: pb.ContainerServiceImportImageLayoutRequest, context: Context
     ) -> pb.ContainerServiceImportImageLayoutResponse:
-        from pathlib import Path
-
         path = _required(request.path, "path")
         if not path.startswith("/"):
             raise ContainerError.invalid("path", "must be absolute")

@@ -107,9 +107,6 @@ MAX_CPU_SHARES = 262_144
 MIN_CPU_SHARES = 2
 # The pins' names (the kernel's) and the OCI runtime spec's names of the same namespaces.
 OCI_NAMESPACES = {NET: "network", IPC: "ipc", UTS: "uts", PID: "pid"}
-HOST_NAMESPACES = Path("/proc/1/ns")
-"""The host's namespaces (``net``, ``ipc``, ...): the host init's, which runc joins by path (that
-pid stays valid whatever becomes of auraed's own)."""
 _NAMESPACE_NAMES = {NET: "network", IPC: "IPC", UTS: "UTS"}
 # What a CNI model field holds, as the kubelet's request names it.
 _CNI_FIELDS = {
@@ -406,17 +403,19 @@ class CellSandbox:
 
     def container_sandbox(self, pod: PodRecord) -> SandboxContext:
         """:meth:`container_join` as the host container domain takes it: the host's namespaces
-        by the host init's paths (the network's is the request's ``host_network``)."""
+        left out of the spec, so the container stays in the runtime's (the network's is the
+        request's ``host_network``)."""
         join = self.container_join(pod)
         paths = {kind: Path(path) for kind, path in join.namespaces.items()}
-        for kind, oci_name in OCI_NAMESPACES.items():
-            if kind != NET and oci_name in join.host_namespaces:
-                paths[oci_name] = HOST_NAMESPACES / kind
         return SandboxContext(
             sandbox_id=pod.id,
             cgroup_parent=join.cgroup_parent,
             namespaces=SharedNamespaces(
-                network=paths.get("network"), ipc=paths.get("ipc"), uts=paths.get("uts"), pid=paths.get("pid")
+                network=paths.get("network"),
+                ipc=paths.get("ipc"),
+                uts=paths.get("uts"),
+                pid=paths.get("pid"),
+                host=join.host_namespaces - {OCI_NAMESPACES[NET]},
             ),
             resolv_conf=join.resolv_conf,
             hosts=join.hosts,

@@ -853,6 +853,32 @@ def test_the_sandboxs_namespaces_are_joined_by_path(rootfs: Path) -> None:
     assert error(build, rootfs, sandbox=relative).message.startswith("sandbox.namespaces.ipc: ")
 
 
+def test_the_hosts_namespaces_are_left_out(rootfs: Path) -> None:
+    """A namespace the sandbox shares with the host has no entry: the container stays in the
+    runtime's, as containerd leaves it (no /proc/1/ns path to open); no hostname is set in the
+    host's UTS namespace, none may be asked."""
+    host = SharedNamespaces(network=Path("/run/netns/pod"), host=frozenset({"pid", "ipc", "uts"}))
+    spec = build(rootfs, sandbox=SandboxContext(namespaces=host))
+    assert spec["linux"]["namespaces"] == [
+        {"type": "mount"},
+        {"type": "cgroup"},
+        {"type": "network", "path": "/run/netns/pod"},
+    ]
+    assert "hostname" not in spec
+    asked = error(
+        build, rootfs, ContainerRequest(name="web", hostname="db"), sandbox=SandboxContext(namespaces=host)
+    )
+    assert asked.message.startswith("hostname: ")
+    both = SharedNamespaces(pid=Path("/proc/7/ns/pid"), host=frozenset({"pid"}))
+    assert error(build, rootfs, sandbox=SandboxContext(namespaces=both)).message.startswith(
+        "sandbox.namespaces.pid: "
+    )
+    network = SharedNamespaces(host=frozenset({"network"}))
+    assert error(build, rootfs, sandbox=SandboxContext(namespaces=network)).message.startswith(
+        "sandbox.namespaces.host: "
+    )
+
+
 def test_the_sandbox_names_the_host(rootfs: Path) -> None:
     named = SandboxContext(hostname="web-0")
     assert build(rootfs, sandbox=named)["hostname"] == "web-0"
