@@ -67,6 +67,28 @@ def _reason(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+def tls_hint(details: str, settings: AgentSettings) -> str:
+    """What to set when a failure to connect says that the node and the scheduler disagree about
+    TLS, in the words grpc was seen to use; "" otherwise. orka's scheduler serves TLS unless
+    started with --no-tls, with a certificate it makes itself for localhost."""
+    if "failed to connect" not in details:
+        return ""
+    if settings.ca_crt is None and ("Socket closed" in details or "Connection reset by peer" in details):
+        return (
+            "perhaps the scheduler serves TLS, as orka's does unless started with --no-tls: set "
+            "orka_scheduler_ca to its certificate, orka's own being tls/scheduler.pem in its data_dir"
+        )
+    if settings.ca_crt is not None and "WRONG_VERSION_NUMBER" in details:
+        return "the scheduler serves no TLS, as orka's started with --no-tls: leave orka_scheduler_ca unset"
+    if settings.ca_crt is not None and "Hostname Verification" in details:
+        name = settings.server_name or settings.scheduler.rpartition(":")[0]
+        return (
+            f"its certificate does not name {name}: set orka_scheduler_server_name to a name it "
+            "has; orka's own certificate names localhost"
+        )
+    return ""
+
+
 def scheduler_channel(settings: AgentSettings) -> grpc.aio.Channel:
     """The channel to the scheduler; a CA that cannot be read is refused now, naming the file."""
     options: list[tuple[str, int | str]] = list(channel_options())
@@ -138,10 +160,11 @@ class NodeAgent:
             except grpc.aio.AioRpcError as exc:
                 last = attempts is not None and attempt >= attempts
                 of = f" of {attempts}" if attempts is not None else ""
+                hint = tls_hint(exc.details() or "", self.settings)
                 then = "" if last else f"; next attempt in {self.settings.retry_interval:g} s"
                 log.warning(
-                    "cannot join the orka scheduler at %s (attempt %d%s): %s%s",
-                    self.settings.scheduler, attempt, of, _reason(exc), then,
+                    "cannot join the orka scheduler at %s (attempt %d%s): %s%s%s",
+                    self.settings.scheduler, attempt, of, _reason(exc), f" ({hint})" if hint else "", then,
                 )  # fmt: skip
                 if last:
                     return False

@@ -21,7 +21,7 @@ from auraed.api.aurae.discovery import v0 as discovery
 from auraed.pki import certificate_pem, create_ca, issue_server_cert, write_pem_files
 from auraed.system.node import read_memory
 from tests.conftest import DaemonFactory, DaemonProcess
-from tests.support.orka import SchedulerProcess, WorkloadClient
+from tests.support.orka import SchedulerProcess, WorkloadClient, orka_scheduler_certificate
 from tests.support.registry import free_port
 
 INTERVAL = 0.3  # the retry and status intervals these daemons get: short, so the tests are
@@ -263,4 +263,41 @@ def test_joins_over_tls_checking_the_schedulers_certificate(
     )  # fmt: skip
     assert wait_exit(refused, timeout=20) == 1
     assert "cannot join the orka scheduler" in refused.log() and "UNAVAILABLE" in refused.log()
+    assert "does not name 127.0.0.1: set orka_scheduler_server_name" in refused.log()
+    assert [e for e in scheduler.events()[seen:] if e["event"] == "join"] == []
+
+
+def test_each_tls_choice_of_orkas_scheduler_and_what_the_node_is_told_to_set(
+    daemon_factory: DaemonFactory, scheduler: SchedulerProcess, tmp_path: Path
+) -> None:
+    """orka's scheduler serves TLS by default, with a self-signed certificate for localhost that
+    it makes itself; plain with --no-tls. A node set the other way says what to set."""
+    crt, key = orka_scheduler_certificate(tmp_path / "orka")
+    scheduler.start("--tls-cert", str(crt), "--tls-key", str(key))
+    plain = daemon_factory(*agent_args(scheduler, "--orka-join-attempts", "1"))
+    assert wait_exit(plain, timeout=20) == 1
+    assert "perhaps the scheduler serves TLS, as orka's does unless started with --no-tls: set " \
+        "orka_scheduler_ca" in plain.log()  # fmt: skip
+    assert scheduler.events("join") == []
+
+    # Its own certificate is what the node trusts, checked against the name it has.
+    trusting = daemon_factory(
+        *agent_args(scheduler),
+        "--orka-scheduler-ca", str(crt), "--orka-scheduler-server-name", "localhost",
+    )  # fmt: skip
+    join = scheduler.wait_for(lambda e: e["event"] == "join")
+    assert join["code"] == "OK"
+    scheduler.wait_for(lambda e: e["event"] == "status" and e["id"] == join["id"])
+    assert trusting.stop() == 0
+
+    scheduler.stop()
+    scheduler.start()  # as orka's with --no-tls
+    seen = len(scheduler.events())
+    speaking_tls = daemon_factory(
+        *agent_args(scheduler, "--orka-join-attempts", "1"), "--orka-scheduler-ca", str(crt)
+    )
+    assert wait_exit(speaking_tls, timeout=20) == 1
+    assert "the scheduler serves no TLS, as orka's started with --no-tls: leave orka_scheduler_ca unset" in (
+        speaking_tls.log()
+    )
     assert [e for e in scheduler.events()[seen:] if e["event"] == "join"] == []
