@@ -354,7 +354,8 @@ class DaemonConfig:
         default=None,
         metadata=_help(
             "CA certificate (PEM) the scheduler's certificate must be signed by: TLS to the "
-            "scheduler when set, plain otherwise"
+            "scheduler when set, plain otherwise (orka's scheduler serves TLS unless started with "
+            "--no-tls, with a certificate of its own: tls/scheduler.pem in its data_dir)"
         ),
     )
     orka_scheduler_server_name: str = field(
