@@ -362,7 +362,8 @@ class DaemonConfig:
         default=None,
         metadata=_help(
             "CA certificate (PEM) the scheduler's certificate must be signed by: TLS to the "
-            "scheduler when set, plain otherwise"
+            "scheduler when set, plain otherwise (orka's scheduler serves TLS unless started with "
+            "--no-tls, with a certificate of its own: tls/scheduler.pem in its data_dir)"
         ),
     )
     orka_scheduler_server_name: str = field(
@@ -373,12 +374,18 @@ class DaemonConfig:
         ),
     )
     orka_join_retry_interval: float = field(
-        default=5.0, metadata=_help("seconds between attempts to join the orka scheduler")
+        default=5.0,
+        metadata=_help(
+            "seconds from the end of one attempt to join the orka scheduler to the start of the "
+            "next, every time (at start, in the background, after the status stream broke)"
+        ),
     )
-    orka_join_retries: int = field(
+    orka_join_attempts: int = field(
         default=3,
         metadata=_help(
-            "attempts to join the scheduler at start after the first one fails, before orka_join_failure"
+            "failed attempts to join the scheduler at start after which orka_join_failure applies "
+            "(as orka's agent counts its lifecycle_retries); replaces orka_join_retries, which "
+            "counted the attempts after the first and is refused"
         ),
     )
     orka_join_failure: str = field(
@@ -437,6 +444,16 @@ def _settings() -> tuple[Setting, ...]:
 
 
 SETTINGS = _settings()
+
+# Settings replaced by one that counts differently: refused wherever given (the file, the
+# environment, a flag), saying what to set instead, so that a number chosen for the old meaning
+# never runs under the new one.
+RETIRED_SETTINGS = {
+    "orka_join_retries": (
+        "replaced by orka_join_attempts, which counts every attempt, the first too: "
+        "orka_join_retries = N is orka_join_attempts = N + 1"
+    ),
+}
 
 
 # What a TOML value that is not a string may be, for each kind of setting: a string is read as
@@ -712,7 +729,7 @@ def _validate(config: DaemonConfig) -> DaemonConfig:
 
 
 MAX_ORKA_INTERVAL = 86400.0  # a day: an interval longer than that is a mistake
-MAX_ORKA_JOIN_RETRIES = 1000
+MAX_ORKA_JOIN_ATTEMPTS = 1000
 ORKA_JOIN_FAILURES = ("exit", "serve")
 ORKA_WORKLOAD_ISOLATIONS = ("host", "vm")
 
@@ -721,8 +738,8 @@ def _validate_orka(config: DaemonConfig) -> None:
     for name in ("orka_join_retry_interval", "orka_status_interval", "orka_workload_status_interval"):
         if not 0 < getattr(config, name) <= MAX_ORKA_INTERVAL:
             raise ConfigError(f"{name}: must be more than 0 and at most {MAX_ORKA_INTERVAL:.0f} seconds")
-    if not 0 <= config.orka_join_retries <= MAX_ORKA_JOIN_RETRIES:
-        raise ConfigError(f"orka_join_retries: must be 0 to {MAX_ORKA_JOIN_RETRIES}")
+    if not 1 <= config.orka_join_attempts <= MAX_ORKA_JOIN_ATTEMPTS:
+        raise ConfigError(f"orka_join_attempts: must be 1 to {MAX_ORKA_JOIN_ATTEMPTS}")
     if config.orka_join_failure not in ORKA_JOIN_FAILURES:
         raise ConfigError(
             f"orka_join_failure: must be {' or '.join(ORKA_JOIN_FAILURES)}, not {config.orka_join_failure!r}"
@@ -771,13 +788,24 @@ def build_argument_parser() -> argparse.ArgumentParser:
         else:
             default = "off" if setting.default is None else setting.default
             parser.add_argument(flag, type=str, default=None, help=f"{setting.help} (default: {default})")
+    for name in RETIRED_SETTINGS:  # known, so that load_config refuses them saying why
+        parser.add_argument("--" + name.replace("_", "-"), type=str, default=None, help=argparse.SUPPRESS)
     return parser
+
+
+def _refuse_retired(args: argparse.Namespace, env: Mapping[str, str]) -> None:
+    for name, why in RETIRED_SETTINGS.items():
+        if getattr(args, name) is not None:
+            raise ConfigError(f"--{name.replace('_', '-')}: {why}")
+        if ENV_PREFIX + name.upper() in env:
+            raise ConfigError(f"{ENV_PREFIX}{name.upper()}: {why}")
 
 
 def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> DaemonConfig:
     """Defaults, then the TOML file, then ``AURAED_*`` variables, then flags."""
     args = build_argument_parser().parse_args(argv)
     env = os.environ if environ is None else environ
+    _refuse_retired(args, env)
     values: dict[str, Any] = {}
     authorization = AuthorizationPolicy()
     registries: dict[str, RegistryHost] = {}
@@ -802,6 +830,8 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
                 registries = _parse_registries(value, config_file)
             elif key in by_name:
                 values[key] = _beside(config_file, _coerce(by_name[key], value, str(config_file)))
+            elif key in RETIRED_SETTINGS:
+                raise ConfigError(f"{config_file}: {key}: {RETIRED_SETTINGS[key]}")
             else:
                 raise ConfigError(f"{config_file}: unknown setting {key!r}")
     for setting in SETTINGS:

@@ -39,7 +39,7 @@ def agent_settings(config: DaemonConfig, port: int) -> AgentSettings:
         scheduler=config.orka_scheduler,
         port=port,
         retry_interval=config.orka_join_retry_interval,
-        retries=config.orka_join_retries,
+        join_attempts=config.orka_join_attempts,
         exit_on_join_failure=config.orka_join_failure == "exit",
         status_interval=config.orka_status_interval,
         ca_crt=config.orka_scheduler_ca,

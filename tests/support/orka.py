@@ -1,9 +1,11 @@
-"""Driving auraed as an orka node: our scheduler process (orka_scheduler.py) and a client of the
-node's WorkloadService, as an orka scheduler calls it."""
+"""Driving auraed as an orka node: our scheduler process (orka_scheduler.py), a certificate as
+orka's scheduler makes itself, and a client of the node's WorkloadService, as an orka scheduler
+calls it."""
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import subprocess
 import sys
@@ -13,12 +15,51 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from auraed.api import node_agent as na
 from auraed.wire import codec
 
 REPO = Path(__file__).resolve().parent.parent.parent
 WORKLOADS = "node_agent.WorkloadService"
+
+
+def orka_scheduler_certificate(directory: Path) -> tuple[Path, Path]:
+    """A certificate as orka's scheduler makes itself at its first start (staging: scheduler/src/
+    tls/manager.rs, rcgen's defaults): self-signed, an ECDSA P-256 key, no CA bit, localhost its
+    only name; written as orka names the files (scheduler.pem, scheduler.key)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Orka"),
+            x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, "Scheduler"),
+            x509.NameAttribute(NameOID.COMMON_NAME, "Orka Scheduler TLS certificate"),
+        ]
+    )
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=3650))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    crt, key_file = directory / "scheduler.pem", directory / "scheduler.key"
+    crt.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return crt, key_file
 
 
 class SchedulerProcess:

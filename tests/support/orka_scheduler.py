@@ -1,15 +1,19 @@
 """A scheduler of our own, serving orka's scheduler.agent services as orka's scheduler does.
 
 Run as a process (``python -m tests.support.orka_scheduler --listen 127.0.0.1:PORT --events F``),
-so tests can start, kill and restart it under a daemon. Like orka's (scheduler/src/managers/
-node_agent): JoinCluster of a known id is ALREADY_EXISTS; LeaveCluster always answers; a
-NodeStatus of an unknown id ends the stream with NOT_FOUND. It writes what it sees, one JSON
-object a line, to the events file: ``listening``, ``join`` (id, port, code), ``leave``, ``status``
-(id, total, free, load), ``stream_end``, each with its time (``t``, time.time()).
+so tests can start, kill and restart it under a daemon. Like orka's (staging: scheduler/src/grpc/
+agent_lifecycle_service.rs, managers/node_agent/manager.rs): a join's record is the node's
+address, the IP the join came from and the port it sent; JoinCluster of a known id is
+ALREADY_EXISTS and leaves the record as it was; LeaveCluster forgets the id and always answers;
+a NodeStatus of an unknown id ends the stream with NOT_FOUND. It writes what it sees, one JSON
+object a line, to the events file: ``listening``, ``join`` (id, port, peer, code, and ``held``:
+the address it holds for the id after the join), ``leave``, ``status`` (id, total, free, load),
+``stream_end``, each with its time (``t``, time.time()).
 
-For the tests: ``--refuse-joins N`` answers the first N joins UNAVAILABLE, ``--known ID`` starts
-knowing a node (as a scheduler that was not restarted does), ``--end-stream-after N`` ends each
-status stream after N statuses, ``--tls-cert``/``--tls-key`` serve TLS.
+For the tests: ``--refuse-joins N`` answers the first N joins UNAVAILABLE, ``--known ID=HOST:PORT``
+starts knowing a node at that address (as a scheduler that was not restarted does; a stale one
+if the node is elsewhere now), ``--end-stream-after N`` ends each status stream after N statuses,
+``--tls-cert``/``--tls-key`` serve TLS.
 """
 
 from __future__ import annotations
@@ -30,10 +34,20 @@ from auraed.server.rpc import generic_handler
 from auraed.wire.handlers import Context
 
 
+def peer_ip(peer: str) -> str:
+    """The IP of grpc's peer string ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000"), as orka takes
+    the join's remote address; an IPv6 one between brackets, ready for ":port"."""
+    _, _, address = peer.partition(":")
+    return address.rpartition(":")[0]
+
+
 class Scheduler:
     def __init__(self, args: argparse.Namespace) -> None:
         self._events = Path(args.events).open("a", encoding="utf-8")  # noqa: SIM115 - the process's life
-        self._known: set[str] = set(args.known)
+        # id -> "ip:port" where the scheduler would call the node (orka's NodeAgent.address)
+        self._known: dict[str, str] = {
+            node: address for node, _, address in (known.partition("=") for known in args.known)
+        }
         self._refuse_joins = args.refuse_joins
         self._end_stream_after = args.end_stream_after
 
@@ -45,19 +59,21 @@ class Scheduler:
 
     async def join_cluster(self, request: pb.ConnectionRequest, context: Context) -> pb.Empty:
         peer = context.peer()
+        seen = {"id": request.id, "port": request.port, "peer": peer}
         if self._refuse_joins > 0:
             self._refuse_joins -= 1
-            self.event("join", id=request.id, port=request.port, peer=peer, code="UNAVAILABLE")
+            self.event("join", **seen, code="UNAVAILABLE", held=self._known.get(request.id))
             await context.abort(grpc.StatusCode.UNAVAILABLE, "not ready to take agents yet")
         if request.id in self._known:
-            self.event("join", id=request.id, port=request.port, peer=peer, code="ALREADY_EXISTS")
+            # orka's add_agent: the first join's record stays, whatever this one came from.
+            self.event("join", **seen, code="ALREADY_EXISTS", held=self._known[request.id])
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"Agent already exists: `{request.id}`")
-        self._known.add(request.id)
-        self.event("join", id=request.id, port=request.port, peer=peer, code="OK")
+        self._known[request.id] = f"{peer_ip(peer)}:{request.port}"
+        self.event("join", **seen, code="OK", held=self._known[request.id])
         return pb.Empty()
 
     async def leave_cluster(self, request: pb.DisconnectionNotice, context: Context) -> pb.Empty:
-        self._known.discard(request.id)
+        self._known.pop(request.id, None)
         self.event("leave", id=request.id)
         return pb.Empty()
 
