@@ -91,6 +91,7 @@ GUEST_GROUPS = {
         "test_vms.py",
         "test_cri_vm_pods.py",
         "test_vm_templates_q35.py",
+        "test_cri_vm_share.py",
     ),
     "guests-2": (
         "test_host_disk.py",

@@ -1,18 +1,36 @@
 """A ``vm`` pod's shared directory: the host paths its containers mount (emptyDir, configMap,
 secret, the service-account token: what the kubelet prepares on the host), made visible in the
-pod's guest.
+pod's guest, which can write only what is meant to be writable.
 
-Each pod has one directory on the host (``<runtime dir>/pod-shares/<pod id>``), which its guest
-mounts over virtio-fs at auraed.bootargs.SHARE_MOUNT (virtiofsd serves it; auraed.vms.qemu). For
-each container, every host path it mounts is bind-mounted under that directory
-(``<container key>/<n>``, read-only where asked) and the container in the guest bind-mounts
-``SHARE_MOUNT/<container key>/<n>`` instead: the Kata agent's shared-directory model. The pod's
-directory is a shared mount (bound on itself), so that binds made after virtiofsd started reach
-it in its own mount namespace. virtiofsd runs with ``cache=none``: what the host changes (a
-configMap's update) the guest reads at once.
+The guest mounts the share over virtio-fs at auraed.bootargs.SHARE_MOUNT (virtiofsd serves it;
+auraed.vms.qemu): for each container, every host path it mounts is bound in the share at
+``<key>/<n>`` and the container in the guest bind-mounts ``SHARE_MOUNT/<key>/<n>`` instead, the
+Kata agent's shared-directory model. On the host, under ``<runtime dir>/pod-shares/<pod id>/``:
 
-Nothing here removes what a bind shows: a release unmounts first (each bind, deepest first), then
-removes only the empty mount points it made, never following into a mount that stayed.
+- ``points``: a tmpfs of the pod's own, private, that only the host writes: the mount points
+  (``<key>/<n>``, an empty directory or file) are made there;
+- ``share``: a read-only bind of ``points`` (nosuid, nodev, noexec), a shared mount in a peer
+  group of its own: what virtiofsd serves. virtiofsd's mount namespace holds a slave of it, so
+  what is mounted on ``share`` after virtiofsd started reaches it, and its root is read-only
+  there: a guest, even root in a privileged container that mounts the tag again, creates
+  nothing in the share (no file, no symlink for the host to trip over).
+
+A host path is bound without a window: cloned (open_tree), made read-only while still detached
+where it is read-only (mount_setattr, recursively for ``rro``) and given its propagation, then
+attached (move_mount) on its mount point. Mount propagation copies a mount with its attributes,
+so virtiofsd's copy is read-only from its first moment: a guest that remounts its own mount
+read-write in its kernel still writes nothing through it (a read-only remount made after the
+bind, as before, never propagated). Only a writable volume is writable from the guest.
+
+Every path below the pod's directory is resolved by descriptor beneath it without following a
+link (openat2, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS), and mounts are made and removed at
+descriptors (auraed.system.mount_api). A release detaches what was bound for a key (each mount
+with its submounts) and removes its mount points; the pod's removal detaches the whole share,
+then deletes its directories without following links, whatever is there. What a guest wrote
+into a writable volume is the volume's, on the host's side of the mount, and stays.
+
+A read-only subtree of the pod's own (an image's layers for its containers' root filesystems)
+is added as a container's volumes are: ``bind`` under a key of its own, with ``rro`` mounts.
 """
 
 from __future__ import annotations
@@ -22,6 +40,10 @@ import dataclasses
 import errno
 import logging
 import os
+import re
+import shutil
+import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from auraed.bootargs import SHARE_MOUNT
@@ -29,127 +51,279 @@ from auraed.containers.request import Mount
 from auraed.cri.errors import CriError
 from auraed.errors import ErrorKind
 from auraed.system import namespaces
+from auraed.system.mount_api import (
+    MOUNT_ATTR_NODEV,
+    MOUNT_ATTR_NOEXEC,
+    MOUNT_ATTR_NOSUID,
+    MOUNT_ATTR_RDONLY,
+    MS_PRIVATE,
+    MS_SHARED,
+    MS_SLAVE,
+    attach,
+    clone_tree,
+    detach,
+    fd_path,
+    open_beneath,
+    set_mount_attributes,
+)
 from auraed.system.mounts import read_mounts
 
 log = logging.getLogger(__name__)
 
-MS_REMOUNT = 0x20
 BIND_TYPES = ("", "bind", "rbind")
+POINTS = "points"
+"""The pod's mount points, written by the host only (a tmpfs)."""
+SERVED = "share"
+"""The read-only view of ``POINTS`` with the host paths bound on it: what virtiofsd serves."""
+POINTS_SOURCE = "aurae-pod-share"
+"""The tmpfs's name in mountinfo."""
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_DIRECTORY = os.O_PATH | os.O_DIRECTORY
+_SEALED = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC
+
+
+@dataclasses.dataclass(frozen=True)
+class Binding:
+    """How a host path is bound in the share: with its submounts (rbind) or not; its top mount
+    read-only, or every mount of it (``rro``); following the host's later mounts below it
+    (rslave, rshared) or not (rprivate: nothing reaches it after it was bound)."""
+
+    recursive: bool = True
+    read_only: bool = False
+    recursive_read_only: bool = False
+    follows_host: bool = False
+
+    @classmethod
+    def of(cls, mount: Mount) -> Binding:
+        return cls(
+            recursive="bind" not in mount.options,  # rbind unless asked not
+            read_only=mount.read_only or "ro" in mount.options,
+            recursive_read_only="rro" in mount.options,
+            follows_host=bool({"rslave", "rshared"} & set(mount.options)),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Opened:
+    """The descriptors of a pod's share: its ``POINTS`` and ``SERVED`` mounts' roots."""
+
+    points: int
+    served: int
 
 
 class PodShares:
     """The shared directories of the ``vm`` pods, under ``root``."""
 
     def __init__(self, root: Path) -> None:
-        self._root = root
+        # As mountinfo names mount points: the runtime directory may be reached through a symlink.
+        self._root = Path(os.path.realpath(root))
 
     def directory(self, pod_id: str) -> Path:
         return self._root / pod_id
 
+    def served(self, pod_id: str) -> Path:
+        """What the pod's virtiofsd serves."""
+        return self.directory(pod_id) / SERVED
+
     def make(self, pod_id: str) -> Path:
-        """The pod's shared directory, a shared mount bound on itself (idempotent)."""
-        directory = self.directory(pod_id)
-        directory.mkdir(parents=True, mode=0o700, exist_ok=True)
-        if not _mounted(directory):
-            namespaces.mount(directory, directory, None, namespaces.MS_BIND)
-        namespaces.mount(None, directory, None, namespaces.MS_SHARED)
-        return directory
+        """The pod's share, made (idempotent); the directory virtiofsd serves."""
+        _check_name(pod_id)
+        self._root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with contextlib.ExitStack() as stack:
+            root = _keep(stack, os.open(self._root, _DIRECTORY | os.O_CLOEXEC))
+            _make_directory(root, pod_id)
+            pod = _keep(stack, open_beneath(root, pod_id, _DIRECTORY, into_mounts=False))
+            _make_directory(pod, POINTS)
+            _make_directory(pod, SERVED)
+            if not _holds_mount(pod, POINTS):
+                at = _keep(stack, open_beneath(pod, POINTS, _DIRECTORY, into_mounts=False))
+                flags = namespaces.MS_NOSUID | namespaces.MS_NODEV | namespaces.MS_NOEXEC
+                namespaces.mount(POINTS_SOURCE, fd_path(at), "tmpfs", flags, "mode=0700")
+            points = _keep(stack, open_beneath(pod, POINTS, _DIRECTORY))
+            # Never a peer of the share: what is bound on the share stays out of ``points``.
+            set_mount_attributes(points, propagation=MS_PRIVATE)
+            if not _holds_mount(pod, SERVED):
+                view = _keep(stack, clone_tree(points, recursive=False))
+                set_mount_attributes(view, set_flags=_SEALED)  # read-only before it is anywhere
+                attach(view, _keep(stack, open_beneath(pod, SERVED, _DIRECTORY, into_mounts=False)))
+                # Out of any peer group it joined under a shared parent: what is bound on the
+                # share goes to its own peer group only (virtiofsd's slaves).
+                set_mount_attributes(
+                    _keep(stack, open_beneath(pod, SERVED, _DIRECTORY)), propagation=MS_PRIVATE
+                )
+            set_mount_attributes(_keep(stack, open_beneath(pod, SERVED, _DIRECTORY)), propagation=MS_SHARED)
+        return self.served(pod_id)
 
     def bind(self, pod_id: str, key: str, mounts: tuple[Mount, ...]) -> tuple[Mount, ...]:
-        """The container's mounts as the guest makes them: each host path bound under the pod's
-        directory, at ``<key>/<n>``; mounts of no host path (tmpfs, ...) as they are. On failure
+        """The container's mounts as the guest makes them: each host path bound in the pod's
+        share at ``<key>/<n>``; mounts of no host path (tmpfs, ...) as they are. On failure
         what was bound for ``key`` is released."""
-        directory = self.directory(pod_id)
-        if not _mounted(directory):
-            raise CriError.precondition(f"pod sandbox {pod_id[:13]} has no shared directory")
+        _check_name(key)
         guest = []
         try:
-            for index, mount in enumerate(mounts):
-                if mount.type not in BIND_TYPES:
-                    guest.append(mount)
-                    continue
-                self._bind_one(Path(mount.source), directory / key / str(index), mount)
-                guest.append(dataclasses.replace(mount, source=f"{SHARE_MOUNT}/{key}/{index}"))
+            with self._opened(pod_id) as share:
+                if share is None:
+                    raise CriError.precondition(f"pod sandbox {pod_id[:13]} has no shared directory")
+                _make_directory(share.points, key)
+                for index, mount in enumerate(mounts):
+                    if mount.type not in BIND_TYPES:
+                        guest.append(mount)
+                        continue
+                    _bind_one(share, key, str(index), mount)
+                    guest.append(_guest_mount(mount, f"{SHARE_MOUNT}/{key}/{index}"))
         except BaseException:
             self.release(pod_id, key)
             raise
         return tuple(guest)
 
-    @staticmethod
-    def _bind_one(source: Path, target: Path, mount: Mount) -> None:
-        target.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
-        if source.is_dir():
-            target.mkdir(exist_ok=True)
-        else:
-            target.touch(exist_ok=True)
-        recursive = namespaces.MS_REC if "bind" not in mount.options else 0  # rbind unless asked not
-        try:
-            namespaces.mount(source, target, None, namespaces.MS_BIND | recursive)
-            if mount.read_only or "ro" in mount.options:
-                namespaces.mount(None, target, None, namespaces.MS_BIND | MS_REMOUNT | namespaces.MS_RDONLY)
-        except OSError as exc:
-            raise CriError(
-                ErrorKind.FAILED_PRECONDITION,
-                f"cannot share {source} with the pod's guest: {exc.strerror or exc}",
-            ) from None
-
     def release(self, pod_id: str, key: str) -> None:
-        """Unmount what was bound for ``key``, then remove its (empty) mount points."""
-        self._clear(self.directory(pod_id) / key)
+        """Detach what was bound for ``key``, then remove its mount points."""
+        _check_name(key)
+        with self._opened(pod_id) as share:
+            if share is None:
+                return
+            if _detach_all(share.served, self.served(pod_id), key):
+                _remove_tree(share.points, key)
 
     def remove(self, pod_id: str) -> None:
-        """Release every container's binds, then the pod's directory itself."""
-        directory = self.directory(pod_id)
-        if not directory.exists():
+        """Detach the pod's share (every mount in it with it), then remove its directory."""
+        _check_name(pod_id)
+        try:
+            root = os.open(self._root, _DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
             return
-        self._clear(directory, keep_top=True)
-        with contextlib.suppress(OSError):
-            namespaces.umount(directory, namespaces.MNT_DETACH)
-        with contextlib.suppress(FileNotFoundError):
-            directory.rmdir()
+        try:
+            if _detach_all(root, self._root, pod_id):
+                _remove_tree(root, pod_id)
+        finally:
+            os.close(root)
 
-    @staticmethod
-    def _clear(top: Path, keep_top: bool = False) -> None:
-        prefix = str(top).rstrip("/") + "/"
-        below = [e.mount_point for e in read_mounts() if e.mount_point.startswith(prefix)]
-        for point in sorted(set(below), key=len, reverse=True):
+    @contextlib.contextmanager
+    def _opened(self, pod_id: str) -> Iterator[_Opened | None]:
+        """The pod's share opened, or None when it has none (never made, or removed)."""
+        _check_name(pod_id)
+        with contextlib.ExitStack() as stack:
             try:
-                namespaces.umount(point, namespaces.MNT_DETACH)
-            except OSError as exc:
-                if exc.errno not in (errno.EINVAL, errno.ENOENT):
-                    raise
-        if not top.exists():
-            return
-        if any(e.mount_point.startswith(prefix) for e in read_mounts()):
-            log.warning("%s still holds mounts: its mount points are left", top)
-            return  # never walk into what a bind still shows
-        for path, dirs, files in os.walk(top, topdown=False):
-            for name in files:
-                _remove_mount_point(Path(path) / name, file=True)
-            for name in dirs:
-                _remove_mount_point(Path(path) / name, file=False)
-        if not keep_top:
-            _remove_mount_point(top, file=False)
+                root = _keep(stack, os.open(self._root, _DIRECTORY | os.O_CLOEXEC))
+                pod = _keep(stack, open_beneath(root, pod_id, _DIRECTORY, into_mounts=False))
+            except FileNotFoundError:
+                yield None
+                return
+            if not (_holds_mount(pod, POINTS) and _holds_mount(pod, SERVED)):
+                yield None
+                return
+            points = _keep(stack, open_beneath(pod, POINTS, _DIRECTORY))
+            yield _Opened(points, _keep(stack, open_beneath(pod, SERVED, _DIRECTORY)))
 
 
-def _mounted(path: Path) -> bool:
-    """Whether something is mounted on ``path`` (a bind of a directory on itself included, which
-    os.path.ismount cannot tell: same device, same inode)."""
-    return any(entry.mount_point == str(path) for entry in read_mounts())
-
-
-def _remove_mount_point(path: Path, *, file: bool) -> None:
-    """An empty file or directory we made as a mount point; anything else is left, said once."""
+def _bind_one(share: _Opened, key: str, name: str, mount: Mount) -> None:
+    """``mount``'s host path bound on ``<key>/<name>`` in the share, set up while detached."""
+    binding = Binding.of(mount)
     try:
-        if _mounted(path):
-            raise OSError(errno.EBUSY, "still mounted")
-        if file:
-            if path.stat().st_size:
-                raise OSError(errno.ENOTEMPTY, "not an empty mount point")
-            path.unlink()
-        else:
-            path.rmdir()
-    except FileNotFoundError:
-        pass
+        with contextlib.ExitStack() as stack:
+            tree = _keep(stack, clone_tree(mount.source, recursive=binding.recursive))
+            propagation = MS_SLAVE if binding.follows_host else MS_PRIVATE
+            set_mount_attributes(tree, propagation=propagation, recursive=True)
+            if binding.read_only or binding.recursive_read_only:
+                set_mount_attributes(tree, set_flags=MOUNT_ATTR_RDONLY, recursive=binding.recursive_read_only)
+            points = _keep(stack, open_beneath(share.points, key, _DIRECTORY, into_mounts=False))
+            if stat.S_ISDIR(os.fstat(tree).st_mode):
+                _make_directory(points, name)
+            else:
+                _make_file(points, name)
+            attach(tree, _keep(stack, open_beneath(share.served, f"{key}/{name}", into_mounts=False)))
     except OSError as exc:
-        log.warning("left %s in a pod's shared directory: %s", path, exc.strerror or exc)
+        raise CriError(
+            ErrorKind.FAILED_PRECONDITION,
+            f"cannot share {mount.source} with the pod's guest: {exc.strerror or exc}",
+        ) from None
+
+
+def _guest_mount(mount: Mount, source: str) -> Mount:
+    """``mount`` as the guest makes it, from the share. ``rro`` is the host's: in the guest the
+    share is one virtio-fs mount, so a read-only bind of it holds everything below."""
+    options = tuple(option for option in mount.options if option != "rro")
+    return dataclasses.replace(mount, source=source, options=options)
+
+
+def _check_name(name: str) -> None:
+    """A pod id or a key: one plain path component."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"not a name for a pod's share: {name[:80]!r}")
+
+
+def _keep(stack: contextlib.ExitStack, fd: int) -> int:
+    """``fd``, closed when ``stack`` ends."""
+    stack.callback(os.close, fd)
+    return fd
+
+
+def _make_directory(dir_fd: int, name: str) -> None:
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, 0o700, dir_fd=dir_fd)
+
+
+def _make_file(dir_fd: int, name: str) -> None:
+    """An empty file, a mount point for a file's bind."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    os.close(os.open(name, flags, 0o600, dir_fd=dir_fd))
+
+
+def _holds_mount(dir_fd: int, name: str) -> bool:
+    """Whether something is mounted on ``name`` in ``dir_fd`` (a bind of the same filesystem
+    included, which st_dev cannot tell)."""
+    try:
+        os.close(open_beneath(dir_fd, name, into_mounts=False))
+    except OSError as exc:
+        if exc.errno == errno.EXDEV:
+            return True
+        raise
+    return False
+
+
+def _mounts_below(top: Path) -> list[str]:
+    """The mount points at ``top`` and below it, shallowest first, each as often as something
+    is mounted there."""
+    prefix = f"{top}/"
+    found = [
+        e.mount_point for e in read_mounts() if e.mount_point == str(top) or e.mount_point.startswith(prefix)
+    ]
+    return sorted(found, key=lambda point: point.count("/"))
+
+
+def _detach_all(dir_fd: int, directory: Path, name: str) -> bool:
+    """Detach every mount at ``name`` in ``directory`` and below it, each reached from
+    ``dir_fd`` without following a link; the shallowest first (its submounts go with it).
+    False, logged, when some could not be: then nothing there may be deleted."""
+    for point in _mounts_below(directory / name):
+        try:
+            fd = open_beneath(dir_fd, os.path.relpath(point, directory))
+        except FileNotFoundError:
+            continue  # gone with a shallower one
+        except OSError as exc:
+            log.warning("cannot reach the mount at %s: %s", point, exc.strerror or exc)
+            continue
+        try:
+            detach(fd)
+        finally:
+            os.close(fd)
+    left = _mounts_below(directory / name)
+    if left:
+        log.warning(
+            "%s still holds mounts (%s): its mount points are left", directory / name, ", ".join(left)
+        )
+    return not left
+
+
+def _remove_tree(dir_fd: int, name: str) -> None:
+    """``name`` in ``dir_fd`` and everything below it, removed without following links
+    (shutil.rmtree's descriptor walk); what cannot be is left, said once."""
+
+    def failed(
+        function: object, path: str, exc_info: tuple[type[BaseException], BaseException, object]
+    ) -> None:
+        error = exc_info[1]
+        if not isinstance(error, FileNotFoundError):
+            log.warning("left %s in a pod's share: %s", path, getattr(error, "strerror", None) or error)
+
+    shutil.rmtree(name, dir_fd=dir_fd, onerror=failed)

@@ -145,7 +145,9 @@ class VmSandbox:
     """The SandboxController of ``vm`` pods."""
 
     name = HANDLER
-    features = HandlerFeatures()
+    # Recursive read-only mounts: the pod's share makes every mount of such a volume read-only
+    # where virtiofsd serves it (auraed.cri.pod_share).
+    features = HandlerFeatures(recursive_read_only_mounts=True)
     stop_ends_containers = True
 
     def __init__(

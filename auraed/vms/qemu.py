@@ -14,7 +14,8 @@
 - a shared directory (a pod's volumes) is served by virtiofsd (QEMU's, from qemu-system-common)
   over vhost-user: the guest's RAM is then a shared memfd (vhost-user needs to map it), and the
   device is vhost-user-fs with the tag auraed.bootargs.SHARE_TAG. virtiofsd runs in its own
-  namespace sandbox and ends when QEMU disconnects;
+  namespace sandbox and ends when QEMU disconnects; what the guest may write there is what the
+  mounts of the directory allow in that namespace (a vm pod's share: auraed.cri.pod_share);
 - on q35 a VM booted cold starts with room to grow (``-smp N,maxcpus=M``, ``-m SIZE,slots=S,
   maxmem=MAX``), ``memhp_default_state=online`` and ``swiotlb=noforce`` on its kernel command line
   (see kernel_args); ``grow`` hotplugs vCPUs (``device_add`` of a slot ``query-hotpluggable-cpus``

@@ -424,7 +424,7 @@ async def host_paths_reach_the_guest(pod: VmPod, tmp_path: Path) -> None:
     assert sorted(p.name for p in locked.iterdir()) == ["keep.txt"]
     (data / "in.txt").write_text("changed on the host\n")  # as a configMap's update
     assert (await node.exec_sync(volume, ["cat", "/data/in.txt"])).stdout == b"changed on the host\n"
-    shares = node.daemon.root / "run" / "pod-shares" / pod.pod_id
+    shares = node.daemon.root / "run" / "pod-shares" / pod.pod_id / "share"
     keys = {key.name for key in shares.iterdir()}
     assert len(keys) == 3  # each container's binds under one key: the server's, the client's, this
     await node.stop(volume)

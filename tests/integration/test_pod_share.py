@@ -1,0 +1,195 @@
+"""A vm pod's share on this host's kernel (auraed.cri.pod_share), without a guest:
+test_cri_vm_share.py performs the attacks from a real guest; here the share is seen from a mount
+namespace made as virtiofsd's sandbox makes its own (every mount a slave of the host's), and the
+tree is given what only a compromised share could hold (symlinks where the host makes its mount
+points), to show that no link in it is followed and that its removal stops at nothing.
+
+Every test unmounts what it made, also when it fails (``shares``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from auraed.containers.request import Mount
+from auraed.cri.errors import CriError
+from auraed.cri.pod_share import POINTS, SERVED, PodShares
+from auraed.system import namespaces
+from auraed.system.mounts import read_mounts
+
+POD = "0123456789abcdef" * 4
+
+
+def mounts_below(path: Path) -> list[str]:
+    return [e.mount_point for e in read_mounts() if e.mount_point.startswith(str(path))]
+
+
+@pytest.fixture
+def shares(tmp_path: Path) -> Iterator[PodShares]:
+    try:
+        yield PodShares(tmp_path / "pod-shares")
+    finally:
+        for point in sorted(mounts_below(tmp_path), key=len, reverse=True):
+            subprocess.run(["umount", "-l", point], capture_output=True, check=False)
+
+
+@pytest.fixture
+def volumes(tmp_path: Path) -> Path:
+    """ro/ (a file in it), rro/ with a tmpfs at rro/below, rw/, and a file."""
+    top = tmp_path / "volumes"
+    for name in ("ro", "rro/below", "rw"):
+        (top / name).mkdir(parents=True)
+    (top / "ro" / "keep").write_text("keep\n")
+    (top / "file").write_text("the host's\n")
+    namespaces.mount("below", top / "rro" / "below", "tmpfs", 0, "size=64k")
+    return top
+
+
+class VirtiofsdView:
+    """A process in a mount namespace of its own whose mounts are slaves of the host's, made as
+    virtiofsd's ``sandbox=namespace`` makes its own: a share's later mounts reach it by
+    propagation only."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(["unshare", "--mount", "--propagation", "slave", "sleep", "600"])
+        for _ in range(500):  # ready once sleep runs: unshare made the namespace and its slaves
+            if Path(f"/proc/{self.process.pid}/comm").read_text().strip() == "sleep":
+                return
+            time.sleep(0.01)
+        raise AssertionError("unshare did not start")
+
+    def run(self, script: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["nsenter", "-t", str(self.process.pid), "-m", "sh", "-c", script],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+@contextlib.contextmanager
+def virtiofsd_view() -> Iterator[VirtiofsdView]:
+    view = VirtiofsdView()
+    try:
+        yield view
+    finally:
+        view.close()
+
+
+def bind(source: Path, destination: str, *options: str, read_only: bool = False) -> Mount:
+    return Mount(destination, str(source), "bind", options, read_only)
+
+
+def test_the_share_is_read_only_where_virtiofsd_serves_it_but_for_writable_volumes(
+    shares: PodShares, volumes: Path
+) -> None:
+    served = shares.make(POD)
+    assert shares.make(POD) == served == shares.directory(POD) / SERVED  # idempotent
+    entries = {e.mount_point: e for e in read_mounts()}
+    assert entries[str(served)].shared
+    assert entries[str(shares.directory(POD) / POINTS)].propagation == "private"
+    with virtiofsd_view() as view:  # as virtiofsd starts: after the share is made, before binds
+        guest = shares.bind(
+            POD,
+            "k1",
+            (
+                bind(volumes / "ro", "/ro", "rprivate", read_only=True),
+                bind(volumes / "rro", "/rro", "rprivate", "rro", read_only=True),
+                bind(volumes / "rw", "/rw", "rprivate"),
+                bind(volumes / "file", "/file", "rprivate", read_only=True),
+                Mount("/tmp", "tmpfs", "tmpfs", ("size=1m",)),
+            ),
+        )
+        assert [m.source for m in guest] == [f"/run/aurae/share/k1/{n}" for n in range(4)] + ["tmpfs"]
+        assert guest[1].options == ("rprivate",) and guest[1].read_only  # rro is the host's
+        attempts = {
+            "top": f"touch {served}/planted",
+            "symlink": f"ln -s / {served}/k1/escape",
+            "ro": f"touch {served}/k1/0/written",
+            "rro": f"touch {served}/k1/1/written",
+            "below rro": f"touch {served}/k1/1/below/written",
+            "file": f"echo pwned > {served}/k1/3",
+            "rw": f"echo guest > {served}/k1/2/written",
+        }
+        outcomes = {what: view.run(script) for what, script in attempts.items()}
+        refused = {what for what, done in outcomes.items() if "Read-only file system" in done.stderr}
+        assert refused == set(attempts) - {"rw"}, outcomes
+        assert outcomes["rw"].returncode == 0 and (volumes / "rw" / "written").read_text() == "guest\n"
+        assert (volumes / "file").read_text() == "the host's\n"
+        shares.release(POD, "k1")
+        assert mounts_below(served / "k1") == [] and not (served / "k1").exists()
+        assert view.run(f"ls {served}").stdout == ""  # the release reached virtiofsd's view too
+    shares.remove(POD)
+    assert mounts_below(shares.directory(POD)) == [] and not shares.directory(POD).exists()
+    assert sorted(p.name for p in (volumes / "ro").iterdir()) == ["keep"]
+    assert mounts_below(volumes) == [str(volumes / "rro" / "below")]  # the host's own, left
+
+
+def test_no_link_in_the_share_is_followed(shares: PodShares, volumes: Path, tmp_path: Path) -> None:
+    """Symlinks where the host makes mount points (only a share the guest could write would hold
+    them): a bind there fails rather than mount anywhere else; removal deletes them, not what
+    they name."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("precious\n")
+    served = shares.make(POD)
+    points = shares.directory(POD) / POINTS
+    (points / "k1").symlink_to(outside)
+    (points / "k2").mkdir()
+    (points / "k2" / "0").symlink_to(outside / "precious")
+    (points / "k2" / "junk").mkdir()
+    (points / "k2" / "junk" / "up").symlink_to("../../../../..")
+    for key, volume in (("k1", volumes / "ro"), ("k2", volumes / "file")):
+        with pytest.raises(CriError) as refused:
+            shares.bind(POD, key, (bind(volume, "/v", "rprivate", read_only=True),))
+        # ELOOP at a symlink, ENOTDIR at one opened as a directory: never through it.
+        message = refused.value.message
+        assert message.startswith(f"cannot share {volume} with the pod's guest: "), message
+        assert message.endswith(("Not a directory", "Too many levels of symbolic links")), message
+    assert mounts_below(served) == [str(served)] and mounts_below(outside) == []
+    shares.remove(POD)
+    assert not shares.directory(POD).exists() and mounts_below(tmp_path / "pod-shares") == []
+    assert (outside / "precious").read_text() == "precious\n"
+
+
+def test_a_release_takes_its_own_key_only(shares: PodShares, volumes: Path) -> None:
+    served = shares.make(POD)
+    shares.bind(POD, "k1", (bind(volumes / "ro", "/a", "rprivate"), bind(volumes / "rro", "/b", "rprivate")))
+    shares.bind(POD, "k2", (bind(volumes / "rw", "/c", "rprivate"),))
+    # The rbind's submount (rro/below) is in the share with it, and goes with it.
+    assert sorted(mounts_below(served / "k1")) == [f"{served}/k1/0", f"{served}/k1/1", f"{served}/k1/1/below"]
+    shares.release(POD, "k1")
+    shares.release(POD, "k1")  # idempotent
+    assert mounts_below(served / "k1") == [] and mounts_below(served / "k2") == [f"{served}/k2/0"]
+    assert sorted(p.name for p in served.iterdir()) == ["k2"]
+    shares.remove(POD)
+    shares.remove(POD)  # idempotent
+    assert not shares.directory(POD).exists()
+
+
+def test_a_share_made_as_before_is_removed_whatever_it_holds(
+    shares: PodShares, volumes: Path, tmp_path: Path
+) -> None:
+    """A pod's directory that was itself the share (a bind on itself, as auraed made it before):
+    a guest could write there, and its symlinks made the removal fail (ENOTEMPTY)."""
+    directory = shares.directory(POD)
+    (directory / "k1" / "0").mkdir(parents=True)
+    namespaces.mount(directory, directory, None, namespaces.MS_BIND)
+    namespaces.mount(None, directory, None, namespaces.MS_SHARED)
+    namespaces.mount(volumes / "ro", directory / "k1" / "0", None, namespaces.MS_BIND | namespaces.MS_REC)
+    (directory / "escape").symlink_to("/")
+    (directory / "k1" / "escape").symlink_to(tmp_path)
+    (directory / "planted").write_text("planted\n")
+    shares.remove(POD)
+    assert not directory.exists() and mounts_below(directory) == []
+    assert sorted(p.name for p in (volumes / "ro").iterdir()) == ["keep"]
