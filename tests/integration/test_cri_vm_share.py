@@ -208,6 +208,23 @@ async def test_the_guest_cannot_write_into_its_pods_share(shared_pod: SharedPod)
     assert planted(shared_pod.share) == []
 
 
+async def test_a_privileged_container_reaches_nothing_of_the_guest_through_the_pods_init(
+    shared_pod: SharedPod,
+) -> None:
+    """Issue 33's first attack with a privileged container (every capability in the guest, no
+    seccomp): the pod shares its PID namespace, and its PID 1 is the pod's init, whose root, cwd,
+    descriptors and environment hold nothing of the guest's (its agent's key was readable there)."""
+    lines = await shared_pod.run(
+        "cat /proc/1/comm; ls -A /proc/1/root/; readlink /proc/1/cwd; ls /proc/1/fd;"
+        " wc -c < /proc/1/environ; cat /proc/1/root/etc/aurae/pki/server.key;"
+        " nsenter -t 1 -m ls -A / || echo no-nsenter"
+    )
+    assert lines[:5] == ["aurae-pod-init", "aurae-pod-init", "/", "0", "0"], lines
+    assert not any("PRIVATE KEY" in line for line in lines), lines
+    # Entering its mount namespace (the attacker may: it is privileged) finds the same empty root.
+    assert lines[-1] in ("aurae-pod-init", "no-nsenter"), lines
+
+
 async def test_the_pod_is_removed_whatever_its_guest_left(shared_pod: SharedPod) -> None:
     volumes, node = shared_pod.volumes, shared_pod.node
     lines = await shared_pod.run(
