@@ -34,7 +34,9 @@ meanings are containerd's, so that a kubelet gets the containers it gets there:
   are id-mapped mounts; ``selinux_relabel`` is ignored.
 
 Reading the seccomp profile, creating host directories and reading mountinfo are blocking file
-work: call it from a worker thread. Everything is checked before anything is created.
+work on paths the request names: call it on a thread of its own with a deadline
+(auraed.system.tasks.OwnThreads), not on the loop's shared pool. Everything is checked before
+anything is created.
 """
 
 from __future__ import annotations
@@ -47,7 +49,11 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from auraed.api.runtime import v1 as cri
-from auraed.containers.oci_spec import HostFacts, capability_name, compute_capabilities
+from auraed.containers.oci_spec import (
+    HostFacts,
+    capability_name,
+    compute_capabilities,
+)
 from auraed.containers.request import MAX_ID, Mount, Security, SpecError, check_path
 from auraed.cri.errors import CriError
 from auraed.cri.model import PodSpec
@@ -101,13 +107,14 @@ class LinuxSecurity(NamedTuple):
 
 
 def linux_security(
-    config: cri.ContainerConfig, pod: PodSpec, *, recursive_read_only: bool = False
+    config: cri.ContainerConfig, pod: PodSpec, *, profile_max_bytes: int, recursive_read_only: bool = False
 ) -> LinuxSecurity:
     """``config``'s Linux security context and mounts, checked, for a container of ``pod``.
 
-    ``recursive_read_only``: whether the runtime makes mounts read-only recursively (runc 1.1+
-    on Linux 5.12+; what Status advertises as the handler's recursive_read_only_mounts); without
-    it a mount asking for it is refused. Raises CriError naming the field.
+    ``profile_max_bytes``: the largest Localhost seccomp profile read. ``recursive_read_only``:
+    whether the runtime makes mounts read-only recursively (runc 1.1+ on Linux 5.12+; what Status
+    advertises as the handler's recursive_read_only_mounts); without it a mount asking for it is
+    refused. Raises CriError naming the field.
     """
     context = (config.linux or cri.LinuxContainerConfig()).security_context
     context = context or cri.LinuxContainerSecurityContext()
@@ -122,7 +129,8 @@ def linux_security(
     # Last, the parts that read and create files, once everything else is known to be good.
     localhost = cri.SecurityProfileProfileType.Localhost
     if not security.privileged and profile is not None and profile.profile_type == localhost:
-        security = replace(security, seccomp=_localhost_seccomp(profile, profile_field, security))
+        seccomp = _localhost_seccomp(profile, profile_field, security, profile_max_bytes)
+        security = replace(security, seccomp=seccomp)
     mounts = tuple(map(_bound, planned))
     return LinuxSecurity(security, mounts, namespaces)
 
@@ -286,11 +294,13 @@ def _seccomp_profile(profile: cri.SecurityProfile | None) -> str:
     return "default"
 
 
-def _localhost_seccomp(profile: cri.SecurityProfile, where: str, security: Security) -> dict[str, object]:
+def _localhost_seccomp(
+    profile: cri.SecurityProfile, where: str, security: Security, max_bytes: int
+) -> dict[str, object]:
     """The Localhost profile's file as an OCI section, its rules chosen for the container's
     capabilities."""
     capabilities = frozenset(compute_capabilities(security, HostFacts.probe().capabilities))
-    return load_profile(profile.localhost_ref, where, Target.here(capabilities))
+    return load_profile(profile.localhost_ref, where, Target.here(capabilities), max_bytes)
 
 
 # -------------------------------------------------------------------------------- namespaces

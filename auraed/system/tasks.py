@@ -1,9 +1,13 @@
-"""Work that must not be cut short by a caller that leaves (a client's deadline or hang-up)."""
+"""Blocking work and the calls that wait for it: work that must not be cut short by a caller that
+leaves (a client's deadline or hang-up, :func:`run_to_end`), and work a caller must be able to
+stop waiting for (:class:`OwnThreads`)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+import contextlib
+import threading
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -31,3 +35,66 @@ async def run_to_end(work: Awaitable[T]) -> T:
         if cancelled:
             raise asyncio.CancelledError
         return result
+
+
+class StuckThreads(Exception):
+    """Too many earlier works are still running past their deadline: no new one is started."""
+
+
+class OwnThreads:
+    """Blocking work that may never end (a file a request names, on a hung network filesystem),
+    each on a thread of its own, waited for at most a deadline.
+
+    Not on the loop's default pool: a handful of works stuck there would stall every other call
+    that needs the pool (asyncio.to_thread) until they end. A thread here that outlives its
+    deadline is left to finish on its own (a thread blocked in the kernel cannot be stopped); at
+    most ``max_stuck`` of them at once, past which new work is refused (StuckThreads) rather
+    than growing threads without bound while the filesystem stays hung.
+    """
+
+    def __init__(self, timeout: float, max_stuck: int) -> None:
+        self.timeout = timeout
+        self._max_stuck = max_stuck
+        self._stuck = 0
+
+    @property
+    def stuck(self) -> int:
+        """Works still running past their deadline."""
+        return self._stuck
+
+    async def run(self, work: Callable[[], T], name: str) -> T:
+        """``work()`` on a new thread named ``name``, its result or exception; TimeoutError
+        when it takes longer than ``timeout`` seconds."""
+        if self._stuck >= self._max_stuck:
+            raise StuckThreads(f"{self._stuck} earlier works are still running past their deadline")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+        waited = True  # read by the thread once done: whether the caller was still waiting
+
+        def settle(outcome: tuple[bool, object]) -> None:
+            nonlocal waited
+            if not waited:
+                self._stuck -= 1
+            elif not done.done():
+                ok, value = outcome
+                if ok:
+                    done.set_result(value)  # type: ignore[arg-type]
+                else:
+                    done.set_exception(value)  # type: ignore[arg-type]
+
+        def body() -> None:
+            try:
+                outcome: tuple[bool, object] = (True, work())
+            except BaseException as exc:  # handed to the caller, who raises it
+                outcome = (False, exc)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: no one waits any more
+                loop.call_soon_threadsafe(settle, outcome)
+
+        threading.Thread(target=body, name=name, daemon=True).start()
+        try:
+            return await asyncio.wait_for(asyncio.shield(done), self.timeout)
+        except (TimeoutError, asyncio.CancelledError):
+            if not done.done():
+                waited = False
+                self._stuck += 1
+            raise

@@ -30,6 +30,7 @@ from auraed.system.mounts import MountEntry, mount_of, read_mounts
 from tests.unit.test_spec import HOST, IMAGE, make_rootfs
 
 CONTEXT = "config.linux.security_context"
+PROFILE_MAX = 1 << 20  # cri_profile_max_kib's default
 AVAILABLE = HostFacts.probe().capabilities
 X86 = ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"]
 
@@ -60,7 +61,9 @@ def translate(
         linux=cri.LinuxContainerConfig(security_context=context),
         mounts=mounts or [],
     )
-    return linux_security(config, in_pod, recursive_read_only=recursive_read_only)
+    return linux_security(
+        config, in_pod, profile_max_bytes=PROFILE_MAX, recursive_read_only=recursive_read_only
+    )
 
 
 def refused(kind: ErrorKind = ErrorKind.INVALID_ARGUMENT, **kwargs: Any) -> str:
