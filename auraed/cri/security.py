@@ -14,8 +14,16 @@ meanings are containerd's, so that a kubelet gets the containers it gets there:
 * Privileged: only in a privileged pod. Every capability and device, no seccomp, no masked or
   read-only paths, writable /sys (``Security.privileged``); the capability, seccomp and path
   fields are not used.
-* ``masked_paths`` and ``readonly_paths`` are taken as they are: empty means none, as containerd
-  has it (the kubelet sends the defaults itself, and empty lists for procMount Unmasked).
+* ``masked_paths`` and ``readonly_paths``: a list given is taken as it is (the kubelet sends its
+  default lists for every container). An empty one is the defaults (auraed's DEFAULT_MASKED_PATHS
+  and DEFAULT_READONLY_PATHS: /proc/keys, /proc/timer_list, /sys/firmware... masked, /proc/sys
+  and the like read-only), unlike containerd and CRI-O, where an empty list is none. Empty lists
+  are how the kubelet says ``procMount: Unmasked``, which Kubernetes allows only in a pod with a
+  user namespace of its own (``hostUsers: false``; the API server refuses it otherwise), and
+  auraed runs no pod in one (user namespaces are refused below): so an empty list never comes
+  from a kubelet here, and a client that sends one (crictl with a bare config, a test harness)
+  does not get a container that reads the host's keyring and timers and writes /proc/sys. A
+  privileged container has none (oci_spec), as in containerd.
 * Seccomp: no profile is unconfined, as containerd has it, unlike the aurae API whose default is
   auraed's profile; RuntimeDefault is auraed's default profile; Localhost reads the moby-format
   profile at the absolute path ``localhost_ref`` (auraed.cri.seccomp). The deprecated
@@ -50,6 +58,8 @@ from typing import NamedTuple
 
 from auraed.api.runtime import v1 as cri
 from auraed.containers.oci_spec import (
+    DEFAULT_MASKED_PATHS,
+    DEFAULT_READONLY_PATHS,
     HostFacts,
     capability_name,
     compute_capabilities,
@@ -154,8 +164,8 @@ def _security(
         capabilities_drop=drop,
         no_new_privileges=context.no_new_privs,
         read_only_rootfs=context.readonly_rootfs,
-        masked_paths=_paths(context.masked_paths, f"{CONTEXT}.masked_paths"),
-        readonly_paths=_paths(context.readonly_paths, f"{CONTEXT}.readonly_paths"),
+        masked_paths=_paths(context.masked_paths, f"{CONTEXT}.masked_paths") or DEFAULT_MASKED_PATHS,
+        readonly_paths=_paths(context.readonly_paths, f"{CONTEXT}.readonly_paths") or DEFAULT_READONLY_PATHS,
         user=_user(context),
         additional_gids=tuple(
             _id(gid, f"{CONTEXT}.supplemental_groups[{index}]")

@@ -1,5 +1,5 @@
-"""Attacks through the files a CreateContainer names (issue 33, point 4), on real runc containers of
-cell pods through the kubelet's socket.
+"""Attacks through the files a CreateContainer names, and the isolation an empty security context
+gets (issue 33, points 4 and 5), on real runc containers of cell pods through the kubelet's socket.
 
 * A Localhost seccomp profile that is a FIFO: refused at once, and eight of them at a time (more
   than the loop's default pool of six threads) hold up no honest CreateContainer nor Version.
@@ -7,6 +7,9 @@ cell pods through the kubelet's socket.
   device unopened and the large file unread.
 * A log path that is a FIFO: refused at CreateContainer; a log replaced by one: ReopenContainerLog
   refuses it at once.
+* An unprivileged container with empty masked and read-only path lists: masked /proc and /sys
+  files and a read-only /proc/sys (empty lists would mean procMount Unmasked, which only a pod
+  with its own user namespace may have); a privileged container keeps none.
 
 Each FIFO test releases, at its end, whatever open may still wait on its FIFO (old code did), so
 that the daemon stops cleanly whatever the outcome.
@@ -31,7 +34,7 @@ from tests.conftest import DaemonFactory
 from tests.integration.test_cri_containers import RUNNING, TOP, Node, cri_error, leftover_cgroups
 from tests.integration.test_cri_containers import mirror as busybox_mirror
 from tests.support.cni import cni_network
-from tests.support.cri import cri_client, mirrors_config, pull_image
+from tests.support.cri import cri_client, mirrors_config, pod_config, pull_image, run_pod
 
 mirror = busybox_mirror  # the registry fixture, used by name
 
@@ -196,3 +199,38 @@ async def test_a_log_replaced_by_a_fifo_is_not_reopened(node: Node) -> None:
     while not (log_path.exists() and "hi" in log_path.read_text()):
         assert time.monotonic() < deadline, "the reopened log was never written"
         await asyncio.sleep(0.2)
+
+
+# -- masked and read-only paths -----------------------------------------------------------------
+
+
+async def test_empty_masked_and_readonly_lists_are_the_defaults(node: Node) -> None:
+    """critest and a kubelet send the lists; a client that sends none (crictl with a bare config)
+    gets the defaults, not a container that reads the host's timers and keys and writes
+    /proc/sys. A privileged container keeps none, as in containerd."""
+    pod_id = await node.run_pod("masked")
+    plain = cri.LinuxContainerSecurityContext(masked_paths=[], readonly_paths=[])
+    container = await node.run(
+        pod_id, node.config("plain", TOP, linux=cri.LinuxContainerConfig(security_context=plain))
+    )
+    await node.wait_state(container, RUNNING)
+    for masked in ("/proc/timer_list", "/proc/keys"):
+        read = await node.exec_sync(container, ["cat", masked])
+        assert (read.exit_code, read.stdout) == (0, b""), (masked, read)
+    listed = await node.exec_sync(container, ["ls", "-A", "/sys/firmware"])
+    assert (listed.exit_code, listed.stdout) == (0, b""), listed
+    written = await node.exec_sync(container, ["sh", "-c", "echo attacker > /proc/sys/kernel/domainname"])
+    assert written.exit_code != 0 and b"Read-only file system" in written.stderr, written
+
+    privileged_pod = pod_config("privileged", namespace="critest")
+    privileged_pod.linux = cri.LinuxPodSandboxConfig(
+        security_context=cri.LinuxSandboxSecurityContext(privileged=True)
+    )
+    privileged_id = await run_pod(node.client, privileged_pod)
+    everything = cri.LinuxContainerSecurityContext(privileged=True)
+    root = await node.run(
+        privileged_id, node.config("root", TOP, linux=cri.LinuxContainerConfig(security_context=everything))
+    )
+    await node.wait_state(root, RUNNING)
+    timers = await node.exec_sync(root, ["cat", "/proc/timer_list"])
+    assert timers.exit_code == 0 and b"Timer List" in timers.stdout, timers.stderr

@@ -15,6 +15,8 @@ from auraed.api.runtime import v1 as cri
 from auraed.containers.oci_spec import (
     ALL_CAPABILITIES,
     DEFAULT_CAPABILITIES,
+    DEFAULT_MASKED_PATHS,
+    DEFAULT_READONLY_PATHS,
     HostFacts,
     build_spec,
     compute_capabilities,
@@ -220,9 +222,12 @@ def test_masked_and_readonly_paths_are_taken_as_given(rootfs: Path) -> None:
     part = translate(context(masked_paths=["/bin/ls"], readonly_paths=["/tmp/"]))
     linux = spec_of(part, rootfs)["linux"]
     assert (linux["maskedPaths"], linux["readonlyPaths"]) == (["/bin/ls"], ["/tmp"])
-    # Empty is none, as containerd has it (the kubelet sends the defaults itself).
+    # Empty is the defaults: it would mean procMount Unmasked, which needs a user namespace.
     linux = spec_of(translate(), rootfs)["linux"]
-    assert (linux["maskedPaths"], linux["readonlyPaths"]) == ([], [])
+    assert (linux["maskedPaths"], linux["readonlyPaths"]) == (
+        list(DEFAULT_MASKED_PATHS),
+        list(DEFAULT_READONLY_PATHS),
+    )
     assert refused(context=context(masked_paths=["/ok", "rel"])).startswith(f"{CONTEXT}.masked_paths[1]: ")
     assert refused(context=context(readonly_paths=["/"])).startswith(f"{CONTEXT}.readonly_paths[0]: ")
 
