@@ -298,6 +298,22 @@ class DaemonConfig:
             "grow (UpdatePodSandboxResources), and a template costs a boot of its own per shape"
         ),
     )
+    cri_profile_max_kib: int = field(
+        default=1024,
+        metadata=_help(
+            "KiB: the largest Localhost seccomp profile CreateContainer reads (docker's default "
+            "profile is about 20 KiB); a larger file is refused from its size, unread"
+        ),
+    )
+    cri_file_timeout: float = field(
+        default=10.0,
+        metadata=_help(
+            "seconds CreateContainer may spend on the host files its request names (a Localhost "
+            "seccomp profile, host paths to mount, the log's path) before it fails with "
+            "DEADLINE_EXCEEDED; they are looked at on a thread of their own, so a hung "
+            "filesystem stalls no other call"
+        ),
+    )
     cri_streaming_address: str = field(
         default="127.0.0.1",
         metadata=_help(
@@ -629,6 +645,8 @@ CRI_HANDLER_CHOICES = ("cell", "vm", "auto")
 CRI_VM_BOOT_CHOICES = ("cold", "template")
 MAX_VM_VCPUS = 255
 MAX_VM_MEMORY_MIB = 1024 * 1024
+MAX_CRI_PROFILE_KIB = 64 * 1024  # a profile is parsed whole in memory
+MAX_CRI_FILE_TIMEOUT = 600.0  # well past the kubelet's runtime-request-timeout (2 minutes)
 
 
 def _validate_cri(config: DaemonConfig) -> None:
@@ -647,6 +665,10 @@ def _validate_cri(config: DaemonConfig) -> None:
         raise ConfigError(f"cri_vm_memory_mib: must be 64 to {MAX_VM_MEMORY_MIB}")
     if not 0 <= config.cri_vm_vmm_overhead_mib <= MAX_VM_MEMORY_MIB:
         raise ConfigError(f"cri_vm_vmm_overhead_mib: must be 0 to {MAX_VM_MEMORY_MIB}")
+    if not 1 <= config.cri_profile_max_kib <= MAX_CRI_PROFILE_KIB:
+        raise ConfigError(f"cri_profile_max_kib: must be 1 to {MAX_CRI_PROFILE_KIB}")
+    if not 0 < config.cri_file_timeout <= MAX_CRI_FILE_TIMEOUT:
+        raise ConfigError(f"cri_file_timeout: must be above 0 and at most {MAX_CRI_FILE_TIMEOUT:g}")
     _validate_streaming(config)
 
 

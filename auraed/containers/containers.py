@@ -39,9 +39,11 @@ from auraed.observe.logfile import LogLine, LogWatch, stream_line_batches
 from auraed.state.store import Store, StoreError
 from auraed.system import processes
 from auraed.system.cgroupfs import CgroupError, Cgroupfs
+from auraed.system.cri_log import LOG_MODE
 from auraed.system.fs_usage import FsUsage, measure
 from auraed.system.monitor_protocol import ExitRecord, MonitorSpec, holds_open, read_exit_record
 from auraed.system.processes import ProcessInfo
+from auraed.system.request_files import NotRegularFile, open_regular
 from auraed.system.supervisor import ORPHANED, MonitorStartError, Supervisor
 from auraed.system.tasks import run_to_end
 
@@ -57,7 +59,6 @@ ID_SHAPE = re.compile(f"[0-9a-f]{{{2 * ID_BYTES}}}")
 LOG_REOPEN_TIMEOUT = 5.0  # seconds a monitor has to reopen its log once asked
 LOG_REOPEN_RESEND = 0.1  # seconds between asks (one sent while the monitor starts goes unseen)
 LOG_REOPEN_POLL = 0.005  # seconds between looks at whether it has
-LOG_MODE = 0o640  # what the monitor creates a log with (auraed.system.cri_log)
 
 SPEC_ERROR_KINDS = {
     "invalid": ErrorKind.INVALID_ARGUMENT,
@@ -748,7 +749,10 @@ class Containers:
             raise ContainerError.precondition(f"container {record.name} is not running ({record.state})")
         if not Supervisor.alive(record.supervised):
             raise ContainerError.precondition(f"container {record.name} is {ORPHANED}")
-        fresh = await asyncio.to_thread(_create_log_file, record.log_path)
+        try:
+            fresh = await asyncio.to_thread(_create_log_file, record.log_path)
+        except NotRegularFile as exc:
+            raise ContainerError.precondition(f"container {record.name}: its log {exc.strerror}") from None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + LOG_REOPEN_TIMEOUT
         while loop.time() < deadline:
@@ -897,9 +901,10 @@ class Containers:
 
 
 def _create_log_file(path: Path) -> os.stat_result:
-    """The log file at ``path``, made if missing (as the monitor makes it); its identity."""
+    """The log file at ``path``, made if missing (as the monitor makes it); its identity. What is
+    there must be a regular file (NotRegularFile otherwise, without waiting on a FIFO)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, LOG_MODE)
+    fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, LOG_MODE)
     try:
         return os.fstat(fd)
     finally:

@@ -88,6 +88,7 @@ from auraed.containers.request import (
 )
 from auraed.containers.sandbox import HOST_LOCAL, SandboxContext, SharedNamespaces
 from auraed.system.cgroupfs import CgroupError, cpu_weight_to_shares, format_cpu_list, parse_cpu_list
+from auraed.system.request_files import FileTooLarge, NotRegularFile, read_regular
 
 OCI_VERSION = "1.0.2"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -101,6 +102,8 @@ HOST_DEV = Path("/dev")
 _PRIVATE_DEV_DIRS = frozenset({"pts", "shm", "fd", "mqueue", ".lxc", ".lxd-mounts", ".udev"})
 # /etc/passwd and /etc/group larger than this are refused rather than read into memory.
 MAX_ID_FILE_BYTES = 4 * 1024 * 1024
+MAX_SECCOMP_PROFILE_BYTES = 1024 * 1024
+"""The largest seccomp profile file a request names (docker's default profile is ~20 KiB)."""
 _MAX_SYMLINKS = 40
 
 
@@ -777,9 +780,11 @@ def _seccomp(security: Security, capabilities: list[str], machine: str) -> dict[
         return None
     path = Path(check_path(profile, where))
     try:
-        data = path.read_bytes()
+        data = read_regular(path, MAX_SECCOMP_PROFILE_BYTES)  # a FIFO or /dev/zero: refused
     except FileNotFoundError:
         raise SpecError("not_found", f"{where}: {quoted(profile)} does not exist") from None
+    except (NotRegularFile, FileTooLarge) as exc:
+        raise SpecError("invalid", f"{where}: {exc.strerror}") from None
     except OSError as exc:
         raise SpecError("invalid", f"{where}: cannot read {quoted(profile)}: {exc.strerror}") from None
     try:

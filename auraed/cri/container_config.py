@@ -16,7 +16,10 @@ Decisions worth knowing:
   (host paths resolved, propagation, read-only binds that are not recursive). What the request
   asks is also kept as asked: ContainerStatus reports exactly that.
 * The log goes to ``<pod log_directory>/<config.log_path>`` when the pod names a directory and
-  the container a path; else into the container's own directory.
+  the container a path; else into the container's own directory. The kubelet is trusted with
+  where: any absolute log directory is taken (``/etc`` too), as containerd takes it (it joins the
+  two with filepath.Join and checks neither); a ``log_path`` that climbs out of the directory is
+  refused. What is already at the path must be a regular file (auraed.system.request_files).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from auraed.cri.errors import CriError
 from auraed.cri.model import MAX_NAME, PodSpec, labels
 from auraed.cri.security import ContainerNamespaces, linux_security
 from auraed.errors import ErrorKind
+from auraed.system.request_files import NotRegularFile, check_regular
 
 MAX_ARGS = 4096
 MAX_ARG = 128 * 1024  # one argument (the kernel's MAX_ARG_STRLEN)
@@ -201,6 +205,17 @@ def log_path(config_path: str, pod: PodSpec) -> Path | None:
     return Path(joined)
 
 
+def _check_log_file(path: Path) -> None:
+    """A log already at ``path`` must be a regular file: the host appends to it and reads it back
+    (a FIFO would block both, a device would take the container's output)."""
+    try:
+        check_regular(path)
+    except NotRegularFile as exc:
+        raise CriError.invalid("config.log_path", str(exc.strerror)) from None
+    except OSError as exc:
+        raise CriError.invalid("config.log_path", f"cannot look at {path}: {exc.strerror}") from None
+
+
 def host_name(name: str, attempt: int, pod: PodSpec) -> str:
     """The host container's name, unique per pod and attempt as containerd reserves it."""
     meta = pod.metadata
@@ -212,11 +227,16 @@ def _stop_signal(value: cri.Signal) -> str:
 
 
 def container_spec(
-    config: cri.ContainerConfig | None, pod: PodSpec, *, recursive_read_only: bool = False
+    config: cri.ContainerConfig | None,
+    pod: PodSpec,
+    *,
+    profile_max_bytes: int,
+    recursive_read_only: bool = False,
 ) -> ContainerSpec:
     """A CreateContainer request's config in the pod ``pod``, as typed values;
-    INVALID_ARGUMENT naming the field. It reads files (a seccomp profile, host paths) and may
-    make a missing host path: call it in a worker thread."""
+    INVALID_ARGUMENT naming the field. It reads files the request names (a seccomp profile of at
+    most ``profile_max_bytes``, host paths, the log's path) and may make a missing host path:
+    call it on a thread of its own with a deadline (auraed.system.tasks.OwnThreads)."""
     if config is None:
         raise CriError.invalid("config", "is required")
     if config.metadata is None:
@@ -228,7 +248,12 @@ def container_spec(
     mounts = cri_mounts(config.mounts)
     linux = config.linux or cri.LinuxContainerConfig()
     limits = linux.resources
-    secured = linux_security(config, pod, recursive_read_only=recursive_read_only)
+    secured = linux_security(
+        config, pod, profile_max_bytes=profile_max_bytes, recursive_read_only=recursive_read_only
+    )
+    logged_to = log_path(config.log_path, pod)
+    if logged_to is not None:
+        _check_log_file(logged_to)
     request = ContainerRequest(
         name=host_name(name, attempt, pod),
         command=_strings(config.command, "config.command"),
@@ -254,7 +279,7 @@ def container_spec(
         labels=labels(config.labels, "config.labels"),
         annotations=labels(config.annotations, "config.annotations"),
         mounts=mounts,
-        log_path=log_path(config.log_path, pod),
+        log_path=logged_to,
         request=request,
         namespaces=secured.namespaces,
     )

@@ -10,13 +10,12 @@ named it, ``image_ref`` and ``image_id`` its id; ``log_path`` the absolute path 
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Mapping
 
 from auraed.api.runtime import v1 as cri
 from auraed.containers.model import ContainerRecord, State
-from auraed.cri.container_config import CriMount, container_spec, resources
+from auraed.cri.container_config import ContainerSpec, CriMount, container_spec, resources
 from auraed.cri.container_host import CgroupUsage
 from auraed.cri.containers import (
     Container,
@@ -31,6 +30,8 @@ from auraed.cri.containers import (
 from auraed.cri.errors import CriError
 from auraed.cri.model import PodRecord, labels, plausible_id
 from auraed.cri.pods import Pods
+from auraed.errors import ErrorKind
+from auraed.system.tasks import OwnThreads, StuckThreads
 from auraed.wire.handlers import Context
 
 STATES = {
@@ -243,10 +244,20 @@ def _selected(
 class ContainerRpcs:
     """The container RPCs of runtime.v1.RuntimeService (one part of the RuntimeServicer)."""
 
-    def __init__(self, containers: CriContainers, pods: Pods, pod_status: PodStatus | None) -> None:
+    def __init__(
+        self,
+        containers: CriContainers,
+        pods: Pods,
+        pod_status: PodStatus | None,
+        *,
+        files: OwnThreads,
+        profile_max_bytes: int,
+    ) -> None:
         self._containers = containers
         self._pods = pods
         self._pod_status = pod_status
+        self._files = files  # where CreateContainer looks at the files its request names
+        self._profile_max_bytes = profile_max_bytes
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -254,12 +265,35 @@ class ContainerRpcs:
         self, request: cri.CreateContainerRequest, context: Context
     ) -> cri.CreateContainerResponse:
         pod = self._pods.get(plausible_id(request.pod_sandbox_id, "pod_sandbox_id"))
-        features = self._pods.controller(pod).features
-        spec = await asyncio.to_thread(
-            container_spec, request.config, pod.spec, recursive_read_only=features.recursive_read_only_mounts
-        )
+        spec = await self._checked_config(request.config, pod)
         container = await self._containers.create(pod, spec)
         return cri.CreateContainerResponse(container_id=container.record.id)
+
+    async def _checked_config(self, config: cri.ContainerConfig | None, pod: PodRecord) -> ContainerSpec:
+        """The request's config checked, its files (seccomp profile, host paths, log path) looked
+        at on a thread of its own within the configured deadline: a path on a hung filesystem
+        fails this call alone, and no other call waits for it."""
+        features = self._pods.controller(pod).features
+        try:
+            return await self._files.run(
+                lambda: container_spec(
+                    config,
+                    pod.spec,
+                    recursive_read_only=features.recursive_read_only_mounts,
+                    profile_max_bytes=self._profile_max_bytes,
+                ),
+                f"CreateContainer in {pod.id[:13]}",
+            )
+        except TimeoutError:
+            raise CriError(
+                ErrorKind.DEADLINE_EXCEEDED,
+                f"config: the files it names (seccomp profile, host paths, log path) were not read "
+                f"in {self._files.timeout:g}s; is a filesystem hung?",
+            ) from None
+        except StuckThreads as exc:
+            raise CriError(
+                ErrorKind.UNAVAILABLE, f"config: its files are not looked at now: {exc} (a hung filesystem?)"
+            ) from None
 
     async def start_container(
         self, request: cri.StartContainerRequest, context: Context

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import re
 import secrets
 import time
@@ -48,8 +49,9 @@ from auraed.cri.pod_share import PodShares
 from auraed.errors import AuraeError, ErrorKind
 from auraed.images.images import Images
 from auraed.state.store import Store
-from auraed.system.cri_log import format_cri_timestamp
+from auraed.system.cri_log import LOG_MODE, format_cri_timestamp
 from auraed.system.fs_usage import FsUsage
+from auraed.system.request_files import NotRegularFile, open_regular
 from auraed.system.tasks import run_to_end
 from auraed.vms.errors import VmError
 from auraed.vms.guest_calls import call_guest, channel_closed, guest_error, place_in_guest, stream_guest
@@ -372,6 +374,7 @@ class GuestContainers:
         self._shares = shares
         self._containers: dict[str, _Guested] = {}
         self._logs: dict[str, asyncio.Task[None]] = {}
+        self._logs_refused: set[str] = set()  # containers whose log path is no regular file now
         self._written: dict[str, tuple[Path, FsUsage]] = {}  # id: its writable layer in the guest
         for doc in store.load(KIND, _Guested.from_doc):
             self._containers[doc.record.id] = doc
@@ -619,7 +622,10 @@ class GuestContainers:
         log's path now, and written from then on."""
         if record.state != State.RUNNING:
             raise ContainerError.precondition(f"container {record.name} is not running ({record.state})")
-        await asyncio.to_thread(_touch, record.log_path)
+        try:
+            await asyncio.to_thread(_touch, record.log_path)
+        except NotRegularFile as exc:
+            raise ContainerError.precondition(f"container {record.name}: its log {exc.strerror}") from None
 
     async def update_resources(self, record: ContainerRecord, resources: Resources) -> None:
         """The container's limits in the guest (its cgroup there); the guest itself is grown by
@@ -717,7 +723,17 @@ class GuestContainers:
             return
         path = guested.record.log_path
         path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("ab") as file:
+        try:
+            fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, LOG_MODE)
+        except NotRegularFile as exc:
+            # Dropped, as a host container's monitor drops what its log cannot take: the
+            # container's output is still drained from its guest.
+            if guested.record.id not in self._logs_refused:
+                self._logs_refused.add(guested.record.id)
+                log.warning("container %s: lines not logged: %s", guested.record.id[:13], exc.strerror)
+            return
+        self._logs_refused.discard(guested.record.id)
+        with os.fdopen(fd, "ab") as file:
             file.write(b"".join(records))
         if guested.record.id in self._containers:
             self._save(guested)
@@ -759,8 +775,9 @@ class GuestContainers:
 
 
 def _touch(path: Path) -> None:
+    """The log file at ``path``, made if missing; NotRegularFile when something else is there."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.touch()
+    os.close(open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, LOG_MODE))
 
 
 def _remove_directory(directory: Path, keep: Path | None) -> None:

@@ -28,9 +28,8 @@ from typing import Any
 from auraed.containers.oci_spec import seccomp_architectures
 from auraed.containers.request import MAX_UINT64
 from auraed.cri.errors import CriError
+from auraed.system.request_files import FileTooLarge, NotRegularFile, read_regular
 
-# A profile larger than this is refused rather than read (docker's default profile is ~20 KiB).
-MAX_PROFILE_BYTES = 1024 * 1024
 MAX_ERRNO = 4095  # errno values the kernel can return (MAX_ERRNO in include/linux/err.h)
 MAX_SYSCALL_ARGS = 6
 
@@ -88,20 +87,20 @@ class Target:
         return cls(capabilities, uname.machine, (int(found[1]), int(found[2])) if found else (0, 0))
 
 
-def load_profile(path: str, where: str, target: Target) -> dict[str, Any]:
-    """The OCI seccomp section of the moby-format profile at ``path`` (absolute); errors name
-    ``where`` (the request's field) and the file."""
+def load_profile(path: str, where: str, target: Target, max_bytes: int) -> dict[str, Any]:
+    """The OCI seccomp section of the moby-format profile at ``path`` (absolute), a regular file
+    of at most ``max_bytes`` (auraed.system.request_files: a FIFO or a device is refused without
+    waiting on it); errors name ``where`` (the request's field) and the file."""
     if not path.startswith("/"):
         raise CriError.invalid(where, f"{path[:200]!r} is not an absolute path")
     try:
-        with open(path, "rb") as file:
-            data = file.read(MAX_PROFILE_BYTES + 1)
+        data = read_regular(path, max_bytes)
     except FileNotFoundError:
         raise CriError.not_found(f"{where}: seccomp profile {path}") from None
+    except (NotRegularFile, FileTooLarge) as exc:
+        raise CriError.invalid(where, f"seccomp profile {exc.strerror}") from None
     except OSError as exc:
         raise CriError.invalid(where, f"cannot read {path}: {exc.strerror}") from None
-    if len(data) > MAX_PROFILE_BYTES:
-        raise CriError.invalid(where, f"{path} is larger than {MAX_PROFILE_BYTES} bytes")
     try:
         document = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:

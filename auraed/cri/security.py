@@ -14,8 +14,16 @@ meanings are containerd's, so that a kubelet gets the containers it gets there:
 * Privileged: only in a privileged pod. Every capability and device, no seccomp, no masked or
   read-only paths, writable /sys (``Security.privileged``); the capability, seccomp and path
   fields are not used.
-* ``masked_paths`` and ``readonly_paths`` are taken as they are: empty means none, as containerd
-  has it (the kubelet sends the defaults itself, and empty lists for procMount Unmasked).
+* ``masked_paths`` and ``readonly_paths``: a list given is taken as it is (the kubelet sends its
+  default lists for every container). An empty one is the defaults (auraed's DEFAULT_MASKED_PATHS
+  and DEFAULT_READONLY_PATHS: /proc/keys, /proc/timer_list, /sys/firmware... masked, /proc/sys
+  and the like read-only), unlike containerd and CRI-O, where an empty list is none. Empty lists
+  are how the kubelet says ``procMount: Unmasked``, which Kubernetes allows only in a pod with a
+  user namespace of its own (``hostUsers: false``; the API server refuses it otherwise), and
+  auraed runs no pod in one (user namespaces are refused below): so an empty list never comes
+  from a kubelet here, and a client that sends one (crictl with a bare config, a test harness)
+  does not get a container that reads the host's keyring and timers and writes /proc/sys. A
+  privileged container has none (oci_spec), as in containerd.
 * Seccomp: no profile is unconfined, as containerd has it, unlike the aurae API whose default is
   auraed's profile; RuntimeDefault is auraed's default profile; Localhost reads the moby-format
   profile at the absolute path ``localhost_ref`` (auraed.cri.seccomp). The deprecated
@@ -34,7 +42,9 @@ meanings are containerd's, so that a kubelet gets the containers it gets there:
   are id-mapped mounts; ``selinux_relabel`` is ignored.
 
 Reading the seccomp profile, creating host directories and reading mountinfo are blocking file
-work: call it from a worker thread. Everything is checked before anything is created.
+work on paths the request names: call it on a thread of its own with a deadline
+(auraed.system.tasks.OwnThreads), not on the loop's shared pool. Everything is checked before
+anything is created.
 """
 
 from __future__ import annotations
@@ -47,7 +57,13 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from auraed.api.runtime import v1 as cri
-from auraed.containers.oci_spec import HostFacts, capability_name, compute_capabilities
+from auraed.containers.oci_spec import (
+    DEFAULT_MASKED_PATHS,
+    DEFAULT_READONLY_PATHS,
+    HostFacts,
+    capability_name,
+    compute_capabilities,
+)
 from auraed.containers.request import MAX_ID, Mount, Security, SpecError, check_path
 from auraed.cri.errors import CriError
 from auraed.cri.model import PodSpec
@@ -101,13 +117,14 @@ class LinuxSecurity(NamedTuple):
 
 
 def linux_security(
-    config: cri.ContainerConfig, pod: PodSpec, *, recursive_read_only: bool = False
+    config: cri.ContainerConfig, pod: PodSpec, *, profile_max_bytes: int, recursive_read_only: bool = False
 ) -> LinuxSecurity:
     """``config``'s Linux security context and mounts, checked, for a container of ``pod``.
 
-    ``recursive_read_only``: whether the runtime makes mounts read-only recursively (runc 1.1+
-    on Linux 5.12+; what Status advertises as the handler's recursive_read_only_mounts); without
-    it a mount asking for it is refused. Raises CriError naming the field.
+    ``profile_max_bytes``: the largest Localhost seccomp profile read. ``recursive_read_only``:
+    whether the runtime makes mounts read-only recursively (runc 1.1+ on Linux 5.12+; what Status
+    advertises as the handler's recursive_read_only_mounts); without it a mount asking for it is
+    refused. Raises CriError naming the field.
     """
     context = (config.linux or cri.LinuxContainerConfig()).security_context
     context = context or cri.LinuxContainerSecurityContext()
@@ -122,7 +139,8 @@ def linux_security(
     # Last, the parts that read and create files, once everything else is known to be good.
     localhost = cri.SecurityProfileProfileType.Localhost
     if not security.privileged and profile is not None and profile.profile_type == localhost:
-        security = replace(security, seccomp=_localhost_seccomp(profile, profile_field, security))
+        seccomp = _localhost_seccomp(profile, profile_field, security, profile_max_bytes)
+        security = replace(security, seccomp=seccomp)
     mounts = tuple(map(_bound, planned))
     return LinuxSecurity(security, mounts, namespaces)
 
@@ -146,8 +164,8 @@ def _security(
         capabilities_drop=drop,
         no_new_privileges=context.no_new_privs,
         read_only_rootfs=context.readonly_rootfs,
-        masked_paths=_paths(context.masked_paths, f"{CONTEXT}.masked_paths"),
-        readonly_paths=_paths(context.readonly_paths, f"{CONTEXT}.readonly_paths"),
+        masked_paths=_paths(context.masked_paths, f"{CONTEXT}.masked_paths") or DEFAULT_MASKED_PATHS,
+        readonly_paths=_paths(context.readonly_paths, f"{CONTEXT}.readonly_paths") or DEFAULT_READONLY_PATHS,
         user=_user(context),
         additional_gids=tuple(
             _id(gid, f"{CONTEXT}.supplemental_groups[{index}]")
@@ -286,11 +304,13 @@ def _seccomp_profile(profile: cri.SecurityProfile | None) -> str:
     return "default"
 
 
-def _localhost_seccomp(profile: cri.SecurityProfile, where: str, security: Security) -> dict[str, object]:
+def _localhost_seccomp(
+    profile: cri.SecurityProfile, where: str, security: Security, max_bytes: int
+) -> dict[str, object]:
     """The Localhost profile's file as an OCI section, its rules chosen for the container's
     capabilities."""
     capabilities = frozenset(compute_capabilities(security, HostFacts.probe().capabilities))
-    return load_profile(profile.localhost_ref, where, Target.here(capabilities))
+    return load_profile(profile.localhost_ref, where, Target.here(capabilities), max_bytes)
 
 
 # -------------------------------------------------------------------------------- namespaces

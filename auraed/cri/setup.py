@@ -37,6 +37,7 @@ from auraed.observe.logfile import LogWatch
 from auraed.state.store import Store
 from auraed.system.cgroupfs import Cgroupfs
 from auraed.system.fs_usage import FsUsageCache
+from auraed.system.tasks import OwnThreads
 from auraed.vms.guests import Guests
 from auraed.vms.model import VmRecord
 
@@ -44,6 +45,9 @@ PODS_DIR = "pods"
 """Below the runtime dir: one directory per cell pod (its pins, files and /dev/shm)."""
 POD_SHARES_DIR = "pod-shares"
 """Below the runtime dir: one directory per vm pod, shared with its guest (its volumes)."""
+MAX_STUCK_FILE_READS = 64
+"""CreateContainers whose files are still being read past their deadline (a hung filesystem)
+before others are refused at once: each holds a thread that cannot be stopped."""
 GUEST_CONTAINERS_DIR = "cri/guest-containers"
 """Below the state dir: one directory per container of a vm pod (its log, when the pod names no
 log directory)."""
@@ -144,7 +148,13 @@ async def build(
         config.cri_default_handler,
     )
     fs_usage = FsUsageCache(config.state_dir / "images", FS_USAGE_TTL)
-    container_rpcs = ContainerRpcs(pod_containers, pods, status_message)
+    container_rpcs = ContainerRpcs(
+        pod_containers,
+        pods,
+        status_message,
+        files=OwnThreads(config.cri_file_timeout, MAX_STUCK_FILE_READS),
+        profile_max_bytes=config.cri_profile_max_kib * 1024,
+    )
     pod_rpcs = PodRpcs(pods, container_rpcs.container_statuses)
     metric_rpcs = MetricRpcs(PodMetricsSource(pods, pod_containers, cgroups))
     sessions = CriSessions(pod_containers, pods, log_watch)

@@ -15,6 +15,7 @@ from typing import BinaryIO
 from asyncinotify import Inotify, Mask, Watch
 
 from auraed.system.cri_log import parse_cri_log_line
+from auraed.system.request_files import open_regular
 
 log = logging.getLogger(__name__)
 
@@ -303,6 +304,13 @@ class _LineReader:
         return lines
 
 
+def _open_log(path: Path) -> BinaryIO:
+    """The log at ``path`` to read: a regular file only (auraed.system.request_files), since the
+    kubelet's log directory may be written by others (a log collector's hostPath): a FIFO put
+    there must not block the reader."""
+    return os.fdopen(open_regular(path), "rb")
+
+
 def read_tail(
     path: Path, streams: frozenset[str], tail: int, since: float | None = None
 ) -> tuple[list[LogLine], int, _Assembler]:
@@ -310,7 +318,7 @@ def read_tail(
     the offset after the last complete record, and an assembler holding the parts of lines not
     finished yet there, for following on from it. stream_lines sends a tail as it reads it."""
     try:
-        file = path.open("rb")
+        file = _open_log(path)
     except FileNotFoundError:
         return [], 0, _Assembler(streams)
     with file:
@@ -332,7 +340,7 @@ def end_position(path: Path, streams: frozenset[str]) -> tuple[int, int]:
 
 def _find_tail(path: Path, streams: frozenset[str], tail: int, since: float | None) -> tuple[int, int, int]:
     try:
-        with path.open("rb") as file:
+        with _open_log(path) as file:
             return _tail_start(file, streams, tail, since)
     except FileNotFoundError:
         return 0, 0, 0  # not written yet: a follower reads it from its start once it is
@@ -468,7 +476,7 @@ class _FollowedFile:
     def read(self, offset: int, size: int) -> bytes:
         if self._file is None:
             try:
-                self._file = self._path.open("rb")
+                self._file = _open_log(self._path)
             except FileNotFoundError:
                 return b""  # not written yet
         self._file.seek(offset)

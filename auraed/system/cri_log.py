@@ -10,7 +10,10 @@ import os
 import time
 
 from auraed.system.monitor_io import describe, log_error, write_all
+from auraed.system.request_files import open_regular
 
+LOG_MODE = 0o640
+"""Mode of a log file the monitor creates."""
 LOG_LINE_MAX = 16 * 1024
 """Longest CRI log record; longer lines are split into P records followed by an F record."""
 
@@ -44,7 +47,9 @@ class CriLogWriter:
         directory = os.path.dirname(self.path)
         if directory:
             os.makedirs(directory, exist_ok=True)
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640)
+        # A regular file only: the path is the kubelet's, in a directory others may write (a log
+        # collector's hostPath), and a FIFO put there would block this open.
+        self.fd = open_regular(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, LOG_MODE)
 
     def reopen(self) -> None:
         old = self.fd

@@ -40,6 +40,7 @@ from tests.support.images import BuiltImage, Entry, File, Hardlink, build_layout
 IMAGE = "localhost/critest-busybox:latest"
 BASE = f"aurae-crisec-{os.getpid()}"
 PAUSE = ("sleep", "600")
+PROFILE_MAX = 1 << 20  # cri_profile_max_kib's default
 KINDS = cri.SecurityProfileProfileType
 PROPAGATION = cri.MountPropagation
 BLOCK_HOST_NAME = {
@@ -100,7 +101,13 @@ async def run(
         linux=cri.LinuxContainerConfig(security_context=security),
         mounts=list(mounts),
     )
-    part = await asyncio.to_thread(linux_security, config, in_pod, recursive_read_only=recursive_read_only)
+    part = await asyncio.to_thread(
+        linux_security,
+        config,
+        in_pod,
+        profile_max_bytes=PROFILE_MAX,
+        recursive_read_only=recursive_read_only,
+    )
     request = ContainerRequest(name=name, command=tuple(command), security=part.security, mounts=part.mounts)
     return await containers.create(request, IMAGE, {}, start=True)
 
@@ -427,7 +434,7 @@ async def test_propagation_needs_a_host_mount_that_carries_it(
         mount = cri.Mount(host_path=str(private / "sub"), container_path="/m", propagation=propagation)
         config = cri.ContainerConfig(metadata=cri.ContainerMetadata(name="c"), mounts=[mount])
         with pytest.raises(CriError) as refused:
-            linux_security(config, POD)
+            linux_security(config, POD, profile_max_bytes=PROFILE_MAX)
         assert refused.value.kind is ErrorKind.FAILED_PRECONDITION
         mode = propagation.name.removeprefix("PROPAGATION_")
         assert refused.value.message == (
@@ -444,7 +451,7 @@ async def test_propagation_needs_a_host_mount_that_carries_it(
         host_path=str(slave), container_path="/m", propagation=PROPAGATION.PROPAGATION_HOST_TO_CONTAINER
     )
     config = cri.ContainerConfig(metadata=cri.ContainerMetadata(name="c"), mounts=[mount])
-    assert linux_security(config, POD).mounts[0].options == ("rslave",)
+    assert linux_security(config, POD, profile_max_bytes=PROFILE_MAX).mounts[0].options == ("rslave",)
     mount.propagation = PROPAGATION.PROPAGATION_BIDIRECTIONAL
     with pytest.raises(CriError, match=f"but it is on {slave}, which is slave"):
-        linux_security(config, POD)
+        linux_security(config, POD, profile_max_bytes=PROFILE_MAX)

@@ -352,9 +352,9 @@ async def stats_and_port_forward(pod: VmPod, server: str) -> None:
 
 
 async def security_and_namespaces_reach_the_guest(pod: VmPod, tmp_path: Path) -> None:
-    """A Localhost seccomp profile (a file on the host, read there), a container in another's PID
-    namespace (TARGET, as the kubelet's ephemeral containers), and the writable layer the guest
-    measures in ContainerStats."""
+    """Empty masked and read-only path lists (the defaults), a Localhost seccomp profile (a file
+    on the host, read there), a container in another's PID namespace (TARGET, as the kubelet's
+    ephemeral containers), and the writable layer the guest measures in ContainerStats."""
     node = pod.node
 
     def linux(**context: Any) -> cri.LinuxContainerConfig:
@@ -366,6 +366,11 @@ async def security_and_namespaces_reach_the_guest(pod: VmPod, tmp_path: Path) ->
     alone_ns = cri.NamespaceOption(pid=cri.NamespaceMode.CONTAINER)
     alone = await pod.create("alone", ["sleep", "600"], linux=linux(namespace_options=alone_ns))
     await node.start(alone)
+    # Its empty masked and read-only path lists are the defaults in the guest too, not none.
+    timers = await node.exec_sync(alone, ["cat", "/proc/timer_list"])
+    assert (timers.exit_code, timers.stdout) == (0, b""), timers
+    written = await node.exec_sync(alone, ["sh", "-c", "echo attacker > /proc/sys/kernel/domainname"])
+    assert written.exit_code != 0 and b"Read-only file system" in written.stderr, written
     targeting = cri.NamespaceOption(pid=cri.NamespaceMode.TARGET, target_id=alone)
     joiner = await pod.create("joiner", ["ps", "-o", "args"], linux=linux(namespace_options=targeting))
     await node.start(joiner)

@@ -15,6 +15,7 @@ from auraed.cri.model import pod_spec
 from auraed.errors import ErrorKind
 
 IMAGE = cri.ImageSpec(image="sha256:" + "ab" * 32, user_specified_image="busybox:1.29-2")
+PROFILE_MAX = 1 << 20  # cri_profile_max_kib's default
 
 
 def pod(**fields: Any) -> Any:
@@ -29,7 +30,7 @@ def config(**fields: Any) -> cri.ContainerConfig:
 
 
 def spec(**fields: Any) -> ContainerSpec:
-    return container_spec(config(**fields), pod())
+    return container_spec(config(**fields), pod(), profile_max_bytes=PROFILE_MAX)
 
 
 def refusal(field: str, **fields: Any) -> CriError:
@@ -56,6 +57,7 @@ def test_what_the_cri_keeps_and_the_host_request() -> None:
             log_directory="/var/log/pods/web",
             linux=cri.LinuxPodSandboxConfig(sysctls={"kernel.shm_rmid_forced": "1"}),
         ),
+        profile_max_bytes=PROFILE_MAX,
     )
     assert (made.name, made.attempt, made.image.shown, made.image.image) == (
         "app",
@@ -75,9 +77,13 @@ def test_what_the_cri_keeps_and_the_host_request() -> None:
 
 def test_no_log_directory_or_no_log_path_is_the_containers_own_log() -> None:
     assert spec(log_path="app.log").log_path is None
-    assert container_spec(config(), pod(log_directory="/logs")).log_path is None
+    assert (
+        container_spec(config(), pod(log_directory="/logs"), profile_max_bytes=PROFILE_MAX).log_path is None
+    )
     with pytest.raises(CriError) as error:
-        container_spec(config(log_path="../../etc/passwd"), pod(log_directory="/logs/web"))
+        container_spec(
+            config(log_path="../../etc/passwd"), pod(log_directory="/logs/web"), profile_max_bytes=PROFILE_MAX
+        )
     assert error.value.message.startswith("config.log_path: ")
 
 

@@ -5,6 +5,8 @@ mirror of a guest's status."""
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 from auraed.api.aurae.containers import v0 as pb
@@ -36,9 +38,11 @@ def lines(*entries: tuple[float, str]) -> list[pb.LogLine]:
 
 
 def write(keeper: _Guested, batch: list[pb.LogLine]) -> None:
-    # _write_lines touches no state of the host but the record's log and the store (absent here).
+    # _write_lines touches no state of the host but the record's log, the store (absent here) and
+    # the containers whose log path it found no regular file.
     host = GuestContainers.__new__(GuestContainers)
     host._containers = {}
+    host._logs_refused = set()
     host._write_lines(keeper, batch, _Resume(keeper.log_us, keeper.log_seen))
 
 
@@ -56,6 +60,19 @@ def test_the_host_log_keeps_the_cri_format(tmp_path: Path) -> None:
     keeper = guested(tmp_path)
     write(keeper, [pb.LogLine(line="oops", stream="stderr", timestamp=1764633600.5)])
     assert Path(keeper.record.log_file).read_text() == "2025-12-02T00:00:00.500000000Z stderr F oops\n"
+
+
+def test_a_host_log_swapped_for_a_fifo_drops_lines_and_waits_for_no_reader(tmp_path: Path) -> None:
+    keeper = guested(tmp_path)
+    log = Path(keeper.record.log_file)
+    log.parent.mkdir()
+    os.mkfifo(log)
+    began = time.monotonic()
+    write(keeper, lines((100.0, "lost")))
+    assert time.monotonic() - began < 1  # dropped, as a monitor drops what its log cannot take
+    log.unlink()  # a regular file again: the copy goes on with the lines that come
+    write(keeper, lines((100.0, "lost"), (101.0, "kept")))
+    assert stdout_lines(log) == ["kept"]
 
 
 def test_a_guest_is_given_the_whole_security_context() -> None:

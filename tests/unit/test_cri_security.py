@@ -15,6 +15,8 @@ from auraed.api.runtime import v1 as cri
 from auraed.containers.oci_spec import (
     ALL_CAPABILITIES,
     DEFAULT_CAPABILITIES,
+    DEFAULT_MASKED_PATHS,
+    DEFAULT_READONLY_PATHS,
     HostFacts,
     build_spec,
     compute_capabilities,
@@ -30,6 +32,7 @@ from auraed.system.mounts import MountEntry, mount_of, read_mounts
 from tests.unit.test_spec import HOST, IMAGE, make_rootfs
 
 CONTEXT = "config.linux.security_context"
+PROFILE_MAX = 1 << 20  # cri_profile_max_kib's default
 AVAILABLE = HostFacts.probe().capabilities
 X86 = ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"]
 
@@ -60,7 +63,9 @@ def translate(
         linux=cri.LinuxContainerConfig(security_context=context),
         mounts=mounts or [],
     )
-    return linux_security(config, in_pod, recursive_read_only=recursive_read_only)
+    return linux_security(
+        config, in_pod, profile_max_bytes=PROFILE_MAX, recursive_read_only=recursive_read_only
+    )
 
 
 def refused(kind: ErrorKind = ErrorKind.INVALID_ARGUMENT, **kwargs: Any) -> str:
@@ -217,9 +222,12 @@ def test_masked_and_readonly_paths_are_taken_as_given(rootfs: Path) -> None:
     part = translate(context(masked_paths=["/bin/ls"], readonly_paths=["/tmp/"]))
     linux = spec_of(part, rootfs)["linux"]
     assert (linux["maskedPaths"], linux["readonlyPaths"]) == (["/bin/ls"], ["/tmp"])
-    # Empty is none, as containerd has it (the kubelet sends the defaults itself).
+    # Empty is the defaults: it would mean procMount Unmasked, which needs a user namespace.
     linux = spec_of(translate(), rootfs)["linux"]
-    assert (linux["maskedPaths"], linux["readonlyPaths"]) == ([], [])
+    assert (linux["maskedPaths"], linux["readonlyPaths"]) == (
+        list(DEFAULT_MASKED_PATHS),
+        list(DEFAULT_READONLY_PATHS),
+    )
     assert refused(context=context(masked_paths=["/ok", "rel"])).startswith(f"{CONTEXT}.masked_paths[1]: ")
     assert refused(context=context(readonly_paths=["/"])).startswith(f"{CONTEXT}.readonly_paths[0]: ")
 

@@ -1105,6 +1105,18 @@ def test_seccomp_file_errors(tmp_path: Path, rootfs: Path, content: str | None, 
     assert error(build, rootfs, request).message.startswith("security.seccomp_profile: ")
 
 
+def test_a_seccomp_file_that_never_ends_is_refused_unread(tmp_path: Path, rootfs: Path) -> None:
+    fifo = tmp_path / "p.fifo"
+    os.mkfifo(fifo)
+    for path, problem in ((fifo, "is a FIFO"), ("/dev/zero", "is a character device")):
+        request = ContainerRequest(name="web", security=Security(seccomp_profile=str(path)))
+        exc = error(build, rootfs, request)
+        assert (
+            exc.kind == "invalid"
+            and exc.message == f"security.seccomp_profile: {path} {problem}, not a regular file"
+        )
+
+
 # ------------------------------------------------------------------------------------- hooks
 
 
