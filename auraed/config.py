@@ -24,6 +24,7 @@ from typing import Any
 from auraed.errors import ConfigError
 from auraed.names import MAX_WAIT_MS
 from auraed.system.pod_namespaces import DEFAULT_POD_INIT
+from auraed.system.userns import DEFAULT_USERNS_ROOTFS_DIR
 from auraed.wire.channel import GUEST_PING_INTERVAL_MIN, MAX_KEEPALIVE_SECONDS
 
 DEFAULT_CONFIG_FILE = Path("/etc/aurae/auraed.toml")
@@ -127,6 +128,14 @@ class DaemonConfig:
         default=Path("/sys/fs/cgroup"), metadata=_help("where the cgroup hierarchies are mounted")
     )
     cgroup_base: str = field(default="aurae", metadata=_help("cgroup under which every cell is created"))
+    userns_rootfs_dir: Path = field(
+        default=DEFAULT_USERNS_ROOTFS_DIR,
+        metadata=_help(
+            "where a container of a pod with its own user namespace (hostUsers: false) has its root "
+            "filesystem bound, made 0711: that namespace's root, another host uid, must be able to "
+            "pass every directory above it (the state directory is owner-only)"
+        ),
+    )
     pod_init: Path = field(
         default=DEFAULT_POD_INIT,
         metadata=_help(

@@ -30,14 +30,14 @@ from auraed.containers.pid_groups import PidGroups
 from auraed.containers.request import ContainerRequest, Resources, SpecError, check_path
 from auraed.containers.rootfs import Snapshotter
 from auraed.containers.runtime import OciRuntime, OciRuntimeError
-from auraed.containers.sandbox import CGROUP_PARENT, HOST_LOCAL, SandboxContext
+from auraed.containers.sandbox import CGROUP_PARENT, HOST_LOCAL, SandboxContext, UserNamespace
 from auraed.errors import ErrorKind
 from auraed.images.content import remove_tree
 from auraed.images.images import Images
 from auraed.images.model import ImageRecord
 from auraed.observe.logfile import LogLine, LogWatch, stream_line_batches
 from auraed.state.store import Store, StoreError
-from auraed.system import processes
+from auraed.system import namespaces, processes
 from auraed.system.cgroupfs import CgroupError, Cgroupfs
 from auraed.system.cri_log import LOG_MODE
 from auraed.system.fs_usage import FsUsage, measure
@@ -46,6 +46,7 @@ from auraed.system.processes import ProcessInfo
 from auraed.system.request_files import NotRegularFile, open_regular
 from auraed.system.supervisor import ORPHANED, MonitorStartError, Supervisor
 from auraed.system.tasks import run_to_end
+from auraed.system.userns import DEFAULT_USERNS_ROOTFS_DIR
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +116,10 @@ class Containers:
         default_stop_timeout: float,
         log_watch: LogWatch | None = None,
         pid_groups: PidGroups | None = None,
+        userns_rootfs_dir: Path = DEFAULT_USERNS_ROOTFS_DIR,
     ) -> None:
         self._log_watch = log_watch  # wakes Logs followers (None: they poll)
+        self._userns_rootfs_dir = userns_rootfs_dir
         self._sockets_dir = sockets_dir
         self.pid_groups = pid_groups or PidGroups(sockets_dir.parent / PID_GROUPS_DIR)
         self._store = store
@@ -283,14 +286,15 @@ class Containers:
     ) -> dict[str, Any]:
         """Mount the rootfs and write the bundle; its spec. Runs in a worker thread."""
         record.path.mkdir(mode=0o700, parents=True)
-        self._mount(record, image)
+        self._mount(record, image, sandbox.namespaces.user)
         try:
+            rootfs = record.rootfs if sandbox.namespaces.user is None else self._reachable_rootfs(record)
             image_config = image_runtime_config({"config": image.config})
             record.stop_signal = stop_signal(image_config, request)
             spec = build_spec(
                 image_config,
                 request,
-                record.rootfs,
+                rootfs,
                 self._cgroups.cgroup_path(self.cgroup(record)),
                 sandbox=sandbox,
             )
@@ -301,9 +305,30 @@ class Containers:
         (record.bundle / "config.json").write_text(json.dumps(spec))  # compact: the C encoder, 6x faster
         return spec
 
-    def _mount(self, record: ContainerRecord, image: ImageRecord | None = None) -> None:
+    def _mount(
+        self, record: ContainerRecord, image: ImageRecord | None = None, userns: UserNamespace | None = None
+    ) -> None:
         """The rootfs over the image's layers; the container's directory keeps what was written."""
-        self._snapshotter.mount(image or self._images.find(record.image_id), record.path, record.rootfs)
+        image = image or self._images.find(record.image_id)
+        self._snapshotter.mount(image, record.path, record.rootfs, userns)
+
+    def _reachable_rootfs(self, record: ContainerRecord) -> Path:
+        """The rootfs bound below ``userns_rootfs_dir``, for a container in its own user
+        namespace: runc mounts the rootfs by its path once in that namespace, whose root (another
+        host uid) cannot pass the owner-only state directory; containerd keeps its rootfs under
+        /run/containerd (0711) for the same reason."""
+        self._userns_rootfs_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
+        reachable = self._userns_rootfs_dir / record.id
+        reachable.mkdir(mode=0o755, exist_ok=True)
+        namespaces.mount(record.rootfs, reachable, None, namespaces.MS_BIND)
+        return reachable
+
+    def _unbind_reachable_rootfs(self, record: ContainerRecord) -> None:
+        reachable = self._userns_rootfs_dir / record.id
+        if os.path.ismount(reachable):
+            namespaces.umount(reachable, namespaces.MNT_DETACH)
+        with contextlib.suppress(FileNotFoundError):
+            reachable.rmdir()
 
     def _console_socket(self, record: ContainerRecord) -> Path:
         # Unix socket paths are limited to 107 bytes: keep them in the (short) runtime dir.
@@ -598,6 +623,7 @@ class Containers:
             exited.set()  # a Wait on a container deleted before it ran ends too
 
     def _remove_files(self, record: ContainerRecord, keep_logs: bool) -> None:
+        self._unbind_reachable_rootfs(record)
         self._snapshotter.unmount(record.rootfs)
         with contextlib.suppress(CgroupError):
             if self._cgroups.exists(self.cgroup(record)):

@@ -921,13 +921,17 @@ def _namespaces(request: ContainerRequest, shared: SharedNamespaces) -> list[dic
             "invalid", "host_network: the container cannot both share the host's and join a network namespace"
         )
     joined = {"pid": shared.pid, "ipc": shared.ipc, "uts": shared.uts, "network": shared.network}
+    if shared.user is not None:  # first: the others are owned by it (runc joins in this order)
+        joined["user"] = shared.user.path
     unknown = shared.host - {"pid", "ipc", "uts"}
     if unknown:
         raise SpecError(
             "invalid", f"sandbox.namespaces.host: {', '.join(sorted(unknown))} cannot be the host's"
         )
     namespaces: list[dict[str, str]] = []
-    for kind in ("pid", "ipc", "uts", "mount", "cgroup", "network"):
+    for kind in ("user", "pid", "ipc", "uts", "mount", "cgroup", "network"):
+        if kind == "user" and shared.user is None:
+            continue
         path = joined.get(kind)
         if path is not None and kind in shared.host:
             raise SpecError("invalid", f"sandbox.namespaces.{kind}: both the host's and joined by path")
@@ -1338,6 +1342,8 @@ def build_spec(
         "readonlyPaths": _paths(
             security.readonly_paths, DEFAULT_READONLY_PATHS, "security.readonly_paths", security
         ),
+        # In the sandbox's own user namespace: its mappings (runc checks them against it).
+        **(sandbox.namespaces.user.idmap.oci_mappings() if sandbox.namespaces.user else {}),
     }
     if security.privileged:
         linux["devices"] = host_devices()

@@ -7,16 +7,19 @@ is overlayfs over the layers the image store keeps (auraed.images.content.LayerS
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import shutil
 from pathlib import Path
 from typing import Protocol
 
 from auraed.containers.errors import ContainerError
+from auraed.containers.sandbox import UserNamespace
 from auraed.errors import ErrorKind
 from auraed.images.content import LayerSnapshots
 from auraed.images.model import ImageRecord
-from auraed.system import namespaces
+from auraed.system import mount_api, namespaces
 
 # The kernel takes mount options in one page; each lower layer costs its path length.
 MAX_MOUNT_DATA = 4095
@@ -25,9 +28,12 @@ MAX_MOUNT_DATA = 4095
 class Snapshotter(Protocol):
     """A container's root filesystem from its image's layers."""
 
-    def mount(self, image: ImageRecord, writable: Path, target: Path) -> None:
+    def mount(
+        self, image: ImageRecord, writable: Path, target: Path, userns: UserNamespace | None = None
+    ) -> None:
         """Mount at ``target`` the image's layers under a writable layer kept in ``writable``
-        (the container's own directory: what the container writes lasts as long as it does)."""
+        (the container's own directory: what the container writes lasts as long as it does); for
+        a container in ``userns``, its root owning the image's files."""
         ...
 
     def unmount(self, target: Path) -> None:
@@ -48,11 +54,16 @@ class OverlaySnapshotter:
     def __init__(self, layers: LayerSnapshots) -> None:
         self._layers = layers
 
-    def mount(self, image: ImageRecord, writable: Path, target: Path) -> None:
+    def mount(
+        self, image: ImageRecord, writable: Path, target: Path, userns: UserNamespace | None = None
+    ) -> None:
         lowers = [
             self._layers.snapshot_path(layer.diff_id) for layer in reversed(image.layers)
         ]  # topmost first
-        mount_rootfs(lowers, self.written(writable), writable / "work", target)
+        if userns is None:
+            mount_rootfs(lowers, self.written(writable), writable / "work", target)
+        else:
+            mount_mapped_rootfs(lowers, self.written(writable), writable / "work", target, userns)
 
     def unmount(self, target: Path) -> None:
         unmount_rootfs(target)
@@ -87,6 +98,57 @@ def mount_rootfs(lowers: list[Path], upper: Path, work: Path, target: Path) -> N
         raise ContainerError(
             ErrorKind.INTERNAL, f"cannot mount the root filesystem at {target}: {exc}"
         ) from exc
+
+
+def mount_mapped_rootfs(
+    lowers: list[Path], upper: Path, work: Path, target: Path, userns: UserNamespace
+) -> None:
+    """:func:`mount_rootfs` for a container in its pod's user namespace, as containerd does it
+    where the kernel can: each layer seen through an idmapped mount (``MOUNT_ATTR_IDMAP`` with the
+    namespace: a file of the host's root is the container root's), so layers stay shared with
+    every other container, unchanged; and the upper layer owned by the container's root on the
+    host, so that what it writes is its own. overlayfs itself takes no idmap (EINVAL), its layers
+    do. The mapped layers are attached under ``work``'s sibling ``mapped/`` only for the overlay
+    mount to name them, then detached: the overlay keeps them."""
+    staging = work.parent / "mapped"
+    staging.mkdir(mode=0o700, parents=True, exist_ok=True)
+    userns_fd = os.open(userns.path, os.O_RDONLY | os.O_CLOEXEC)
+    mapped: list[Path] = []
+    try:
+        for index, lower in enumerate(lowers):
+            mapped.append(_attach_mapped(lower, staging / str(index), userns_fd))
+        for directory in (upper, work):
+            directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+        os.chown(upper, userns.idmap.uid, userns.idmap.gid)
+        mount_rootfs(mapped, upper, work, target)
+    finally:
+        os.close(userns_fd)
+        for path in mapped:
+            with contextlib.suppress(OSError):
+                namespaces.umount(path, namespaces.MNT_DETACH)
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _attach_mapped(source: Path, target: Path, userns_fd: int) -> Path:
+    """A detached copy of ``source`` mapped by the user namespace ``userns_fd``, attached at
+    ``target`` (made)."""
+    target.mkdir(mode=0o700)
+    tree = mount_api.clone_tree(source, recursive=False)
+    try:
+        mount_api.set_mount_attributes(tree, set_flags=mount_api.MOUNT_ATTR_IDMAP, userns_fd=userns_fd)
+        place = os.open(target, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            mount_api.attach(tree, place)
+        finally:
+            os.close(place)
+    except OSError as exc:
+        raise ContainerError(
+            ErrorKind.FAILED_PRECONDITION,
+            f"cannot map the image's layer {source} for the pod's user namespace: {exc}",
+        ) from exc
+    finally:
+        os.close(tree)
+    return target
 
 
 def unmount_rootfs(target: Path) -> None:

@@ -14,9 +14,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from auraed.system.userns import IdMap
+
 CGROUP_PARENT = "_containers"
 """Below the cgroup base, the parent of host-local containers' cgroups ("_" never appears in a
 cell name, so the two never meet)."""
+
+
+@dataclass(frozen=True)
+class UserNamespace:
+    """A sandbox's own user namespace, joined at ``path`` (its other namespaces are owned by it),
+    and its mappings: the container's spec carries them, and its root filesystem is mounted
+    mapped (auraed.containers.rootfs)."""
+
+    path: Path
+    idmap: IdMap
 
 
 @dataclass(frozen=True)
@@ -33,6 +45,7 @@ class SharedNamespaces:
     uts: Path | None = None
     pid: Path | None = None
     host: frozenset[str] = frozenset()
+    user: UserNamespace | None = None
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ def build(
         root=config.state_dir / "containers",
         sockets_dir=config.runtime_dir / "consoles",
         pid_groups=PidGroups(config.runtime_dir / "pid-groups", config.pod_init),
+        userns_rootfs_dir=config.userns_rootfs_dir,
         default_stop_timeout=config.stop_grace_period,
         log_watch=log_watch,
     )

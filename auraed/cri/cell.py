@@ -51,7 +51,7 @@ from auraed.cni.cni import Cni
 from auraed.cni.errors import CniError
 from auraed.cni.model import PodNetwork
 from auraed.cni.model import PortMapping as CniPortMapping
-from auraed.containers.sandbox import SandboxContext, SharedNamespaces
+from auraed.containers.sandbox import SandboxContext, SharedNamespaces, UserNamespace
 from auraed.cri.errors import CriError
 from auraed.cri.model import PodRecord, PodResources, PodSpec, PodState
 from auraed.cri.sandbox import HandlerFeatures
@@ -64,6 +64,8 @@ from auraed.system.pod_namespaces import (
     IPC,
     NET,
     PID,
+    PIN_NAMES,
+    USER,
     UTS,
     NamespaceError,
     PodNamespaces,
@@ -73,6 +75,7 @@ from auraed.system.pod_namespaces import (
     sysctl_namespace,
 )
 from auraed.system.tasks import run_to_end
+from auraed.system.userns import IdMap
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +109,7 @@ LOCALHOST_LINES = (
 MAX_CPU_SHARES = 262_144
 MIN_CPU_SHARES = 2
 # The pins' names (the kernel's) and the OCI runtime spec's names of the same namespaces.
-OCI_NAMESPACES = {NET: "network", IPC: "ipc", UTS: "uts", PID: "pid"}
+OCI_NAMESPACES = {NET: "network", IPC: "ipc", UTS: "uts", PID: "pid", USER: "user"}
 _NAMESPACE_NAMES = {NET: "network", IPC: "IPC", UTS: "UTS"}
 # What a CNI model field holds, as the kubelet's request names it.
 _CNI_FIELDS = {
@@ -122,7 +125,7 @@ class CellLayout:
 
     directory: str
     cgroup: str  # relative to the daemon's cgroup base
-    own_namespaces: tuple[str, ...]  # the pins: of NET, IPC, UTS, PID
+    own_namespaces: tuple[str, ...]  # the pins: of NET, IPC, UTS, PID, USER
     network: bool  # attached through CNI
     own_shm: bool
     hostname: str  # the pod's, else the host's at the time the pod ran
@@ -180,6 +183,7 @@ class PodJoin:
       host's /dev/shm for a pod with the host's IPC).
     - ``cgroup_parent``: the pod cgroup, relative to the daemon's cgroup base (as Cgroupfs names
       it); a container's cgroup goes below it.
+    - ``userns``: the mappings of the pod's user namespace, where it has one of its own.
     """
 
     namespaces: Mapping[str, str]
@@ -190,6 +194,7 @@ class PodJoin:
     hosts: Path
     shm: Path
     cgroup_parent: str
+    userns: IdMap | None = None  # the mappings of the pod's own user namespace (joined as "user")
 
 
 # -- validation: everything a pod asks that the host cannot give, before anything is made ----
@@ -209,8 +214,8 @@ def host_namespaces(spec: PodSpec) -> set[str]:
 
 def own_namespaces(spec: PodSpec) -> tuple[str, ...]:
     """The namespaces the pod gets pinned of its own, in the order of PIN_NAMES."""
-    wanted = {NET, IPC, UTS} | ({PID} if spec.shared_pid else set())
-    return tuple(kind for kind in (NET, IPC, UTS, PID) if kind in wanted - host_namespaces(spec))
+    wanted = {NET, IPC, UTS} | ({PID} if spec.shared_pid else set()) | ({USER} if spec.userns else set())
+    return tuple(kind for kind in PIN_NAMES if kind in wanted - host_namespaces(spec))
 
 
 def check_sysctls(spec: PodSpec, own: tuple[str, ...]) -> None:
@@ -354,7 +359,7 @@ class CellSandbox:
     """The ``cell`` handler's SandboxController (see the module's docstring)."""
 
     name = NAME
-    features = HandlerFeatures()
+    features = HandlerFeatures(user_namespaces=True)
     stop_ends_containers = False
 
     def __init__(
@@ -399,6 +404,7 @@ class CellSandbox:
             hosts=layout.hosts,
             shm=layout.shm,
             cgroup_parent=layout.cgroup,
+            userns=pod.spec.userns if USER in layout.own_namespaces else None,
         )
 
     def container_sandbox(self, pod: PodRecord) -> SandboxContext:
@@ -416,6 +422,7 @@ class CellSandbox:
                 uts=paths.get("uts"),
                 pid=paths.get("pid"),
                 host=join.host_namespaces - {OCI_NAMESPACES[NET]},
+                user=None if join.userns is None else UserNamespace(paths["user"], join.userns),
             ),
             resolv_conf=join.resolv_conf,
             hosts=join.hosts,
@@ -494,6 +501,7 @@ class CellSandbox:
                 pid=PID in own,
                 hostname=spec.hostname if UTS in own else "",
                 sysctls=spec.sysctls,
+                userns=spec.userns if USER in own else None,
             )
             try:
                 pinned = create_pod_namespaces(layout.namespace_dir, request, self._pod_init)

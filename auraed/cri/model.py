@@ -16,9 +16,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from auraed.api.runtime import v1 as cri
-from auraed.containers.request import MAX_CFS_QUOTA_US, SpecError, check_int
+from auraed.containers.request import MAX_CFS_QUOTA_US, MAX_ID, SpecError, check_int
 from auraed.cri.errors import CriError
 from auraed.errors import ErrorKind
+from auraed.system.userns import IdMap
 
 MAX_LABELS = 256
 MAX_LABEL_KEY = 253
@@ -112,6 +113,7 @@ class PodSpec:
     resources: PodResources
     privileged: bool
     runtime_handler: str
+    userns: IdMap | None = None  # a user namespace of its own (hostUsers: false), else the host's
 
     def to_doc(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -126,6 +128,7 @@ class PodSpec:
                 "port_mappings": tuple(PortMapping(**p) for p in doc["port_mappings"]),
                 "overhead": PodResources(**doc["overhead"]),
                 "resources": PodResources(**doc["resources"]),
+                "userns": IdMap(**doc["userns"]) if doc.get("userns") else None,
             }
         )
 
@@ -297,13 +300,46 @@ def _namespace_modes(context: cri.LinuxSandboxSecurityContext | None) -> tuple[b
         raise CriError.invalid(
             "config.linux.security_context.namespace_options.pid", "must be POD, CONTAINER or NODE for a pod"
         )
-    userns = options.userns_options
-    if userns is not None and userns.mode != node:  # no handler advertises user_namespaces
-        raise CriError.invalid(
-            "config.linux.security_context.namespace_options.userns_options.mode",
-            "must be NODE: this runtime gives pods no user namespace of their own",
-        )
     return options.network == node, options.pid == node, options.ipc == node, options.pid == pod
+
+
+USERNS_FIELD = "config.linux.security_context.namespace_options.userns_options"
+
+
+def user_namespace(context: cri.LinuxSandboxSecurityContext | None) -> IdMap | None:
+    """The pod's user namespace (``hostUsers: false``), from its namespace options: None for the
+    host's (NODE, or none asked); INVALID_ARGUMENT for what the kubelet never sends and
+    containerd refuses: a mode other than POD or NODE, anything but one mapping of each kind
+    starting at container id 0, a mapping of the host's root, a pod with a host namespace."""
+    options = context.namespace_options if context is not None else None
+    userns = options.userns_options if options is not None else None
+    if userns is None or userns.mode == cri.NamespaceMode.NODE:
+        return None
+    if userns.mode != cri.NamespaceMode.POD:
+        raise CriError.invalid(f"{USERNS_FIELD}.mode", f"must be POD or NODE, not {userns.mode.name}")
+    assert options is not None
+    hosts = [name for name in ("network", "pid", "ipc") if getattr(options, name) == cri.NamespaceMode.NODE]
+    if hosts:
+        raise CriError.invalid(
+            USERNS_FIELD, f"a pod with a user namespace cannot share the host's {hosts[0]}"
+        )
+    uid, uid_length = _id_mapping(userns.uids, "uids")
+    gid, gid_length = _id_mapping(userns.gids, "gids")
+    return IdMap(uid, uid_length, gid, gid_length)
+
+
+def _id_mapping(mappings: list[cri.IdMapping], kind: str) -> tuple[int, int]:
+    where = f"{USERNS_FIELD}.{kind}"
+    if len(mappings) != 1:
+        raise CriError.invalid(where, f"must be one mapping, not {len(mappings)}")
+    mapping = mappings[0]
+    if mapping.container_id != 0:
+        raise CriError.invalid(where, "must map container id 0 (the container's root)")
+    if mapping.length < 1 or mapping.host_id + mapping.length > MAX_ID + 1:
+        raise CriError.invalid(where, f"length {mapping.length} from {mapping.host_id} is out of range")
+    if mapping.host_id == 0:
+        raise CriError.invalid(where, "must not map the host's root (host id 0)")
+    return mapping.host_id, mapping.length
 
 
 def pod_spec(config: cri.PodSandboxConfig | None, runtime_handler: str) -> PodSpec:
@@ -313,6 +349,7 @@ def pod_spec(config: cri.PodSandboxConfig | None, runtime_handler: str) -> PodSp
     linux = config.linux or cri.LinuxPodSandboxConfig()
     context = linux.security_context
     host_network, host_pid, host_ipc, shared_pid = _namespace_modes(context)
+    userns = user_namespace(context)
     hostname = _text(config.hostname, "config.hostname", limit=MAX_NAME)
     if hostname and not _HOSTNAME.fullmatch(hostname):
         raise CriError.invalid("config.hostname", f"{hostname[:60]!r} is not a hostname")
@@ -340,6 +377,7 @@ def pod_spec(config: cri.PodSandboxConfig | None, runtime_handler: str) -> PodSp
         resources=resources(linux.resources, "config.linux.resources"),
         privileged=bool(context and context.privileged),
         runtime_handler=_text(runtime_handler, "runtime_handler", limit=MAX_NAME),
+        userns=userns,
     )
 
 

@@ -44,10 +44,18 @@ def _namespace_options(pod: PodRecord) -> cri.NamespaceOption:
     spec = pod.spec
     node, shared, own = cri.NamespaceMode.NODE, cri.NamespaceMode.POD, cri.NamespaceMode.CONTAINER
     pid = node if spec.host_pid else shared if spec.shared_pid else own
+    userns = spec.userns
     return cri.NamespaceOption(
         network=node if spec.host_network else shared,
         pid=pid,
         ipc=node if spec.host_ipc else shared,
+        userns_options=None
+        if userns is None
+        else cri.UserNamespace(
+            mode=shared,
+            uids=[cri.IdMapping(host_id=userns.uid, container_id=0, length=userns.uid_length)],
+            gids=[cri.IdMapping(host_id=userns.gid, container_id=0, length=userns.gid_length)],
+        ),
     )
 
 

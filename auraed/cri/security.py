@@ -19,11 +19,11 @@ meanings are containerd's, so that a kubelet gets the containers it gets there:
   and DEFAULT_READONLY_PATHS: /proc/keys, /proc/timer_list, /sys/firmware... masked, /proc/sys
   and the like read-only), unlike containerd and CRI-O, where an empty list is none. Empty lists
   are how the kubelet says ``procMount: Unmasked``, which Kubernetes allows only in a pod with a
-  user namespace of its own (``hostUsers: false``; the API server refuses it otherwise), and
-  auraed runs no pod in one (user namespaces are refused below): so an empty list never comes
-  from a kubelet here, and a client that sends one (crictl with a bare config, a test harness)
-  does not get a container that reads the host's keyring and timers and writes /proc/sys. A
-  privileged container has none (oci_spec), as in containerd.
+  user namespace of its own (``hostUsers: false``; the API server refuses it otherwise): there an
+  empty list is none, as in containerd; anywhere else an empty list never comes from a kubelet,
+  and a client that sends one (crictl with a bare config, a test harness) does not get a
+  container that reads the host's keyring and timers and writes /proc/sys. A privileged
+  container has none (oci_spec), as in containerd.
 * Seccomp: no profile is unconfined, as containerd has it, unlike the aurae API whose default is
   auraed's profile; RuntimeDefault is auraed's default profile; Localhost reads the moby-format
   profile at the absolute path ``localhost_ref`` (auraed.cri.seccomp). The deprecated
@@ -164,8 +164,10 @@ def _security(
         capabilities_drop=drop,
         no_new_privileges=context.no_new_privs,
         read_only_rootfs=context.readonly_rootfs,
-        masked_paths=_paths(context.masked_paths, f"{CONTEXT}.masked_paths") or DEFAULT_MASKED_PATHS,
-        readonly_paths=_paths(context.readonly_paths, f"{CONTEXT}.readonly_paths") or DEFAULT_READONLY_PATHS,
+        masked_paths=_paths(context.masked_paths, f"{CONTEXT}.masked_paths")
+        or _unless_unmasked(pod, DEFAULT_MASKED_PATHS),
+        readonly_paths=_paths(context.readonly_paths, f"{CONTEXT}.readonly_paths")
+        or _unless_unmasked(pod, DEFAULT_READONLY_PATHS),
         user=_user(context),
         additional_gids=tuple(
             _id(gid, f"{CONTEXT}.supplemental_groups[{index}]")
@@ -313,6 +315,13 @@ def _localhost_seccomp(
     return load_profile(profile.localhost_ref, where, Target.here(capabilities), max_bytes)
 
 
+def _unless_unmasked(pod: PodSpec, defaults: tuple[str, ...]) -> tuple[str, ...]:
+    """What an empty masked or read-only list means: in a pod with a user namespace of its own,
+    ``procMount: Unmasked`` (the kubelet's only reason to send one, allowed there alone), so
+    none, as containerd and CRI-O take it; elsewhere the defaults (see the module's docstring)."""
+    return () if pod.userns is not None else defaults
+
+
 # -------------------------------------------------------------------------------- namespaces
 
 
@@ -331,10 +340,29 @@ def container_namespaces(options: cri.NamespaceOption | None, pod: PodSpec) -> C
         if mode == modes.NODE and not host:
             raise CriError.invalid(f"{where}.{name}", f"NODE, but the pod has a {name} namespace of its own")
         scopes[name] = NamespaceScope.NODE if host else NamespaceScope.POD
-    if options.userns_options is not None and options.userns_options.mode != modes.NODE:
-        raise CriError.invalid(f"{where}.userns_options", "user namespaces are not supported")
+    _check_user_namespace(options.userns_options, pod, f"{where}.userns_options")
     pid, target = _pid_scope(options, pod, where)
     return ContainerNamespaces(scopes["network"], scopes["ipc"], pid, target)
+
+
+def _check_user_namespace(asked: cri.UserNamespace | None, pod: PodSpec, where: str) -> None:
+    """A container is in its pod's user namespace, or the host's where the pod has none: it may
+    say so (the kubelet repeats the pod's options), never ask for another."""
+    modes = cri.NamespaceMode
+    if asked is None:
+        return
+    if asked.mode not in (modes.POD, modes.NODE):
+        raise CriError.invalid(f"{where}.mode", f"must be POD or NODE, not {asked.mode.name}")
+    if asked.mode == modes.POD and pod.userns is None:
+        raise CriError.invalid(f"{where}.mode", "POD, but the pod has no user namespace of its own")
+    if asked.mode == modes.NODE and pod.userns is not None:
+        raise CriError.invalid(f"{where}.mode", "NODE, but the pod has a user namespace of its own")
+    if asked.mode == modes.POD and (asked.uids or asked.gids):
+        mapping = pod.userns
+        assert mapping is not None
+        given = [(m.container_id, m.host_id, m.length) for m in (*asked.uids, *asked.gids)]
+        if given != [(0, mapping.uid, mapping.uid_length), (0, mapping.gid, mapping.gid_length)]:
+            raise CriError.invalid(where, "its mappings are not its pod's")
 
 
 def _pid_scope(options: cri.NamespaceOption, pod: PodSpec, where: str) -> tuple[NamespaceScope, str]:

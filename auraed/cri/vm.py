@@ -175,6 +175,13 @@ class VmSandbox:
                 "a pod of the vm handler has its own network, PID and IPC namespaces (its guest's); "
                 "run a pod that shares the host's with the cell handler",
             )
+        if spec.userns is not None:
+            raise CriError.invalid(
+                "config.linux.security_context.namespace_options.userns_options",
+                "the vm handler runs a pod's containers in its own guest, which has no user namespaces "
+                "for them (Status does not offer them for vm); run a pod with hostUsers: false with "
+                "the cell handler",
+            )
 
     def _warn_of_overhead(self, pod: PodRecord, overhead: PodResources, resources: PodResources) -> None:
         """A pod with a memory limit whose declared overhead is below what its VM takes: its

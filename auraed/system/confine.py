@@ -87,14 +87,14 @@ def _empty_root(program: Path, name: str, mountpoint: Path) -> None:
     os.chdir("/")
 
 
-def _drop_privileges(last_cap: int) -> None:
+def _drop_privileges(last_cap: int, unprivileged_id: int) -> None:
     """No capabilities in any set, no way to gain one by an exec, an unprivileged id."""
     for cap in range(last_cap + 1):
         _prctl_checked(PR_CAPBSET_DROP, cap)
     _prctl_checked(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
     _prctl_checked(PR_SET_NO_NEW_PRIVS, 1)
     _call("setgroups", ctypes.c_size_t(0), None)
-    ids = [ctypes.c_uint(UNPRIVILEGED_ID)] * 3
+    ids = [ctypes.c_uint(unprivileged_id)] * 3
     _call("setresgid", *ids)
     _call("setresuid", *ids)  # from root to another id: permitted and effective sets emptied
     header = ctypes.create_string_buffer(struct.pack("Ii", _LINUX_CAPABILITY_VERSION_3, 0))
@@ -102,10 +102,11 @@ def _drop_privileges(last_cap: int) -> None:
     _call("capset", header, data)
 
 
-def confine_thread(program: Path, name: str, mountpoint: Path) -> str:
+def confine_thread(program: Path, name: str, mountpoint: Path, unprivileged_id: int = UNPRIVILEGED_ID) -> str:
     """Confine the calling thread (see the module's docstring) for ``program`` to be spawned
     next as ``/<name>``, and return that path. ``mountpoint`` is any existing directory: the new
-    root is mounted over it in the thread's own mount namespace only."""
+    root is mounted over it in the thread's own mount namespace only. ``unprivileged_id`` is the
+    user and group taken (in a user namespace, one its mappings reach)."""
     if not program.is_file():
         raise FileNotFoundError(f"{program}: no such program")
     if not name or "/" in name or name in (".", ".."):
@@ -114,5 +115,5 @@ def confine_thread(program: Path, name: str, mountpoint: Path) -> str:
     namespaces.unshare(CLONE_FILES)  # a descriptor table of the thread's own...
     os.closerange(0, os.sysconf("SC_OPEN_MAX"))  # ...emptied: the daemon's stay open
     _empty_root(program, name, mountpoint)
-    _drop_privileges(last_cap)
+    _drop_privileges(last_cap, unprivileged_id)
     return "/" + name

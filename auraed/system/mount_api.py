@@ -35,6 +35,7 @@ MOUNT_ATTR_RDONLY = 0x1
 MOUNT_ATTR_NOSUID = 0x2
 MOUNT_ATTR_NODEV = 0x4
 MOUNT_ATTR_NOEXEC = 0x8
+MOUNT_ATTR_IDMAP = 0x100000
 
 # Propagation types as mount(2) and mount_setattr(2) name them.
 MS_PRIVATE = 0x40000
@@ -96,13 +97,20 @@ def clone_tree(source: str | os.PathLike[str] | int, *, recursive: bool) -> int:
 
 
 def set_mount_attributes(
-    fd: int, *, set_flags: int = 0, clear_flags: int = 0, propagation: int = 0, recursive: bool = False
+    fd: int,
+    *,
+    set_flags: int = 0,
+    clear_flags: int = 0,
+    propagation: int = 0,
+    recursive: bool = False,
+    userns_fd: int = 0,
 ) -> None:
     """mount_setattr(2) on the mount ``fd`` holds (detached ones included): MOUNT_ATTR_* flags set
     and cleared, a propagation type (MS_PRIVATE, MS_SLAVE, MS_SHARED; 0 leaves it); on every
-    mount of its tree when ``recursive``."""
+    mount of its tree when ``recursive``. With MOUNT_ATTR_IDMAP, ``userns_fd`` is the user
+    namespace whose mappings the mount takes (a detached mount only, not mapped yet)."""
     attr = ctypes.create_string_buffer(
-        _MOUNT_ATTR.pack(set_flags, clear_flags, propagation, 0), _MOUNT_ATTR.size
+        _MOUNT_ATTR.pack(set_flags, clear_flags, propagation, userns_fd), _MOUNT_ATTR.size
     )
     flags = ctypes.c_uint(AT_EMPTY_PATH | (AT_RECURSIVE if recursive else 0))
     size = ctypes.c_size_t(_MOUNT_ATTR.size)

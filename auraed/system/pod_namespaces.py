@@ -28,20 +28,23 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import json
 import os
 import re
 import signal
+import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from auraed.errors import RESOURCE_ERRNOS, AuraeError, ErrorKind
-from auraed.system import confine, namespaces, processes
+from auraed.system import confine, namespaces, processes, userns
 from auraed.system.threads import in_new_thread
+from auraed.system.userns import IdMap
 
-NET, IPC, UTS, PID = "net", "ipc", "uts", "pid"
-PIN_NAMES = (NET, IPC, UTS, PID)
+NET, IPC, UTS, PID, USER = "net", "ipc", "uts", "pid", "user"
+PIN_NAMES = (NET, IPC, UTS, PID, USER)
 """The pins' file names in a pod's directory (the kinds of /proc/<pid>/ns/ they hold)."""
 INIT_RECORD = "pid-init"
 """File beside the pins: "<pid> <start ticks> <parent pid> <parent start ticks>" of the PID
@@ -53,6 +56,11 @@ DEFAULT_POD_INIT = Path("/usr/bin/catatonit")
 holding nothing else), podman's pod infra process; ``-P``, its pause mode, reaps every orphan and
 ends on SIGTERM or SIGINT."""
 POD_INIT_ARGS = ("-P",)
+USERNS_INIT_MOUNTPOINT = Path("/tmp")
+"""Any directory every user may reach, on the host and in guests: where a user namespace's init
+mounts its empty root in its own mount namespace (nothing of it shows there)."""
+HELPER_TIMEOUT = 30.0
+"""Seconds the user namespace helper may take to end once told to (it only forks and exits)."""
 INIT_EXIT_TIMEOUT = 5.0
 """Seconds a killed init may take to be gone (SIGKILL: milliseconds)."""
 _INIT_EXIT_POLL = 0.01
@@ -78,7 +86,8 @@ class NamespaceError(AuraeError):
 @dataclasses.dataclass(frozen=True)
 class PodNamespaceSpec:
     """Which namespaces a pod gets of its own (the others it shares with the host), its hostname
-    (empty: the host's name, copied) and its sysctls, by name as sysctl(8) spells them."""
+    (empty: the host's name, copied) and its sysctls, by name as sysctl(8) spells them; with
+    ``userns``, a user namespace of its own with these mappings, owning all the others."""
 
     network: bool = True
     ipc: bool = True
@@ -86,6 +95,7 @@ class PodNamespaceSpec:
     pid: bool = False
     hostname: str = ""
     sysctls: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    userns: IdMap | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +108,7 @@ class PodNamespaces:
     ipc: str | None = None
     uts: str | None = None
     pid: str | None = None
+    user: str | None = None
     init_pid: int | None = None
     init_ticks: int | None = None
 
@@ -112,6 +123,7 @@ class PodNamespaces:
             ipc=doc.get("ipc"),
             uts=doc.get("uts"),
             pid=doc.get("pid"),
+            user=doc.get("user"),
             init_pid=doc.get("init_pid"),
             init_ticks=doc.get("init_ticks"),
         )
@@ -150,6 +162,10 @@ def sysctl_namespace(name: str) -> str:
 
 
 def _check(spec: PodNamespaceSpec) -> None:
+    if spec.userns is not None and not (spec.network and spec.ipc and spec.uts):
+        raise NamespaceError.invalid(
+            "userns", "a pod with a user namespace of its own has its own network, IPC and UTS namespaces"
+        )
     if not (spec.network or spec.ipc or spec.uts or spec.pid):
         raise NamespaceError.invalid("namespaces", "a pod sandbox needs at least one namespace of its own")
     if spec.hostname and not spec.uts:
@@ -186,9 +202,12 @@ def _spawn_confined_init(program: Path, directory: Path) -> int:
     return os.posix_spawn(path, [POD_INIT_NAME, *POD_INIT_ARGS], {}, setsid=True)
 
 
-def _record_init(directory: Path, pid: int) -> None:
-    parent = os.getpid()
-    fields = (pid, processes.start_ticks(pid), parent, processes.start_ticks(parent))
+def _record_init(directory: Path, pid: int, ours: bool) -> None:
+    """The init's record; ``ours`` when this process is its parent (else 0 stands for it: the
+    helper that forked it has ended, and it was reparented)."""
+    parent = os.getpid() if ours else 0
+    parent_ticks = processes.start_ticks(parent) if ours else 0
+    fields = (pid, processes.start_ticks(pid), parent, parent_ticks)
     (directory / INIT_RECORD).write_text(" ".join(map(str, fields)) + "\n")
 
 
@@ -205,48 +224,113 @@ def create_pod_namespaces(
             f"a shared PID namespace needs its init, {init_program}, which is missing "
             "(the pod_init setting; Debian's catatonit package)",
         )
-    kinds = {NET: spec.network, IPC: spec.ipc, UTS: spec.uts}
-    flags = {NET: namespaces.CLONE_NEWNET, IPC: namespaces.CLONE_NEWIPC, UTS: namespaces.CLONE_NEWUTS}
-    unshare_flags = sum(flags[kind] for kind, wanted in kinds.items() if wanted)
-    if spec.pid:
-        unshare_flags |= namespaces.CLONE_NEWPID
+    kinds = tuple(kind for kind, wanted in ((NET, spec.network), (IPC, spec.ipc), (UTS, spec.uts)) if wanted)
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     taken = [name for name in (*PIN_NAMES, INIT_RECORD) if os.path.lexists(directory / name)]
     if taken:  # another pod's: never touched, not even by the clean-up of a failure
         raise NamespaceError.already_exists(f"pod namespaces in {directory} ({', '.join(taken)})")
-
-    def worker() -> int | None:
-        namespaces.unshare(unshare_flags)
-        if spec.hostname:
-            namespaces.sethostname(spec.hostname)
-        _write_sysctls(spec.sysctls)
-        if spec.network:
-            namespaces.bring_loopback_up()
-        for kind, wanted in kinds.items():
-            if wanted:
-                namespaces.pin_namespace(namespaces.thread_namespace(kind), directory / kind)
-        if not spec.pid:
-            return None
-        return _spawn_confined_init(init_program, directory)  # the thread's last act: see there
-
     try:
-        init = in_new_thread(worker)
+        if spec.userns is None:
+            init = in_new_thread(lambda: _unshare_and_pin(directory, spec, kinds, init_program))
+        else:
+            init = _made_in_user_namespace(directory, spec, kinds, init_program)
         if init is not None:
-            _record_init(directory, init)
+            _record_init(directory, init, ours=spec.userns is None)
             namespaces.pin_namespace(f"/proc/{init}/ns/pid", directory / PID)
     except BaseException:
         remove_pod_namespaces(directory)
         raise
-    paths = {kind: str(directory / kind) if wanted else None for kind, wanted in kinds.items()}
     return PodNamespaces(
         str(directory),
-        net=paths[NET],
-        ipc=paths[IPC],
-        uts=paths[UTS],
+        net=str(directory / NET) if NET in kinds else None,
+        ipc=str(directory / IPC) if IPC in kinds else None,
+        uts=str(directory / UTS) if UTS in kinds else None,
         pid=str(directory / PID) if spec.pid else None,
+        user=str(directory / USER) if spec.userns is not None else None,
         init_pid=init,
         init_ticks=None if init is None else processes.start_ticks(init),
     )
+
+
+def configure_namespaces(hostname: str, sysctls: Mapping[str, str], network: bool) -> None:
+    """In the calling thread's namespaces: the hostname, the sysctls, ``lo`` up."""
+    if hostname:
+        namespaces.sethostname(hostname)
+    _write_sysctls(sysctls)
+    if network:
+        namespaces.bring_loopback_up()
+
+
+def _unshare_and_pin(
+    directory: Path, spec: PodNamespaceSpec, kinds: tuple[str, ...], init_program: Path
+) -> int | None:
+    """On a thread of its own: the namespaces made, configured and pinned; the init spawned (the
+    thread's last act: see _spawn_confined_init) where the pod shares a PID namespace."""
+    flags = {NET: namespaces.CLONE_NEWNET, IPC: namespaces.CLONE_NEWIPC, UTS: namespaces.CLONE_NEWUTS}
+    namespaces.unshare(sum(flags[kind] for kind in kinds) | (namespaces.CLONE_NEWPID if spec.pid else 0))
+    configure_namespaces(spec.hostname, spec.sysctls, spec.network)
+    for kind in kinds:
+        namespaces.pin_namespace(namespaces.thread_namespace(kind), directory / kind)
+    return _spawn_confined_init(init_program, directory) if spec.pid else None
+
+
+def _made_in_user_namespace(
+    directory: Path, spec: PodNamespaceSpec, kinds: tuple[str, ...], init_program: Path
+) -> int | None:
+    """The pod's user namespace and its other namespaces, owned by it, made and configured by the
+    helper (auraed.system.userns: a multi-threaded process can neither make nor enter a user
+    namespace), mapped and pinned here."""
+    assert spec.userns is not None
+    init = (str(init_program), *POD_INIT_ARGS) if spec.pid else ()
+    settings = {"hostname": spec.hostname, "sysctls": dict(spec.sysctls), "network": spec.network}
+    # The init's root goes over /tmp in its own mount namespace: the pod's directory is root's
+    # 0700 (the namespace's root, another host uid, may not reach it).
+    mountpoint = USERNS_INIT_MOUNTPOINT
+    argv = userns.helper_argv(
+        kinds,
+        settings,
+        init=init,
+        name=POD_INIT_NAME,
+        init_id=spec.userns.unprivileged_id(),
+        mountpoint=mountpoint,
+    )
+    with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as helper:
+        assert helper.stdin is not None and helper.stdout is not None
+        try:
+            _hear(helper.stdout, "ready")
+            userns.write_id_maps(helper.pid, spec.userns)
+            for kind in (USER, *kinds):
+                namespaces.pin_namespace(f"/proc/{helper.pid}/ns/{kind}", directory / kind)
+            _tell(helper.stdin, "go")
+            refused = _hear(helper.stdout, "configured", "refused")
+            if refused:
+                doc = json.loads(refused)
+                raise NamespaceError(ErrorKind(doc["kind"]), doc["message"])
+            init_pid = int(_hear(helper.stdout, "init")) if spec.pid else None
+            _tell(helper.stdin, "done")
+            code = helper.wait(HELPER_TIMEOUT)
+        except BaseException:
+            helper.kill()
+            raise
+    if code != 0:
+        raise NamespaceError(ErrorKind.INTERNAL, f"the user namespace helper failed (exit status {code})")
+    return init_pid
+
+
+def _hear(stream: IO[str], word: str, refusal: str = "") -> str:
+    """The rest of the helper's next line, which must start with ``word``; with ``refusal``, a
+    line starting with that is returned whole (after the word) instead, and ``word``'s is ""."""
+    said, _, rest = stream.readline().strip().partition(" ")
+    if said == word:
+        return "" if refusal else rest
+    if refusal and said == refusal:
+        return rest
+    raise NamespaceError(ErrorKind.INTERNAL, f"the user namespace helper said {said!r}, not {word!r}")
+
+
+def _tell(stream: IO[str], word: str) -> None:
+    stream.write(word + "\n")
+    stream.flush()
 
 
 def _read_init(directory: Path) -> tuple[int, int | None, bool] | None:

@@ -1148,3 +1148,103 @@ def listening_on_loopback(port: int, greeting: bytes) -> Iterator[None]:
         stop.set()
         thread.join()
         server.close()
+
+
+# -- user namespaces (hostUsers: false) ------------------------------------------------------------
+
+USERNS_HOST_ID = 1_000_000  # the pod's root on the host: an id no account of this machine has
+USERNS_LENGTH = 65536
+
+
+def userns_pod(
+    name: str, userns: cri.UserNamespace, pid: cri.NamespaceMode = cri.NamespaceMode.POD
+) -> cri.PodSandboxConfig:
+    options = cri.NamespaceOption(pid=pid, userns_options=userns)
+    context = cri.LinuxSandboxSecurityContext(namespace_options=options)
+    return pod_config(
+        name, namespace="critest", hostname=name, linux=cri.LinuxPodSandboxConfig(security_context=context)
+    )
+
+
+def mapping(
+    container_id: int = 0, host_id: int = USERNS_HOST_ID, length: int = USERNS_LENGTH
+) -> cri.IdMapping:
+    return cri.IdMapping(container_id=container_id, host_id=host_id, length=length)
+
+
+async def test_a_pod_in_a_user_namespace_of_its_own(node: Node) -> None:
+    """critest's UserNamespaces specs (NamespaceMode_POD with one mapping of each kind): the
+    container sees the pod's mappings, is root inside and an unprivileged host id outside, owns
+    its root filesystem (the image's layers mapped, not copied), and the pod's init is that
+    namespace's; NODE is the host's mappings."""
+    reply = await node.call("Status", cri.StatusRequest(verbose=True))
+    features = {handler.name: handler.features for handler in reply.runtime_handlers}
+    assert features["cell"].user_namespaces
+    userns = cri.UserNamespace(mode=cri.NamespaceMode.POD, uids=[mapping()], gids=[mapping()])
+    pod_id = await run_pod(node.client, userns_pod("userns", userns))
+    status = (await pod_status(node.client, pod_id)).status
+    assert status.linux.namespaces.options.userns_options == userns  # type: ignore[union-attr]
+    context = cri.LinuxContainerSecurityContext(namespace_options=cri.NamespaceOption(userns_options=userns))
+    container = await node.run(
+        pod_id, node.config("c", TOP, linux=cri.LinuxContainerConfig(security_context=context))
+    )
+    await node.wait_state(container, RUNNING)
+
+    async def shell(script: str) -> str:
+        reply = await node.exec_sync(container, ["sh", "-c", script])
+        assert reply.exit_code == 0, (script, reply)
+        return reply.stdout.decode()
+
+    assert (await shell("cat /proc/self/uid_map")).split() == ["0", str(USERNS_HOST_ID), str(USERNS_LENGTH)]
+    assert (await shell("cat /proc/self/gid_map")).split() == ["0", str(USERNS_HOST_ID), str(USERNS_LENGTH)]
+    assert await shell("id -u; stat -c %u /bin/busybox; touch /written && stat -c %u /written") == "0\n0\n0\n"
+    pid = (await node.status_reply(container, verbose=True)).info
+    top = int(json.loads(pid["info"])["pid"])
+    host_ids = [
+        line.split()[1]
+        for line in Path(f"/proc/{top}/status").read_text().splitlines()
+        if line.startswith(("Uid:", "Gid:"))
+    ]
+    assert host_ids == [str(USERNS_HOST_ID)] * 2
+    upper = list(node.daemon.root.rglob("upper/written"))
+    assert len(upper) == 1 and upper[0].stat().st_uid == USERNS_HOST_ID  # what it wrote is its own
+    # The pod's init is that namespace's, confined: the pause image's id there, no capabilities.
+    assert (await shell("grep -E '^(Uid|CapEff)' /proc/1/status")).split() == [
+        "Uid:",
+        *["65535"] * 4,
+        "CapEff:",
+        "0" * 16,
+    ]
+    assert (await shell("cat /proc/1/comm")) == "aurae-pod-init\n"
+    await node.stop_pod(pod_id)
+    await node.remove_pod(pod_id)
+
+    host = await run_pod(
+        node.client, userns_pod("host-users", cri.UserNamespace(mode=cri.NamespaceMode.NODE))
+    )
+    plain = await node.run(host, node.config("c", TOP))
+    await node.wait_state(plain, RUNNING)
+    seen = (await node.exec_sync(plain, ["cat", "/proc/self/uid_map"])).stdout.decode()
+    assert seen.split() == Path("/proc/self/uid_map").read_text().split()
+    await node.stop_pod(host)
+    await node.remove_pod(host)
+
+
+async def test_user_namespaces_it_cannot_give_are_refused(node: Node) -> None:
+    """critest: more than one mapping, container id 0 unmapped, CONTAINER and TARGET modes."""
+    POD_MODE = cri.NamespaceMode.POD
+    for userns in (
+        cri.UserNamespace(
+            mode=POD_MODE, uids=[mapping(), mapping(host_id=2000)], gids=[mapping(), mapping(host_id=2000)]
+        ),
+        cri.UserNamespace(mode=POD_MODE, uids=[mapping(container_id=1)], gids=[mapping(container_id=1)]),
+        cri.UserNamespace(mode=POD_MODE, uids=[mapping(host_id=0)], gids=[mapping(host_id=0)]),
+        cri.UserNamespace(mode=cri.NamespaceMode.CONTAINER),
+        cri.UserNamespace(mode=cri.NamespaceMode.TARGET),
+    ):
+        error = await cri_error(run_pod(node.client, userns_pod("refused", userns)))
+        assert error.code == "INVALID_ARGUMENT" and "userns_options" in error.message, error
+    userns = cri.UserNamespace(mode=POD_MODE, uids=[mapping()], gids=[mapping()])
+    error = await cri_error(run_pod(node.client, userns_pod("refused", userns, pid=cri.NamespaceMode.NODE)))
+    assert error.code == "INVALID_ARGUMENT", error
+    assert await node.pod_ids() == []

@@ -230,6 +230,15 @@ def test_masked_and_readonly_paths_are_taken_as_given(rootfs: Path) -> None:
     )
     assert refused(context=context(masked_paths=["/ok", "rel"])).startswith(f"{CONTEXT}.masked_paths[1]: ")
     assert refused(context=context(readonly_paths=["/"])).startswith(f"{CONTEXT}.readonly_paths[0]: ")
+    # In a pod with a user namespace of its own, empty is procMount Unmasked: none, as containerd.
+    mapping = [cri.IdMapping(container_id=0, host_id=100000, length=65536)]
+    userns = cri.UserNamespace(mode=cri.NamespaceMode.POD, uids=mapping, gids=mapping)
+    own_users = pod(options=cri.NamespaceOption(userns_options=userns))
+    linux = spec_of(translate(in_pod=own_users), rootfs)["linux"]
+    assert (linux["maskedPaths"], linux["readonlyPaths"]) == ([], [])
+    assert spec_of(translate(context(masked_paths=["/bin/ls"]), in_pod=own_users), rootfs)["linux"][
+        "maskedPaths"
+    ] == ["/bin/ls"]
 
 
 def test_no_new_privs_and_readonly_rootfs(rootfs: Path) -> None:
@@ -479,7 +488,7 @@ def test_namespace_options_are_checked() -> None:
         (cri.NamespaceOption(pid=NODE), "pid"),
         (cri.NamespaceOption(pid=TARGET_MODE), "target_id"),
         (cri.NamespaceOption(target_id="abc"), "target_id"),
-        (cri.NamespaceOption(userns_options=cri.UserNamespace(mode=POD_MODE)), "userns_options"),
+        (cri.NamespaceOption(userns_options=cri.UserNamespace(mode=POD_MODE)), "userns_options.mode"),
     ):
         assert refused(context=context(namespace_options=options)).startswith(f"{where}.{field}: ")
     node_userns = cri.NamespaceOption(userns_options=cri.UserNamespace(mode=NODE))
