@@ -170,6 +170,20 @@ def guest_name(name: str) -> str:
     return label or "container"
 
 
+def _refuse_what_crosses_the_vm(mounts: tuple[Mount, ...]) -> None:
+    """A mount the guest would propagate back to the host (``rshared``: Bidirectional) cannot be
+    given: what the guest's kernel mounts lives in the guest, and no host mount namespace ever
+    sees it. Host to container (``rslave``) is given: virtiofsd announces the host's later
+    submounts to the guest."""
+    for index, mount in enumerate(mounts):
+        if "rshared" in mount.options:
+            raise VmError.invalid(
+                f"config.mounts[{index}].propagation",
+                "PROPAGATION_BIDIRECTIONAL cannot cross a vm pod's VM boundary (mounts made in the "
+                "guest never reach the host); use HOST_TO_CONTAINER, or the cell handler",
+            )
+
+
 def pod_file_mounts(request: ContainerRequest, sandbox: SandboxContext) -> tuple[Mount, ...]:
     """The pod's /etc/resolv.conf, /etc/hosts and /etc/hostname (host files) as mounts of the
     container, as a host container of a pod has them: read-only with a read-only rootfs, a mount
@@ -419,6 +433,7 @@ class GuestContainers:
         placed there first. Its PID namespace is the pod's when the sandbox gives it one, that of
         ``pid_of`` (a container of the same guest) when named."""
         vm = self._vm_of(sandbox.sandbox_id)
+        _refuse_what_crosses_the_vm(request.mounts)
         config = config_message(request, image, labels, share_pid=sandbox.namespaces.pid is not None)
         config.pid_of = pid_of.id if pid_of is not None else ""
         host_mounts = (*request.mounts, *pod_file_mounts(request, sandbox))

@@ -241,9 +241,28 @@ def _bind_one(share: _Opened, key: str, name: str, mount: Mount) -> None:
 
 def _guest_mount(mount: Mount, source: str) -> Mount:
     """``mount`` as the guest makes it, from the share. ``rro`` is the host's: in the guest the
-    share is one virtio-fs mount, so a read-only bind of it holds everything below."""
+    share is one virtio-fs mount, so a read-only bind of it holds everything below. For the
+    same reason a read-only volume that is not recursively so, with mounts below it on the host,
+    is bound read-write in the guest: virtiofsd already refuses writes to the volume itself (its
+    top mount is read-only where virtiofsd serves it), and its submounts stay writable, as on a
+    cell (critest's "non-recursive readonly mounts")."""
     options = tuple(option for option in mount.options if option != "rro")
+    binding = Binding.of(mount)
+    if (
+        binding.read_only
+        and binding.recursive
+        and not binding.recursive_read_only
+        and _has_submounts(mount.source)
+    ):
+        options = tuple(option for option in options if option != "ro")
+        return dataclasses.replace(mount, source=source, options=options, read_only=False)
     return dataclasses.replace(mount, source=source, options=options)
+
+
+def _has_submounts(source: str) -> bool:
+    """Whether a mount sits below the host path ``source`` (as the daemon sees the host)."""
+    below = os.path.realpath(source).rstrip("/") + "/"
+    return any(entry.mount_point.startswith(below) for entry in read_mounts())
 
 
 def _check_name(name: str) -> None:

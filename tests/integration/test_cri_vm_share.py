@@ -30,7 +30,7 @@ from auraed.api.runtime import v1 as cri
 from auraed.bootargs import SHARE_TAG
 from auraed.pki import PkiPaths
 from tests.conftest import DaemonProcess, remove_daemon_leftovers
-from tests.integration.test_cri_containers import Node
+from tests.integration.test_cri_containers import Node, cri_error
 from tests.integration.test_cri_containers import mirror as busybox_mirror
 from tests.integration.test_vms import guest_host_args
 from tests.integration.vm_pods_helpers import VM_MEMORY_MIB, leftovers_of_pod, remove_every_pod
@@ -57,23 +57,29 @@ class Volumes:
     read_only_file: Path  # a single file, readonly
     recursive: Path  # readonly and recursive_read_only, with a tmpfs mounted below it
     writable: Path
+    non_recursive: Path  # readonly only, with a tmpfs mounted below it (writable: critest)
 
     @property
     def below_recursive(self) -> Path:
         return self.recursive / "below"
 
+    @property
+    def below_non_recursive(self) -> Path:
+        return self.non_recursive / "tmpfs"
+
     def make(self) -> None:
         for directory in (self.read_only, self.recursive, self.below_recursive, self.writable):
             directory.mkdir(parents=True)
+        self.below_non_recursive.mkdir(parents=True)
         (self.read_only / "keep.txt").write_text("keep\n")
         self.read_only_file.write_text("the host's\n")
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1m", "below", str(self.below_recursive)], check=True
-        )
+        for below in (self.below_recursive, self.below_non_recursive):
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "below", str(below)], check=True)
         (self.below_recursive / "keep.txt").write_text("keep\n")
 
     def unmount(self) -> None:
-        subprocess.run(["umount", "-l", str(self.below_recursive)], capture_output=True, check=False)
+        for below in (self.below_recursive, self.below_non_recursive):
+            subprocess.run(["umount", "-l", str(below)], capture_output=True, check=False)
 
     def mounts(self) -> list[cri.Mount]:
         return [
@@ -83,6 +89,7 @@ class Volumes:
                 container_path="/rro", host_path=str(self.recursive), readonly=True, recursive_read_only=True
             ),
             cri.Mount(container_path="/rw", host_path=str(self.writable)),
+            cri.Mount(container_path="/nrro", host_path=str(self.non_recursive), readonly=True),
         ]
 
 
@@ -110,7 +117,7 @@ async def shared_pod(
     """A vm pod with a privileged container mounting every one of the volumes (held by the module:
     a guest's boot costs seconds of TCG); at the end nothing of the daemon is left."""
     work = tmp_path_factory.mktemp("vm-share")
-    volumes = Volumes(work / "ro", work / "ro-file", work / "rro", work / "rw")
+    volumes = Volumes(work / "ro", work / "ro-file", work / "rro", work / "rw", work / "nrro")
     volumes.make()
     root = Path(tempfile.mkdtemp(prefix="aurae-share-", dir="/tmp"))  # unix socket paths are short
     try:
@@ -175,6 +182,38 @@ async def test_a_read_only_volume_stays_read_only_when_the_guest_remounts_it(sha
     assert await shared_pod.run("cat /ro/keep.txt /ro-file /rro/below/keep.txt") == [
         "keep", "the host's", "keep",
     ]  # fmt: skip
+
+
+async def test_a_read_only_volumes_writable_submount_stays_writable(shared_pod: SharedPod) -> None:
+    """critest's "should support non-recursive readonly mounts" across the VM boundary: a tmpfs
+    mounted on the host below a read-only (not recursive read-only) volume is writable in the
+    container, the volume itself is not (virtiofsd serves its top mount read-only)."""
+    volumes = shared_pod.volumes
+    lines = await shared_pod.run("touch /nrro/tmpfs/file && echo BELOW; touch /nrro/top && echo TOP; true")
+    assert "BELOW" in lines and "TOP" not in lines, lines
+    assert (volumes.below_non_recursive / "file").exists() and not (volumes.non_recursive / "top").exists()
+
+
+async def test_bidirectional_propagation_is_refused_at_the_vm_boundary(shared_pod: SharedPod) -> None:
+    """critest's "mount with 'rshared'" asks that a mount the container makes reach the host: a
+    guest's mounts never do, so CreateContainer says so (docs: the specs a VM boundary refuses)."""
+    node = shared_pod.node
+    source = shared_pod.volumes.writable.parent / "rshared"  # as critest makes it: a shared mount
+    source.mkdir()
+    subprocess.run(["mount", "--bind", str(source), str(source)], check=True)
+    try:
+        subprocess.run(["mount", "--make-rshared", str(source)], check=True)
+        volume = cri.Mount(
+            container_path="/shared",
+            host_path=str(source),
+            propagation=cri.MountPropagation.PROPAGATION_BIDIRECTIONAL,
+        )
+        config = node.config("rshared", ["sleep", "60"], linux=PRIVILEGED, mounts=[volume])
+        request = cri.CreateContainerRequest(pod_sandbox_id=shared_pod.pod_id, config=config)
+        error = await cri_error(node.call("CreateContainer", request, EXEC_TIMEOUT))
+    finally:
+        subprocess.run(["umount", "-l", str(source)], check=True)
+    assert error.code == "INVALID_ARGUMENT" and "VM boundary" in error.message, error
 
 
 def planted(share: Path) -> list[str]:
