@@ -254,7 +254,13 @@ class ContainerRpcs:
         self, request: cri.CreateContainerRequest, context: Context
     ) -> cri.CreateContainerResponse:
         pod = self._pods.get(plausible_id(request.pod_sandbox_id, "pod_sandbox_id"))
-        spec = await asyncio.to_thread(container_spec, request.config, pod.spec)
+        features = self._pods.controller(pod).features
+        spec = await asyncio.to_thread(
+            container_spec,
+            request.config,
+            pod.spec,
+            recursive_read_only=features.recursive_read_only_mounts,
+        )
         container = await self._containers.create(pod, spec)
         return cri.CreateContainerResponse(container_id=container.record.id)
 
