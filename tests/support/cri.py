@@ -29,6 +29,7 @@ from auraed.references import parse_reference
 from tests.support.images import (
     OCI_INDEX,
     BuiltImage,
+    Entry,
     ImageConfig,
     LayerSpec,
     build_layout,
@@ -66,6 +67,11 @@ USER_IMAGES = {  # name -> the Dockerfile's USER
     f"{TEST_IMAGES}/test-image-user-uid-group": "1003:1004",
     f"{TEST_IMAGES}/test-image-user-username-group": "www-data:1004",
 }
+PREDEFINED_GROUP_IMAGE = f"{TEST_IMAGES}/test-image-predefined-group:latest"
+"""critest's image of SupplementalGroupsPolicy: USER 1000 (default-user), whose /etc/group makes
+that user a member of group 50000 (PREDEFINED_GROUP_GID)."""
+PREDEFINED_GROUP_UID = 1000
+PREDEFINED_GROUP_GID = 50000
 PLATFORMS = ("linux/amd64", "linux/arm64")
 """Of a multi-arch test image: ours, and one it must not pick."""
 
@@ -178,6 +184,20 @@ def publish_critest_images(registry: LocalRegistry, workdir: Path) -> CritestIma
     by_digest = f"{IMAGE_BY_DIGEST_REPOSITORY}@{digest_image.digest}"
     published[by_digest] = digest_image
     return CritestImages(published, by_digest)
+
+
+def predefined_group_image(workdir: Path) -> BuiltImage:
+    """PREDEFINED_GROUP_IMAGE as cri-tools builds it (images/image-predefined-group): busybox with
+    ``adduser -u 1000 default-user; addgroup -g 50000 group-defined-in-image; addgroup
+    default-user group-defined-in-image``."""
+    uid, gid = PREDEFINED_GROUP_UID, PREDEFINED_GROUP_GID
+    passwd = f"root:x:0:0:root:/root:/bin/sh\ndefault-user:x:{uid}:{uid}::/home/default-user:/bin/sh\n"
+    group = f"root:x:0:\ndefault-user:x:{uid}:\ngroup-defined-in-image:x:{gid}:default-user\n"
+    accounts: dict[str, Entry] = {"etc/passwd": passwd.encode(), "etc/group": group.encode()}
+    config = ImageConfig(user=str(uid))
+    return build_layout(
+        workdir / "layout", [busybox_rootfs(workdir), accounts], config, ref_name="predefined-group"
+    )
 
 
 # -- one RPC each -------------------------------------------------------------------------------
