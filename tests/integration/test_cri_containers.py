@@ -40,9 +40,7 @@ from tests.support.cni import CniNetwork, cni_network, free_port
 from tests.support.cri import (
     BUSYBOX_IMAGE,
     CALL_TIMEOUT,
-    PREDEFINED_GROUP_GID,
     PREDEFINED_GROUP_IMAGE,
-    PREDEFINED_GROUP_UID,
     RUNTIME_SERVICE,
     cri_client,
     list_pods,
@@ -56,6 +54,7 @@ from tests.support.cri import (
     remove_pod,
     run_pod,
     stop_pod,
+    supplemental_groups_cases,
 )
 from tests.support.images import BuiltImage
 from tests.support.registry import LocalRegistry
@@ -1074,40 +1073,22 @@ async def test_supplemental_groups_policy(node: Node, mirror: LocalRegistry, tmp
     publish(predefined_group_image(tmp_path / "image"), mirror, PREDEFINED_GROUP_IMAGE)
     await pull_image(node.client, PREDEFINED_GROUP_IMAGE)
     pod_id = await node.run_pod("groups", log_directory=True)
-    uid, image_group, pod_group = PREDEFINED_GROUP_UID, PREDEFINED_GROUP_GID, 1234
-    policies = cri.SupplementalGroupsPolicy
-    for policy, groups in (
-        (policies.Merge, [uid, pod_group, image_group]),
-        (policies.Strict, [uid, pod_group]),
-    ):
-        name = f"groups-{policy.name.lower()}"
-        context = cri.LinuxContainerSecurityContext(
-            run_as_user=cri.Int64Value(value=uid),
-            supplemental_groups=[pod_group],
-            supplemental_groups_policy=policy,
-        )
+    for case in supplemental_groups_cases():
+        linux = cri.LinuxContainerConfig(security_context=case.context)
         config = dataclasses_replace(
-            node.config(
-                name,
-                ["sh", "-c", "id -G; sleep infinity"],
-                log=True,
-                linux=cri.LinuxContainerConfig(security_context=context),
-            ),
+            node.config(case.name, ["sh", "-c", "id -G; sleep infinity"], log=True, linux=linux),
             image=cri.ImageSpec(image=PREDEFINED_GROUP_IMAGE),
         )
         container_id = await node.run(pod_id, config)
         status = await node.wait_state(container_id, RUNNING)
-        assert status.user is not None and status.user.linux is not None, status
-        user = status.user.linux
-        assert (user.uid, user.gid, sorted(user.supplemental_groups)) == (uid, uid, groups)
-        shown = " ".join(map(str, groups))
-        log = node.log_root / "groups" / f"{name}.log"
+        assert case.reported(status), status
+        log = node.log_root / "groups" / f"{case.name}.log"
 
-        async def logged(log: Path = log, shown: str = shown) -> bool:
+        async def logged(log: Path = log, shown: str = case.shown) -> bool:
             return log.exists() and stdout_lines(log) == [shown]
 
         await eventually(logged, 30)
-        assert (await node.exec_sync(container_id, ["id", "-G"])).stdout == f"{shown}\n".encode()
+        assert (await node.exec_sync(container_id, ["id", "-G"])).stdout == f"{case.shown}\n".encode()
     await node.stop_pod(pod_id)
     await node.remove_pod(pod_id)
 

@@ -41,9 +41,7 @@ from tests.integration.test_cri_containers import mirror as busybox_mirror
 from tests.integration.vm_pods_helpers import VMS, cgroups_of, qemu_of, vm_node_fixture
 from tests.support.cni import free_port, probe
 from tests.support.cri import (
-    PREDEFINED_GROUP_GID,
     PREDEFINED_GROUP_IMAGE,
-    PREDEFINED_GROUP_UID,
     cri_client,
     pod_config,
     pod_status,
@@ -51,6 +49,7 @@ from tests.support.cri import (
     publish,
     pull_image,
     run_pod,
+    supplemental_groups_cases,
 )
 from tests.support.registry import LocalRegistry
 
@@ -413,23 +412,12 @@ async def supplemental_groups_in_the_guest(pod: VmPod, registry: LocalRegistry, 
     node = pod.node
     publish(predefined_group_image(workdir), registry, PREDEFINED_GROUP_IMAGE)
     await pull_image(node.client, PREDEFINED_GROUP_IMAGE)
-    uid, image_group, pod_group = PREDEFINED_GROUP_UID, PREDEFINED_GROUP_GID, 1234
-    policies = cri.SupplementalGroupsPolicy
-    for policy, groups in (
-        (policies.Merge, [uid, pod_group, image_group]),
-        (policies.Strict, [uid, pod_group]),
-    ):
-        name = f"groups-{policy.name.lower()}"
-        context = cri.LinuxContainerSecurityContext(
-            run_as_user=cri.Int64Value(value=uid),
-            supplemental_groups=[pod_group],
-            supplemental_groups_policy=policy,
-        )
+    for case in supplemental_groups_cases():
         linux = cri.LinuxContainerConfig(
-            resources=cri.LinuxContainerResources(cpu_shares=2), security_context=context
+            resources=cri.LinuxContainerResources(cpu_shares=2), security_context=case.context
         )
         config = replace(
-            node.config(name, ["sh", "-c", "id -G; sleep 600"], log=True, linux=linux),
+            node.config(case.name, ["sh", "-c", "id -G; sleep 600"], log=True, linux=linux),
             image=cri.ImageSpec(image=PREDEFINED_GROUP_IMAGE),
         )
         request = cri.CreateContainerRequest(
@@ -438,13 +426,10 @@ async def supplemental_groups_in_the_guest(pod: VmPod, registry: LocalRegistry, 
         container = (await node.call("CreateContainer", request, BOOT_TIMEOUT)).container_id
         await node.start(container)
         status = await node.wait_state(container, RUNNING, TIMEOUT)
-        assert status.user is not None and status.user.linux is not None, status
-        user = status.user.linux
-        assert (user.uid, user.gid, sorted(user.supplemental_groups)) == (uid, uid, groups)
-        shown = " ".join(map(str, groups))
-        log_shows = functools.partial(lambda name, shown: pod.lines(name) == [shown], name, shown)
+        assert case.reported(status), status
+        log_shows = functools.partial(lambda name, shown: pod.lines(name) == [shown], case.name, case.shown)
         await eventually(log_shows)
-        assert (await node.exec_sync(container, ["id", "-G"])).stdout == f"{shown}\n".encode()
+        assert (await node.exec_sync(container, ["id", "-G"])).stdout == f"{case.shown}\n".encode()
         await node.stop(container)
         await node.remove(container)
 

@@ -200,6 +200,48 @@ def predefined_group_image(workdir: Path) -> BuiltImage:
     )
 
 
+@dataclass(frozen=True)
+class GroupsCase:
+    """One of critest's SupplementalGroupsPolicy containers on PREDEFINED_GROUP_IMAGE: its name,
+    security context, and the groups its process must have (sorted, as ``id -G`` prints them)."""
+
+    name: str
+    context: cri.LinuxContainerSecurityContext
+    groups: list[int]
+
+    @property
+    def shown(self) -> str:
+        return " ".join(map(str, self.groups))
+
+    def reported(self, status: cri.ContainerStatus) -> bool:
+        """Whether ContainerStatus reports the user's uid, its primary group and the groups."""
+        user = status.user.linux if status.user is not None else None
+        ids = (user.uid, user.gid, sorted(user.supplemental_groups)) if user is not None else None
+        uid = PREDEFINED_GROUP_UID  # default-user's primary group has its uid's number
+        return ids == (uid, uid, self.groups)
+
+
+def supplemental_groups_cases() -> list[GroupsCase]:
+    """Merge (the default): the user's group in the image and the pod's; Strict: the pod's only."""
+    uid, image_group, pod_group = PREDEFINED_GROUP_UID, PREDEFINED_GROUP_GID, 1234
+    policies = cri.SupplementalGroupsPolicy
+    return [
+        GroupsCase(
+            f"groups-{policy.name.lower()}",
+            cri.LinuxContainerSecurityContext(
+                run_as_user=cri.Int64Value(value=uid),
+                supplemental_groups=[pod_group],
+                supplemental_groups_policy=policy,
+            ),
+            groups,
+        )
+        for policy, groups in (
+            (policies.Merge, [uid, pod_group, image_group]),
+            (policies.Strict, [uid, pod_group]),
+        )
+    ]
+
+
 # -- one RPC each -------------------------------------------------------------------------------
 
 
