@@ -148,6 +148,11 @@ class Containers:
         """The OCI runtime's program, as chosen at start (the CRI reports it)."""
         return self._runtime.binary
 
+    async def makes_recursive_read_only(self) -> bool:
+        """Whether the runtime makes a bind mount read-only with every mount below it (the
+        ``rro`` mount option: runc 1.1 with Linux 5.12's mount_setattr)."""
+        return "rro" in await self._runtime.mount_options()
+
     # -- lookup ----------------------------------------------------------------------------
 
     def get(self, id_or_name: str) -> ContainerRecord:

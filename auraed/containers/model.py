@@ -19,6 +19,23 @@ class State:
     UNKNOWN = "unknown"
 
 
+@dataclasses.dataclass(frozen=True)
+class ProcessUser:
+    """The ids a container's process runs with: its spec's ``process.user``."""
+
+    uid: int
+    gid: int
+    additional_gids: tuple[int, ...]  # its supplementary groups, the primary group among them
+
+    @classmethod
+    def of(cls, process: dict[str, Any]) -> ProcessUser | None:
+        """From an OCI process; None when it names no user (a record made before they were kept)."""
+        user = process.get("user")
+        if not isinstance(user, dict) or "uid" not in user:
+            return None
+        return cls(int(user["uid"]), int(user.get("gid", 0)), tuple(map(int, user.get("additionalGids", ()))))
+
+
 @dataclasses.dataclass
 class ContainerRecord:
     id: str
@@ -79,6 +96,10 @@ class ContainerRecord:
     @property
     def supervised(self) -> Supervised:
         return Supervised(self.monitor_pid, self.monitor_ticks, self.pid, self.ticks, self.input_fd)
+
+    @property
+    def user(self) -> ProcessUser | None:
+        return ProcessUser.of(self.process)
 
     @property
     def alive(self) -> bool:

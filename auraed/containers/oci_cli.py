@@ -189,6 +189,19 @@ class OciCli:
         """``update --resources FILE``: the limits of a created or running container."""
         await self._check("update", container_id, options=["--resources", str(resources_file)])
 
+    async def mount_options(self) -> frozenset[str]:
+        """The mount options ``features`` lists (runc 1.1: ``rro`` among them); empty when the
+        runtime has no ``features`` (crun before 1.9) or it fails: then none is claimed."""
+        try:
+            code, out, _ = await self.run([self.binary, "features"], self.timeout)
+            features = json.loads(out) if code == 0 else {}
+        except (OciRuntimeError, ValueError):
+            return frozenset()
+        options = features.get("mountOptions") if isinstance(features, dict) else None
+        if not isinstance(options, list):
+            return frozenset()
+        return frozenset(option for option in options if isinstance(option, str))
+
     # -- plumbing ----------------------------------------------------------------------------
 
     def _exec_fifo(self, container_id: str) -> Path:

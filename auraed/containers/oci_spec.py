@@ -10,8 +10,10 @@ Decisions worth knowing:
 * Env: the image's, then the request's, overriding by key in place. PATH is added when missing,
   TERM=xterm when a terminal is asked for.
 * User: the request's, else the image's User, resolved in the image's /etc/passwd and /etc/group
-  (never following a symlink out of the root filesystem); supplementary groups come from
-  /etc/group, plus ``additional_gids``.
+  (never following a symlink out of the root filesystem); the supplementary groups are the
+  primary group (as containerd and CRI-O set them, so that dropping the primary group by a setgid
+  program cannot shed a restriction made through it), the user's memberships in /etc/group
+  (unless ``strict_groups``) and ``additional_gids``.
 * Working directory: created (owned by the user) when the image lacks it, by :func:`build_spec`.
 * Capabilities: the usual 14 defaults; "ALL" and names with or without ``CAP_``, any case.
   ``ALL`` means every capability auraed itself holds; adding one auraed lacks is "unsupported"
@@ -625,6 +627,12 @@ def resolve_user(rootfs: Path, user: str, *, where: str = "user") -> tuple[int, 
     if entry is not None and groups is not None:
         supplementary = sorted({g.gid for g in groups if entry.name in g.members and g.gid != gid})
     return uid, gid, supplementary
+
+
+def process_user(uid: int, gid: int, groups: Sequence[int]) -> dict[str, Any]:
+    """The spec's ``process.user``: the primary group first among the supplementary groups, then
+    ``groups`` in order, each once."""
+    return {"uid": uid, "gid": gid, "additionalGids": list(dict.fromkeys((gid, *groups)))}
 
 
 # --------------------------------------------------------------------------------- capabilities
@@ -1312,10 +1320,10 @@ def build_spec(
     env = process_env(image, request)
 
     user_where = "security.user" if security.user else "image config.User"
-    uid, gid, groups = resolve_user(rootfs, security.user or image.user, where=user_where)
+    uid, gid, image_groups = resolve_user(rootfs, security.user or image.user, where=user_where)
     for index, extra_gid in enumerate(security.additional_gids):
         check_int(extra_gid, f"security.additional_gids[{index}]", 0, MAX_ID)
-    additional = sorted(set(groups).union(security.additional_gids) - {gid})
+    groups = [*([] if security.strict_groups else image_groups), *security.additional_gids]
 
     if request.working_dir:
         cwd = check_path(request.working_dir, "working_dir")
@@ -1358,12 +1366,9 @@ def build_spec(
     if seccomp is not None:
         linux["seccomp"] = seccomp
 
-    user: dict[str, Any] = {"uid": uid, "gid": gid}
-    if additional:
-        user["additionalGids"] = additional
     process: dict[str, Any] = {
         "terminal": bool(request.tty),
-        "user": user,
+        "user": process_user(uid, gid, groups),
         "args": args,
         "env": env,
         "cwd": cwd,

@@ -108,6 +108,9 @@ class Security:
     # "name", "uid", "uid:gid" or "name:group"; the image's User when empty.
     user: str = ""
     additional_gids: tuple[int, ...] = ()
+    # The groups are the primary group and additional_gids alone: the user's memberships in the
+    # image's /etc/group are not added (Kubernetes' SupplementalGroupsPolicy Strict).
+    strict_groups: bool = False
     # "default" (also when empty), "unconfined", or the path of an OCI seccomp JSON on this machine.
     seccomp_profile: str = ""
     oom_score_adj: int | None = None

@@ -122,6 +122,10 @@ class OciRuntime(Protocol):
         created or running container's cgroup."""
         ...
 
+    async def mount_options(self) -> frozenset[str]:
+        """The mount options the runtime says it knows (empty when it does not say)."""
+        ...
+
     def error(
         self, what: str, container_id: str, stderr: bytes | str, code: int | None = None
     ) -> OciRuntimeError:

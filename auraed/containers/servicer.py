@@ -22,8 +22,8 @@ from auraed.containers.containers import Containers, spec_error
 from auraed.containers.errors import ContainerError
 from auraed.containers.exec import ExecSession
 from auraed.containers.files import CopiedFiles, PendingFile, file_error, file_spec
-from auraed.containers.model import ContainerRecord, State
-from auraed.containers.oci_spec import exec_process, image_runtime_config, resolve_user
+from auraed.containers.model import ContainerRecord, ProcessUser, State
+from auraed.containers.oci_spec import exec_process, image_runtime_config, process_user, resolve_user
 from auraed.containers.pid_groups import PidGroups
 from auraed.containers.request import (
     ContainerRequest,
@@ -116,6 +116,7 @@ def container_request(config: pb.ContainerConfig) -> ContainerRequest:
             readonly_paths=tuple(security.readonly_paths),
             user=security.user,
             additional_gids=tuple(security.additional_gids),
+            strict_groups=security.strict_groups,
             seccomp_profile=security.seccomp_profile,
             oom_score_adj=security.oom_score_adj,
             privileged=security.privileged,
@@ -231,7 +232,14 @@ def status_message(record: ContainerRecord) -> pb.ContainerStatus:
         labels=dict(record.labels),
         log_path=str(record.log_path),
         reason=record.reason,
+        user=_user_message(record.user),
     )
+
+
+def _user_message(user: ProcessUser | None) -> pb.ProcessUser | None:
+    if user is None:
+        return None
+    return pb.ProcessUser(uid=user.uid, gid=user.gid, additional_gids=list(user.additional_gids))
 
 
 def _progress_message(event: PullProgress) -> pb.ContainerServicePullImageResponse:
@@ -566,7 +574,7 @@ class ContainerServicer:
             process = exec_process(defaults, start.command, start.env, start.working_dir)
             if start.user:
                 uid, gid, groups = resolve_user(record.rootfs, start.user, where="start.user")
-                process["user"] = {"uid": uid, "gid": gid, "additionalGids": groups}
+                process["user"] = process_user(uid, gid, groups)
         except SpecError as exc:
             raise spec_error(exc) from None
         return process

@@ -359,7 +359,6 @@ class CellSandbox:
     """The ``cell`` handler's SandboxController (see the module's docstring)."""
 
     name = NAME
-    features = HandlerFeatures(user_namespaces=True)
     stop_ends_containers = False
 
     def __init__(
@@ -371,7 +370,10 @@ class CellSandbox:
         host_resolv_conf: Path = HOST_RESOLV_CONF,
         host_hosts: Path = HOST_HOSTS,
         pod_init: Path = DEFAULT_POD_INIT,
+        features: HandlerFeatures | None = None,
     ) -> None:
+        # Its containers are the host's own: what the OCI runtime can do (auraed.cri.setup).
+        self.features = features or HandlerFeatures()
         self._cni = cni
         self._pod_init = pod_init
         self._cgroups = cgroups

@@ -14,7 +14,7 @@ import json
 from collections.abc import AsyncIterator, Callable, Mapping
 
 from auraed.api.runtime import v1 as cri
-from auraed.containers.model import ContainerRecord, State
+from auraed.containers.model import ContainerRecord, ProcessUser, State
 from auraed.cri.container_config import ContainerSpec, CriMount, container_spec, resources
 from auraed.cri.container_host import CgroupUsage
 from auraed.cri.containers import (
@@ -128,6 +128,18 @@ def status_message(container: Container) -> cri.ContainerStatus:
         mounts=[mount_message(mount) for mount in record.mounts],
         log_path=record.log_path,
         image_id=record.image_id,
+        user=_user(host.user),
+    )
+
+
+def _user(user: ProcessUser | None) -> cri.ContainerUser | None:
+    """The ids the container's process runs with, from its spec as containerd reports them: its
+    supplementary groups, the primary group first among them."""
+    if user is None:
+        return None
+    groups = list(user.additional_gids)
+    return cri.ContainerUser(
+        linux=cri.LinuxContainerUser(uid=user.uid, gid=user.gid, supplemental_groups=groups)
     )
 
 

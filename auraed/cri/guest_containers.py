@@ -41,6 +41,7 @@ import grpc
 from auraed.api.aurae.containers import v0 as pb
 from auraed.containers.errors import ContainerError
 from auraed.containers.model import ContainerRecord, State
+from auraed.containers.oci_spec import process_user
 from auraed.containers.request import ContainerRequest, Mount, Resources
 from auraed.containers.sandbox import SandboxContext
 from auraed.cri.container_host import AttachInput, CgroupUsage, ProcessHandle
@@ -140,6 +141,7 @@ def config_message(
             readonly_paths=list(security.readonly_paths),
             user=security.user,
             additional_gids=list(security.additional_gids),
+            strict_groups=security.strict_groups,
             seccomp_profile=security.seccomp_profile,
             oom_score_adj=security.oom_score_adj,
             privileged=security.privileged,
@@ -237,6 +239,9 @@ def mirror(record: ContainerRecord, status: pb.ContainerStatus) -> ContainerReco
     record.started_at = status.started_at
     record.finished_at = status.finished_at
     record.reason = status.reason
+    if status.user is not None:  # the ids its process runs with, which ContainerStatus reports
+        user = status.user
+        record.process = {"user": process_user(user.uid, user.gid, user.additional_gids)}
     return record
 
 

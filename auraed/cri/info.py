@@ -93,7 +93,8 @@ class InfoRpcs:
             status=cri.RuntimeStatus(conditions=[self._runtime_condition(), self._network_condition()]),
             info=info,
             runtime_handlers=listed,
-            features=cri.RuntimeFeatures(),
+            # Both handlers build the process's groups themselves (auraed.cri.security).
+            features=cri.RuntimeFeatures(supplemental_groups_policy=True),
         )
 
     async def runtime_config(

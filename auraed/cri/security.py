@@ -6,8 +6,9 @@ and names it, as the CRI does, when it is wrong (CriError: INVALID_ARGUMENT unle
 meanings are containerd's, so that a kubelet gets the containers it gets there:
 
 * User: ``run_as_username``, else ``run_as_user``, then ``:<run_as_group>``; a group without a user
-  is refused; none of them: the image's USER. ``supplemental_groups`` are added to the groups the
-  image's /etc/group gives the user (the Merge policy; Strict is refused, Status does not offer it).
+  is refused; none of them: the image's USER. The process's groups are its primary group, the
+  user's memberships in the image's /etc/group (``supplemental_groups_policy`` Merge, the
+  default; not with Strict) and ``supplemental_groups``; ContainerStatus reports them.
 * Capabilities: names with or without ``CAP_``, any case. containerd's order: add ALL, drop ALL,
   then the named adds, then the named drops (drop ALL + add X is X alone, add X + drop X lacks X).
   Ambient capabilities are refused.
@@ -153,10 +154,6 @@ def _security(
 ) -> Security:
     if context.privileged and not pod.privileged:
         raise CriError.invalid(f"{CONTEXT}.privileged", "a privileged container needs a privileged pod")
-    if context.supplemental_groups_policy == cri.SupplementalGroupsPolicy.Strict:
-        raise CriError.invalid(
-            f"{CONTEXT}.supplemental_groups_policy", "Strict is not supported (Status does not offer it)"
-        )
     _ignored_profiles(context)
     add, drop = _capabilities(context.capabilities, f"{CONTEXT}.capabilities")
     return Security(
@@ -173,6 +170,7 @@ def _security(
             _id(gid, f"{CONTEXT}.supplemental_groups[{index}]")
             for index, gid in enumerate(context.supplemental_groups)
         ),
+        strict_groups=_strict_groups(context.supplemental_groups_policy),
         seccomp_profile=_seccomp_profile(seccomp),
         privileged=context.privileged,
         exact_paths=True,
@@ -183,6 +181,17 @@ def _id(value: int, where: str) -> int:
     if not 0 <= value <= MAX_ID:
         raise CriError.invalid(where, f"{value} is outside 0..{MAX_ID}")
     return value
+
+
+def _strict_groups(policy: cri.SupplementalGroupsPolicy) -> bool:
+    """Strict: the image's /etc/group is not read for the user's groups; Merge (the zero value)
+    adds them. Another value is one of a newer CRI, refused rather than guessed at."""
+    policies = cri.SupplementalGroupsPolicy
+    if policy not in (policies.Merge, policies.Strict):
+        raise CriError.invalid(
+            f"{CONTEXT}.supplemental_groups_policy", f"{int(policy)} is neither Merge nor Strict"
+        )
+    return policy == policies.Strict
 
 
 def _user(context: cri.LinuxContainerSecurityContext) -> str:

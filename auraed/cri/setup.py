@@ -25,7 +25,7 @@ from auraed.cri.pod_share import PodShares
 from auraed.cri.pods import Pods
 from auraed.cri.runtime import SERVICE_NAME as RUNTIME_SERVICE
 from auraed.cri.runtime import RuntimeServicer
-from auraed.cri.sandbox import SandboxController
+from auraed.cri.sandbox import HandlerFeatures, SandboxController
 from auraed.cri.sessions import CriSessions
 from auraed.cri.streaming.config import StreamingConfig
 from auraed.cri.streaming.server import StreamingServer
@@ -119,7 +119,12 @@ async def build(
     """The CRI with its pods and containers recovered: what a crash left half made is undone
     first. Without ``guests`` there is no ``vm`` handler."""
     cni = Cni(store, cni_settings(config))
-    cell = CellSandbox(cni, cgroups, config.runtime_dir / PODS_DIR, pod_init=config.pod_init)
+    cell_features = HandlerFeatures(
+        recursive_read_only_mounts=await containers.makes_recursive_read_only(), user_namespaces=True
+    )
+    cell = CellSandbox(
+        cni, cgroups, config.runtime_dir / PODS_DIR, pod_init=config.pod_init, features=cell_features
+    )
     controllers: dict[str, SandboxController] = {"cell": cell}
     hosts: dict[str, ContainerHost] = {"cell": LocalHost(containers, cgroups)}
     if guests is not None:

@@ -357,6 +357,14 @@ def test_argv_shapes(tmp_path: Path) -> None:
     assert info.value.kind == "invalid" and "107" in str(info.value)
 
 
+async def test_mount_options_are_what_the_runtime_lists(tmp_path: Path) -> None:
+    """runc 1.1's ``features`` lists ``rro`` (what the CRI's cell handler advertises on); crun
+    1.8 has no ``features``, and a runtime that cannot run at all lists nothing either."""
+    assert "rro" in await Runc(binary=shutil.which("runc") or "runc", root=tmp_path).mount_options()
+    assert await Crun(binary=shutil.which("crun") or "crun", root=tmp_path).mount_options() == frozenset()
+    assert await Runc(binary=str(tmp_path / "no-such-runtime"), root=tmp_path).mount_options() == frozenset()
+
+
 # ------------------------------------------------------------------------------ create and start
 
 

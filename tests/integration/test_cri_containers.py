@@ -40,6 +40,7 @@ from tests.support.cni import CniNetwork, cni_network, free_port
 from tests.support.cri import (
     BUSYBOX_IMAGE,
     CALL_TIMEOUT,
+    PREDEFINED_GROUP_IMAGE,
     RUNTIME_SERVICE,
     cri_client,
     list_pods,
@@ -47,11 +48,13 @@ from tests.support.cri import (
     namespaces,
     pod_config,
     pod_status,
+    predefined_group_image,
     publish,
     pull_image,
     remove_pod,
     run_pod,
     stop_pod,
+    supplemental_groups_cases,
 )
 from tests.support.images import BuiltImage
 from tests.support.registry import LocalRegistry
@@ -1000,6 +1003,93 @@ async def test_security_context_reaches_the_container(node: Node, tmp_path: Path
         node.create(pod_id, secured("group-only", run_as_group=cri.Int64Value(value=1002)))
     )
     assert refused.code == "INVALID_ARGUMENT" and "run_as_group" in refused.message
+    await node.stop_pod(pod_id)
+    await node.remove_pod(pod_id)
+
+
+@pytest.fixture
+def tmpfs_below(tmp_path: Path) -> Iterator[Path]:
+    """critest's host path of its read-only mount specs: a directory with a tmpfs mounted on
+    ``tmpfs`` in it (unmounted at the end)."""
+    host = tmp_path / "rro-volume"
+    (host / "tmpfs").mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "none", str(host / "tmpfs")], check=True)
+    try:
+        yield host
+    finally:
+        subprocess.run(["umount", "--lazy", str(host / "tmpfs")], check=True)
+
+
+async def test_recursive_read_only_mounts(node: Node, tmpfs_below: Path) -> None:
+    """critest's "runtime should support readonly mounts" specs: the cell handler says it makes
+    recursive read-only mounts (the vm handler does not); a read-only volume leaves the tmpfs
+    below it writable, a recursive one makes it read-only too; recursive needs readonly and
+    private propagation, else CreateContainer fails."""
+    handlers = (await node.call("Status", cri.StatusRequest())).runtime_handlers
+    features = {handler.name: handler.features for handler in handlers}
+    assert features["cell"] is not None and features["cell"].recursive_read_only_mounts
+    # vm: the share makes every mount of an rro volume read-only where virtiofsd serves it.
+    assert features["vm"] is None or features["vm"].recursive_read_only_mounts
+    pod_id = await node.run_pod("read-only-mounts")
+
+    def volume(**fields: Any) -> cri.Mount:
+        asked = {"readonly": True, "selinux_relabel": True, **fields}
+        return cri.Mount(host_path=str(tmpfs_below), container_path="/mnt", **asked)
+
+    top_only = await node.run(pod_id, node.config("top-only", TOP, mounts=[volume()]))
+    recursive = await node.run(
+        pod_id, node.config("recursive", TOP, mounts=[volume(recursive_read_only=True)])
+    )
+    for container_id in (top_only, recursive):
+        await node.wait_state(container_id, RUNNING)
+    assert (await node.status(recursive)).mounts == [volume(recursive_read_only=True)]
+    assert (await node.exec_sync(top_only, ["touch", "/mnt/tmpfs/file"])).exit_code == 0
+    refused = await node.exec_sync(recursive, ["touch", "/mnt/tmpfs/foo"])
+    assert (refused.exit_code, refused.stderr) == (1, b"touch: /mnt/tmpfs/foo: Read-only file system\n")
+    assert (await node.exec_sync(recursive, ["touch", "/mnt/file"])).exit_code == 1
+    assert sorted(os.listdir(tmpfs_below / "tmpfs")) == ["file"]
+    propagation = cri.MountPropagation
+    for fields, problem in (
+        ({"propagation": propagation.PROPAGATION_HOST_TO_CONTAINER}, "needs PROPAGATION_PRIVATE"),
+        ({"propagation": propagation.PROPAGATION_BIDIRECTIONAL}, "needs PROPAGATION_PRIVATE"),
+        ({"readonly": False}, "needs readonly"),
+    ):
+        config = node.config("invalid", TOP, mounts=[volume(recursive_read_only=True, **fields)])
+        error = await cri_error(node.create(pod_id, config))
+        assert (error.code, error.message) == (
+            "INVALID_ARGUMENT",
+            f"config.mounts[0].recursive_read_only: {problem}",
+        )
+    await node.stop_pod(pod_id)
+    await node.remove_pod(pod_id)
+
+
+async def test_supplemental_groups_policy(node: Node, mirror: LocalRegistry, tmp_path: Path) -> None:
+    """critest's SupplementalGroupsPolicy specs, on its image whose /etc/group makes the user a
+    member of a group: Merge (the default) gives the process that group and the pod's, Strict
+    only the pod's; ContainerStatus reports the ids the process runs with, and an exec'd process
+    has the same."""
+    reply = await node.call("Status", cri.StatusRequest())
+    assert reply.features is not None and reply.features.supplemental_groups_policy
+    publish(predefined_group_image(tmp_path / "image"), mirror, PREDEFINED_GROUP_IMAGE)
+    await pull_image(node.client, PREDEFINED_GROUP_IMAGE)
+    pod_id = await node.run_pod("groups", log_directory=True)
+    for case in supplemental_groups_cases():
+        linux = cri.LinuxContainerConfig(security_context=case.context)
+        config = dataclasses_replace(
+            node.config(case.name, ["sh", "-c", "id -G; sleep infinity"], log=True, linux=linux),
+            image=cri.ImageSpec(image=PREDEFINED_GROUP_IMAGE),
+        )
+        container_id = await node.run(pod_id, config)
+        status = await node.wait_state(container_id, RUNNING)
+        assert case.reported(status), status
+        log = node.log_root / "groups" / f"{case.name}.log"
+
+        async def logged(log: Path = log, shown: str = case.shown) -> bool:
+            return log.exists() and stdout_lines(log) == [shown]
+
+        await eventually(logged, 30)
+        assert (await node.exec_sync(container_id, ["id", "-G"])).stdout == f"{case.shown}\n".encode()
     await node.stop_pod(pod_id)
     await node.remove_pod(pod_id)
 

@@ -4,22 +4,23 @@ One guest is booted for the whole module (a boot costs seconds of TCG), and one 
 kubelet does with a pod's containers: a server and a client sharing the pod network (the client
 reaches the server over localhost), their output in the kubelet's log path on the host, status
 and stats from the guest, ExecSync, an exec with a terminal over SPDY, port-forward to the
-server, host paths mounted from the host (virtio-fs), a ``kill -9`` of the host auraed with the
-logs resumed after it (nothing lost, nothing twice), QEMU killed under the pod (NOT_READY, its
-containers EXITED with a reason), then the pod stopped and removed leaving nothing (the
-fixture's checks and the leak check).
+server, host paths mounted from the host (virtio-fs), SupplementalGroupsPolicy, a ``kill -9``
+of the host auraed with the logs resumed after it (nothing lost, nothing twice), QEMU killed
+under the pod (NOT_READY, its containers EXITED with a reason), then the pod stopped and removed
+leaving nothing (the fixture's checks and the leak check).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +41,17 @@ from tests.integration.test_cri_containers import mirror as busybox_mirror
 from tests.integration.vm_pods_helpers import VMS, cgroups_of, qemu_of, vm_node_fixture
 from tests.support.cni import free_port, probe
 from tests.support.cri import (
+    PREDEFINED_GROUP_IMAGE,
     cri_client,
     pod_config,
     pod_status,
+    predefined_group_image,
+    publish,
+    pull_image,
     run_pod,
+    supplemental_groups_cases,
 )
+from tests.support.registry import LocalRegistry
 
 mirror = busybox_mirror  # the registry fixture, used by name
 
@@ -112,7 +119,9 @@ class VmPod:
         return stdout_lines(path) if path.exists() else []
 
 
-async def test_a_vm_pods_containers_run_in_its_guest(vm_node: Node, tmp_path: Path) -> None:
+async def test_a_vm_pods_containers_run_in_its_guest(
+    vm_node: Node, mirror: LocalRegistry, tmp_path: Path
+) -> None:
     logs = vm_node.log_root / "vm-pod"
     logs.mkdir(parents=True, mode=0o777)
     host_port = free_port()
@@ -136,6 +145,7 @@ async def test_a_vm_pods_containers_run_in_its_guest(vm_node: Node, tmp_path: Pa
     await stats_and_port_forward(pod, server)
     await host_paths_reach_the_guest(pod, tmp_path)
     await security_and_namespaces_reach_the_guest(pod, tmp_path)
+    await supplemental_groups_in_the_guest(pod, mirror, tmp_path / "groups-image")
     await attach_writes_to_a_guest_containers_stdin(pod)
     await the_logs_resume_after_kill_9(pod, server)
     await a_dead_guest_ends_its_pod(pod, server)
@@ -396,6 +406,35 @@ async def security_and_namespaces_reach_the_guest(pod: VmPod, tmp_path: Path) ->
     # The daemon logs at DEBUG here; pyroute2 (the pod's tap) would log every netlink message whole.
     assert "DEBUG pyroute2" not in node.daemon.log()
     for container in (alone, joiner, filtered):
+        await node.stop(container)
+        await node.remove(container)
+
+
+async def supplemental_groups_in_the_guest(pod: VmPod, registry: LocalRegistry, workdir: Path) -> None:
+    """critest's SupplementalGroupsPolicy specs in a guest, which reads the image's /etc/group:
+    Merge adds the user's group there to the pod's, Strict does not; the guest's status carries
+    the ids the process runs with to ContainerStatus on the host."""
+    node = pod.node
+    publish(predefined_group_image(workdir), registry, PREDEFINED_GROUP_IMAGE)
+    await pull_image(node.client, PREDEFINED_GROUP_IMAGE)
+    for case in supplemental_groups_cases():
+        linux = cri.LinuxContainerConfig(
+            resources=cri.LinuxContainerResources(cpu_shares=2), security_context=case.context
+        )
+        config = replace(
+            node.config(case.name, ["sh", "-c", "id -G; sleep 600"], log=True, linux=linux),
+            image=cri.ImageSpec(image=PREDEFINED_GROUP_IMAGE),
+        )
+        request = cri.CreateContainerRequest(
+            pod_sandbox_id=pod.pod_id, config=config, sandbox_config=pod.config
+        )
+        container = (await node.call("CreateContainer", request, BOOT_TIMEOUT)).container_id
+        await node.start(container)
+        status = await node.wait_state(container, RUNNING, TIMEOUT)
+        assert case.reported(status), status
+        log_shows = functools.partial(lambda name, shown: pod.lines(name) == [shown], case.name, case.shown)
+        await eventually(log_shows)
+        assert (await node.exec_sync(container, ["id", "-G"])).stdout == f"{case.shown}\n".encode()
         await node.stop(container)
         await node.remove(container)
 

@@ -29,6 +29,7 @@ from auraed.references import parse_reference
 from tests.support.images import (
     OCI_INDEX,
     BuiltImage,
+    Entry,
     ImageConfig,
     LayerSpec,
     build_layout,
@@ -66,6 +67,11 @@ USER_IMAGES = {  # name -> the Dockerfile's USER
     f"{TEST_IMAGES}/test-image-user-uid-group": "1003:1004",
     f"{TEST_IMAGES}/test-image-user-username-group": "www-data:1004",
 }
+PREDEFINED_GROUP_IMAGE = f"{TEST_IMAGES}/test-image-predefined-group:latest"
+"""critest's image of SupplementalGroupsPolicy: USER 1000 (default-user), whose /etc/group makes
+that user a member of group 50000 (PREDEFINED_GROUP_GID)."""
+PREDEFINED_GROUP_UID = 1000
+PREDEFINED_GROUP_GID = 50000
 PLATFORMS = ("linux/amd64", "linux/arm64")
 """Of a multi-arch test image: ours, and one it must not pick."""
 
@@ -178,6 +184,62 @@ def publish_critest_images(registry: LocalRegistry, workdir: Path) -> CritestIma
     by_digest = f"{IMAGE_BY_DIGEST_REPOSITORY}@{digest_image.digest}"
     published[by_digest] = digest_image
     return CritestImages(published, by_digest)
+
+
+def predefined_group_image(workdir: Path) -> BuiltImage:
+    """PREDEFINED_GROUP_IMAGE as cri-tools builds it (images/image-predefined-group): busybox with
+    ``adduser -u 1000 default-user; addgroup -g 50000 group-defined-in-image; addgroup
+    default-user group-defined-in-image``."""
+    uid, gid = PREDEFINED_GROUP_UID, PREDEFINED_GROUP_GID
+    passwd = f"root:x:0:0:root:/root:/bin/sh\ndefault-user:x:{uid}:{uid}::/home/default-user:/bin/sh\n"
+    group = f"root:x:0:\ndefault-user:x:{uid}:\ngroup-defined-in-image:x:{gid}:default-user\n"
+    accounts: dict[str, Entry] = {"etc/passwd": passwd.encode(), "etc/group": group.encode()}
+    config = ImageConfig(user=str(uid))
+    return build_layout(
+        workdir / "layout", [busybox_rootfs(workdir), accounts], config, ref_name="predefined-group"
+    )
+
+
+@dataclass(frozen=True)
+class GroupsCase:
+    """One of critest's SupplementalGroupsPolicy containers on PREDEFINED_GROUP_IMAGE: its name,
+    security context, and the groups its process must have (sorted, as ``id -G`` prints them)."""
+
+    name: str
+    context: cri.LinuxContainerSecurityContext
+    groups: list[int]
+
+    @property
+    def shown(self) -> str:
+        return " ".join(map(str, self.groups))
+
+    def reported(self, status: cri.ContainerStatus) -> bool:
+        """Whether ContainerStatus reports the user's uid, its primary group and the groups."""
+        user = status.user.linux if status.user is not None else None
+        ids = (user.uid, user.gid, sorted(user.supplemental_groups)) if user is not None else None
+        uid = PREDEFINED_GROUP_UID  # default-user's primary group has its uid's number
+        return ids == (uid, uid, self.groups)
+
+
+def supplemental_groups_cases() -> list[GroupsCase]:
+    """Merge (the default): the user's group in the image and the pod's; Strict: the pod's only."""
+    uid, image_group, pod_group = PREDEFINED_GROUP_UID, PREDEFINED_GROUP_GID, 1234
+    policies = cri.SupplementalGroupsPolicy
+    return [
+        GroupsCase(
+            f"groups-{policy.name.lower()}",
+            cri.LinuxContainerSecurityContext(
+                run_as_user=cri.Int64Value(value=uid),
+                supplemental_groups=[pod_group],
+                supplemental_groups_policy=policy,
+            ),
+            groups,
+        )
+        for policy, groups in (
+            (policies.Merge, [uid, pod_group, image_group]),
+            (policies.Strict, [uid, pod_group]),
+        )
+    ]
 
 
 # -- one RPC each -------------------------------------------------------------------------------

@@ -116,17 +116,32 @@ def test_users_and_groups_are_checked() -> None:
     assert refused(context=context(run_as_username="a:b")).startswith(f"{CONTEXT}.run_as_username: ")
     message = refused(context=context(supplemental_groups=[5, 2**32]))
     assert message.startswith(f"{CONTEXT}.supplemental_groups[1]: ")
-    strict = context(supplemental_groups_policy=cri.SupplementalGroupsPolicy.Strict)
-    assert refused(context=strict).startswith(f"{CONTEXT}.supplemental_groups_policy: ")
+    newer = context(supplemental_groups_policy=2)
+    message = refused(context=newer)
+    assert message == f"{CONTEXT}.supplemental_groups_policy: 2 is neither Merge nor Strict"
 
 
 def test_supplemental_groups_join_the_users_groups(rootfs: Path) -> None:
+    """Merge (the default): the primary group, the image's groups of the user, then the pod's."""
     part = translate(context(run_as_username="app", supplemental_groups=[1234, 5678]))
-    assert part.security.additional_gids == (1234, 5678)
+    assert part.security.additional_gids == (1234, 5678) and not part.security.strict_groups
     assert spec_of(part, rootfs)["process"]["user"] == {
         "uid": 1000,
         "gid": 1000,
-        "additionalGids": [29, 50, 1234, 5678],
+        "additionalGids": [1000, 29, 50, 1234, 5678],
+    }
+
+
+def test_strict_supplemental_groups_leave_the_images_groups_out(rootfs: Path) -> None:
+    strict = cri.SupplementalGroupsPolicy.Strict
+    part = translate(
+        context(run_as_username="app", supplemental_groups=[1234], supplemental_groups_policy=strict)
+    )
+    assert part.security.strict_groups
+    assert spec_of(part, rootfs)["process"]["user"] == {
+        "uid": 1000,
+        "gid": 1000,
+        "additionalGids": [1000, 1234],
     }
 
 

@@ -363,12 +363,18 @@ def test_symlink_loops_and_fifos_are_errors_not_hangs(tmp_path: Path) -> None:
 def test_user_in_the_spec(rootfs: Path) -> None:
     image = ImageRuntimeConfig(cmd=("sh",), user="web")
     spec = build(rootfs, ContainerRequest(name="web"), image)
-    assert spec["process"]["user"] == {"uid": 1001, "gid": 1001, "additionalGids": [29, 44]}
+    assert spec["process"]["user"] == {"uid": 1001, "gid": 1001, "additionalGids": [1001, 29, 44]}
     request = ContainerRequest(name="web", security=Security(user="app:staff", additional_gids=(5, 50, 29)))
     spec = build(rootfs, request, image)
-    assert spec["process"]["user"] == {"uid": 1000, "gid": 50, "additionalGids": [5, 29]}
+    assert spec["process"]["user"] == {"uid": 1000, "gid": 50, "additionalGids": [50, 29, 5]}
+    strict = ContainerRequest(name="web", security=Security(additional_gids=(7,), strict_groups=True))
+    assert build(rootfs, strict, image)["process"]["user"] == {
+        "uid": 1001,
+        "gid": 1001,
+        "additionalGids": [1001, 7],
+    }
     spec = build(rootfs, ContainerRequest(name="web"))
-    assert spec["process"]["user"] == {"uid": 0, "gid": 0}
+    assert spec["process"]["user"] == {"uid": 0, "gid": 0, "additionalGids": [0]}
 
 
 def test_user_errors_name_the_source(rootfs: Path) -> None:
