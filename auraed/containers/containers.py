@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -27,17 +28,18 @@ from auraed.containers.exec import ExecSession
 from auraed.containers.model import ContainerRecord, State
 from auraed.containers.oci_spec import build_spec, image_runtime_config, resource_limits, stop_signal
 from auraed.containers.pid_groups import PidGroups
-from auraed.containers.request import ContainerRequest, Resources, SpecError, check_path
-from auraed.containers.rootfs import Snapshotter
+from auraed.containers.request import IMAGE_MOUNT, ContainerRequest, Mount, Resources, SpecError, check_path
+from auraed.containers.rootfs import Snapshotter, unmount_image_volume
 from auraed.containers.runtime import OciRuntime, OciRuntimeError
 from auraed.containers.sandbox import CGROUP_PARENT, HOST_LOCAL, SandboxContext, UserNamespace
 from auraed.errors import ErrorKind
 from auraed.images.content import remove_tree
+from auraed.images.errors import ImageError
 from auraed.images.images import Images
 from auraed.images.model import ImageRecord
 from auraed.observe.logfile import LogLine, LogWatch, stream_line_batches
 from auraed.state.store import Store, StoreError
-from auraed.system import namespaces, processes
+from auraed.system import mount_api, namespaces, processes
 from auraed.system.cgroupfs import CgroupError, Cgroupfs
 from auraed.system.cri_log import LOG_MODE
 from auraed.system.fs_usage import FsUsage, measure
@@ -52,6 +54,8 @@ log = logging.getLogger(__name__)
 
 KIND = "container"
 PID_GROUPS_DIR = "pid-groups"
+IMAGE_VOLUMES_DIR = "image-volumes"
+"""In a container's directory: where its image volumes are mounted, one directory each."""
 """Beside the consoles' directory (in the runtime dir): the shared PID namespaces' pins."""
 KILL_WAIT = 30.0  # seconds to wait for a SIGKILLed container to be reaped
 ENDED_BEFORE_START = "its process ended before it was started"
@@ -141,7 +145,9 @@ class Containers:
         self._closed = False  # close() has run: no Stop may begin a task nothing would await
         self._lock = asyncio.Lock()
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        images.in_use = lambda image_id: any(r.image_id == image_id for r in self._records.values())
+        images.in_use = lambda image_id: any(
+            r.image_id == image_id or image_id in r.volume_images for r in self._records.values()
+        )
 
     @property
     def runtime_binary(self) -> str:
@@ -208,6 +214,7 @@ class Containers:
             if any(r.name == request.name for r in self._records.values()):
                 raise ContainerError.already_exists(f"container {request.name}")
             image = self._images.find(image_name)
+            volume_images = self._volume_images(request)
             container_id = secrets.token_hex(ID_BYTES)
             record = ContainerRecord(
                 id=container_id,
@@ -225,6 +232,7 @@ class Containers:
                 sandbox_id=sandbox.sandbox_id,
                 log_file=log_file,
                 created_at=time.time(),
+                volume_images=volume_images,
             )
             self._changing[record.id] = "created"  # claimed before the record can be seen
             self._exited[record.id] = asyncio.Event()  # a Wait may begin as soon as it can be seen
@@ -293,6 +301,7 @@ class Containers:
         record.path.mkdir(mode=0o700, parents=True)
         self._mount(record, image, sandbox.namespaces.user)
         try:
+            request = self._image_volumes_bound(record, request)
             rootfs = record.rootfs if sandbox.namespaces.user is None else self._reachable_rootfs(record)
             image_config = image_runtime_config({"config": image.config})
             record.stop_signal = stop_signal(image_config, request)
@@ -313,9 +322,46 @@ class Containers:
     def _mount(
         self, record: ContainerRecord, image: ImageRecord | None = None, userns: UserNamespace | None = None
     ) -> None:
-        """The rootfs over the image's layers; the container's directory keeps what was written."""
+        """The rootfs over the image's layers; the container's directory keeps what was written;
+        its image volumes, read-only."""
         image = image or self._images.find(record.image_id)
         self._snapshotter.mount(image, record.path, record.rootfs, userns)
+        for index, image_id in enumerate(record.volume_images):
+            self._snapshotter.mount_read_only(self._images.find(image_id), _image_volume(record, index))
+
+    def _volume_images(self, request: ContainerRequest) -> tuple[str, ...]:
+        """The ids of the images ``request`` mounts as volumes, which must be here (pulled)."""
+        ids = []
+        for index, mount in enumerate(request.mounts):
+            if mount.type != IMAGE_MOUNT:
+                continue
+            try:
+                ids.append(self._images.find(mount.source).id)
+            except ImageError as exc:
+                raise ContainerError(exc.kind, f"mounts[{index}].source: {exc.message}") from None
+        return tuple(ids)
+
+    def _image_volumes_bound(self, record: ContainerRecord, request: ContainerRequest) -> ContainerRequest:
+        """``request`` with each image volume a read-only bind of the image mounted for it (its
+        ``sub_path`` resolved inside the image, never out of it)."""
+        mounts, seen = [], 0
+        for index, mount in enumerate(request.mounts):
+            if mount.type != IMAGE_MOUNT:
+                mounts.append(mount)
+                continue
+            root = _image_volume(record, seen)
+            seen += 1
+            source = str(root)
+            if mount.sub_path:
+                try:
+                    source = mount_api.resolve_in_root(root, mount.sub_path)
+                except OSError as exc:
+                    raise ContainerError.invalid(
+                        f"mounts[{index}].sub_path", f"{mount.sub_path!r} is not in the image: {exc.strerror}"
+                    ) from None
+            options = ("nosuid", "nodev", "noexec", "rprivate")
+            mounts.append(Mount(mount.destination, source, "bind", options, read_only=True))
+        return dataclasses.replace(request, mounts=tuple(mounts))
 
     def _reachable_rootfs(self, record: ContainerRecord) -> Path:
         """The rootfs bound below ``userns_rootfs_dir``, for a container in its own user
@@ -630,6 +676,8 @@ class Containers:
     def _remove_files(self, record: ContainerRecord, keep_logs: bool) -> None:
         self._unbind_reachable_rootfs(record)
         self._snapshotter.unmount(record.rootfs)
+        for index in range(len(record.volume_images)):
+            unmount_image_volume(_image_volume(record, index))
         with contextlib.suppress(CgroupError):
             if self._cgroups.exists(self.cgroup(record)):
                 self._cgroups.kill_all(self.cgroup(record))
@@ -940,3 +988,8 @@ def _create_log_file(path: Path) -> os.stat_result:
         return os.fstat(fd)
     finally:
         os.close(fd)
+
+
+def _image_volume(record: ContainerRecord, index: int) -> Path:
+    """Where the container's ``index``-th image volume is mounted (its own directory)."""
+    return record.path / IMAGE_VOLUMES_DIR / str(index)

@@ -72,6 +72,8 @@ class ContainerRecord:
     signal: int | None = None
     oom_killed: bool = False
     reason: str = ""
+    # The images it mounts as volumes (IMAGE_MOUNT), by id, in its mounts' order: kept while it is.
+    volume_images: tuple[str, ...] = ()
 
     @property
     def path(self) -> Path:
@@ -110,4 +112,4 @@ class ContainerRecord:
 
     @classmethod
     def from_doc(cls, doc: dict[str, Any]) -> ContainerRecord:
-        return cls(**doc)
+        return cls(**{**doc, "volume_images": tuple(doc.get("volume_images", ()))})

@@ -76,10 +76,17 @@ class SpecError(Exception):
 class Mount:
     destination: str
     source: str = ""
-    # "bind" (also when empty) or a filesystem type such as "tmpfs".
+    # "bind" (also when empty) or a filesystem type such as "tmpfs"; IMAGE_MOUNT: an image's
+    # files, read-only (``source`` names the image as Create's image is named; ``sub_path`` a
+    # directory of it to mount instead of its root).
     type: str = ""
     options: tuple[str, ...] = ()
     read_only: bool = False
+    sub_path: str = ""
+
+
+IMAGE_MOUNT = "image"
+"""The type of a Mount of an image's files (Kubernetes' image volumes, KEP-4639)."""
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,11 @@ class Snapshotter(Protocol):
         a container in ``userns``, its root owning the image's files."""
         ...
 
+    def mount_read_only(self, image: ImageRecord, target: Path) -> None:
+        """Mount at ``target`` the image's files, read-only, nothing executable or set-id (an
+        image volume)."""
+        ...
+
     def unmount(self, target: Path) -> None:
         """Unmount if mounted; never hangs on a stray process."""
         ...
@@ -64,6 +69,24 @@ class OverlaySnapshotter:
             mount_rootfs(lowers, self.written(writable), writable / "work", target)
         else:
             mount_mapped_rootfs(lowers, self.written(writable), writable / "work", target, userns)
+
+    def mount_read_only(self, image: ImageRecord, target: Path) -> None:
+        lowers = [self._layers.snapshot_path(layer.diff_id) for layer in reversed(image.layers)]
+        target.mkdir(mode=0o755, parents=True, exist_ok=True)
+        flags = namespaces.MS_RDONLY | namespaces.MS_NOSUID | namespaces.MS_NODEV | namespaces.MS_NOEXEC
+        try:
+            if len(lowers) == 1:  # overlayfs needs two layers to stack none writable
+                namespaces.mount(lowers[0], target, None, namespaces.MS_BIND)
+                namespaces.mount(None, target, None, namespaces.MS_BIND | namespaces.MS_REMOUNT | flags)
+            elif lowers:
+                data = f"lowerdir={':'.join(map(os.fspath, lowers))}"
+                if len(data) > MAX_MOUNT_DATA:
+                    raise ContainerError(
+                        ErrorKind.FAILED_PRECONDITION, f"the image has too many layers ({len(lowers)})"
+                    )
+                namespaces.mount("overlay", target, "overlay", flags, data)
+        except OSError as exc:
+            raise ContainerError(ErrorKind.INTERNAL, f"cannot mount the image at {target}: {exc}") from exc
 
     def unmount(self, target: Path) -> None:
         unmount_rootfs(target)
@@ -149,6 +172,17 @@ def _attach_mapped(source: Path, target: Path, userns_fd: int) -> Path:
     finally:
         os.close(tree)
     return target
+
+
+def unmount_image_volume(target: Path) -> None:
+    """Detach an image volume's mount if there is one. By the unmount's own answer, not
+    :func:`is_mounted`: a one-layer image is a bind of a directory of the same filesystem, which
+    os.path.ismount does not see."""
+    try:
+        namespaces.umount(target, namespaces.MNT_DETACH)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOENT):
+            raise ContainerError(ErrorKind.INTERNAL, f"cannot unmount {target}: {exc}") from exc
 
 
 def unmount_rootfs(target: Path) -> None:

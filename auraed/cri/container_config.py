@@ -36,7 +36,6 @@ from auraed.containers.request import ContainerRequest, Resources
 from auraed.cri.errors import CriError
 from auraed.cri.model import MAX_NAME, PodSpec, labels
 from auraed.cri.security import ContainerNamespaces, linux_security
-from auraed.errors import ErrorKind
 from auraed.system.request_files import NotRegularFile, check_regular
 
 MAX_ARGS = 4096
@@ -58,6 +57,8 @@ class CriMount:
     selinux_relabel: bool = False
     propagation: int = 0  # cri.MountPropagation's value
     recursive_read_only: bool = False
+    image: str = ""  # an image volume's image, as the request named it
+    image_sub_path: str = ""
 
     def to_doc(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -150,16 +151,17 @@ def cri_mounts(values: list[cri.Mount]) -> tuple[CriMount, ...]:
     mounts = []
     for index, mount in enumerate(values):
         field = f"config.mounts[{index}]"
-        if mount.image is not None and mount.image.image:
-            raise CriError(ErrorKind.UNIMPLEMENTED, f"{field}.image: image volumes are not supported")
+        image_volume = mount.image is not None and bool(mount.image.image)
         mounts.append(
             CriMount(
                 container_path=_absolute(mount.container_path, f"{field}.container_path"),
-                host_path=_absolute(mount.host_path, f"{field}.host_path"),
+                host_path="" if image_volume else _absolute(mount.host_path, f"{field}.host_path"),
                 readonly=mount.readonly,
                 selinux_relabel=mount.selinux_relabel,
                 propagation=int(mount.propagation),
                 recursive_read_only=mount.recursive_read_only,
+                image=mount.image.image if mount.image is not None else "",
+                image_sub_path=mount.image_sub_path,
             )
         )
     return tuple(mounts)

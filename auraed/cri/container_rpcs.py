@@ -81,6 +81,8 @@ def mount_message(mount: CriMount) -> cri.Mount:
         selinux_relabel=mount.selinux_relabel,
         propagation=cri.MountPropagation(mount.propagation),
         recursive_read_only=mount.recursive_read_only,
+        image=cri.ImageSpec(image=mount.image) if mount.image else None,
+        image_sub_path=mount.image_sub_path,
     )
 
 

@@ -42,7 +42,7 @@ from auraed.api.aurae.containers import v0 as pb
 from auraed.containers.errors import ContainerError
 from auraed.containers.model import ContainerRecord, State
 from auraed.containers.oci_spec import process_user
-from auraed.containers.request import ContainerRequest, Mount, Resources
+from auraed.containers.request import IMAGE_MOUNT, ContainerRequest, Mount, Resources
 from auraed.containers.sandbox import SandboxContext
 from auraed.cri.container_host import AttachInput, CgroupUsage, ProcessHandle
 from auraed.cri.errors import CriError
@@ -178,6 +178,12 @@ def _refuse_what_crosses_the_vm(mounts: tuple[Mount, ...]) -> None:
     sees it. Host to container (``rslave``) is given: virtiofsd announces the host's later
     submounts to the guest."""
     for index, mount in enumerate(mounts):
+        if mount.type == IMAGE_MOUNT:
+            raise VmError(
+                ErrorKind.UNIMPLEMENTED,
+                f"config.mounts[{index}].image: image volumes are not given to vm pods yet (cell pods "
+                "have them)",
+            )
         if "rshared" in mount.options:
             raise VmError.invalid(
                 f"config.mounts[{index}].propagation",

@@ -65,7 +65,7 @@ from auraed.containers.oci_spec import (
     capability_name,
     compute_capabilities,
 )
-from auraed.containers.request import MAX_ID, Mount, Security, SpecError, check_path
+from auraed.containers.request import IMAGE_MOUNT, MAX_ID, Mount, Security, SpecError, check_path
 from auraed.cri.errors import CriError
 from auraed.cri.model import PodSpec
 from auraed.cri.seccomp import Target, load_profile
@@ -81,6 +81,8 @@ HOST_PATH_MODE = 0o755
 _RUNTIME_DEFAULT_PATHS = frozenset({"runtime/default", "docker/default"})
 _UNCONFINED_PATH = "unconfined"
 _LOCALHOST_PREFIX = "localhost/"
+MAX_IMAGE_FIELD = 4096
+"""The longest image reference or sub path an image volume may name."""
 _PROPAGATION = {
     cri.MountPropagation.PROPAGATION_PRIVATE: "rprivate",
     cri.MountPropagation.PROPAGATION_HOST_TO_CONTAINER: "rslave",
@@ -407,8 +409,8 @@ class _Planned(NamedTuple):
 
 
 def _planned_mount(mount: cri.Mount, where: str, recursive_read_only: bool) -> _Planned:
-    if mount.image is not None:
-        raise CriError(ErrorKind.UNIMPLEMENTED, f"{where}.image: image volumes are not supported")
+    if mount.image is not None and mount.image.image:
+        return _image_volume(mount, where)
     if mount.image_sub_path:
         raise CriError.invalid(f"{where}.image_sub_path", "is only for an image volume")
     if mount.uid_mappings or mount.gid_mappings:
@@ -422,6 +424,33 @@ def _planned_mount(mount: cri.Mount, where: str, recursive_read_only: bool) -> _
     if mount.recursive_read_only:
         options.append(_recursive_read_only(mount, where, recursive_read_only))
     return _Planned(Mount(destination, source, "bind", tuple(options), mount.readonly), where, propagation)
+
+
+def _image_volume(mount: cri.Mount, where: str) -> _Planned:
+    """An image volume (KEP-4639): the image's files (the kubelet has pulled it), read-only,
+    nothing executable, as the Kubernetes documentation says it is mounted; a sub path of it
+    resolved inside the image when the container is created."""
+    assert mount.image is not None
+    if mount.host_path:
+        raise CriError.invalid(f"{where}.host_path", "an image volume has none")
+    if mount.propagation != cri.MountPropagation.PROPAGATION_PRIVATE:
+        raise CriError.invalid(f"{where}.propagation", "an image volume's is PROPAGATION_PRIVATE")
+    if mount.uid_mappings or mount.gid_mappings:
+        raise CriError(ErrorKind.UNIMPLEMENTED, f"{where}: id-mapped mounts are not supported")
+    destination = _path(mount.container_path, f"{where}.container_path")
+    image = _text_field(mount.image.image, f"{where}.image.image")
+    sub_path = _text_field(mount.image_sub_path, f"{where}.image_sub_path")
+    if "\0" in sub_path or ".." in sub_path.split("/"):
+        raise CriError.invalid(f"{where}.image_sub_path", f"{sub_path[:80]!r} must stay inside the image")
+    return _Planned(Mount(destination, image, IMAGE_MOUNT, (), True, sub_path), where, "rprivate")
+
+
+def _text_field(value: str, field: str) -> str:
+    if len(value) > MAX_IMAGE_FIELD or not value.isprintable():
+        raise CriError.invalid(
+            field, f"{value[:80]!r} is not a printable string of at most {MAX_IMAGE_FIELD}"
+        )
+    return value
 
 
 def _recursive_read_only(mount: cri.Mount, where: str, supported: bool) -> str:
@@ -445,8 +474,11 @@ def _check_distinct(planned: list[_Planned]) -> None:
 
 def _bound(planned: _Planned) -> Mount:
     """The mount from its host path as it is on the host: created (a directory) when missing,
-    its symlinks resolved, on a mount that can carry the propagation asked for."""
+    its symlinks resolved, on a mount that can carry the propagation asked for. An image volume
+    has no host path (the container domain mounts the image)."""
     mount, where, propagation = planned
+    if mount.type == IMAGE_MOUNT:
+        return mount
     field = f"{where}.host_path"
     path = mount.source
     if not os.path.lexists(path):

@@ -46,6 +46,7 @@ RESOLVE_NO_XDEV = 0x1
 RESOLVE_NO_MAGICLINKS = 0x2
 RESOLVE_NO_SYMLINKS = 0x4
 RESOLVE_BENEATH = 0x8
+RESOLVE_IN_ROOT = 0x10
 
 _MOUNT_ATTR = struct.Struct("=QQQQ")  # struct mount_attr: attr_set, attr_clr, propagation, userns_fd
 _OPEN_HOW = struct.Struct("=QQQ")  # struct open_how: flags, mode, resolve
@@ -79,6 +80,21 @@ def open_beneath(dir_fd: int, path: str, flags: int = os.O_PATH, *, into_mounts:
     if not into_mounts:
         resolve |= RESOLVE_NO_XDEV
     return openat2(dir_fd, path, flags | os.O_NOFOLLOW, resolve)
+
+
+def resolve_in_root(root: str | os.PathLike[str], path: str) -> str:
+    """``path`` resolved as if ``root`` were ``/`` (RESOLVE_IN_ROOT: ``..`` and absolute symlinks
+    stop at it, as securejoin does for containerd's subpaths), no magic links followed; the
+    absolute host path of what it names (which must exist)."""
+    root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        found = openat2(root_fd, path.lstrip("/") or ".", os.O_PATH, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+    finally:
+        os.close(root_fd)
+    try:
+        return os.readlink(fd_path(found))
+    finally:
+        os.close(found)
 
 
 def clone_tree(source: str | os.PathLike[str] | int, *, recursive: bool) -> int:

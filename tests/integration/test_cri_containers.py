@@ -40,6 +40,7 @@ from tests.support.cni import CniNetwork, cni_network, free_port
 from tests.support.cri import (
     BUSYBOX_IMAGE,
     CALL_TIMEOUT,
+    IMAGE_SERVICE,
     PREDEFINED_GROUP_IMAGE,
     RUNTIME_SERVICE,
     cri_client,
@@ -1338,3 +1339,64 @@ async def test_user_namespaces_it_cannot_give_are_refused(node: Node) -> None:
     error = await cri_error(run_pod(node.client, userns_pod("refused", userns, pid=cri.NamespaceMode.NODE)))
     assert error.code == "INVALID_ARGUMENT", error
     assert await node.pod_ids() == []
+
+
+# -- image volumes (KEP-4639) -------------------------------------------------------------------
+
+
+async def test_image_volumes(node: Node) -> None:
+    """An image mounted as a volume: the image's files, read-only and not executable, its
+    sub path resolved inside it; an image not pulled, or a sub path out of it, refused; the
+    image kept while a container mounts it; the mount gone with the container."""
+    pod_id = await node.run_pod("image-volumes")
+    image = cri.ImageSpec(image=BUSYBOX_IMAGE)
+    volumes = [
+        cri.Mount(container_path="/volume", image=image, readonly=True),
+        cri.Mount(container_path="/sub", image=image, image_sub_path="bin", readonly=True),
+    ]
+    container = await node.run(pod_id, node.config("c", TOP, mounts=volumes))
+    await node.wait_state(container, RUNNING)
+
+    async def shell(script: str) -> cri.ExecSyncResponse:
+        return await node.exec_sync(container, ["sh", "-c", script])
+
+    assert (await shell("test -x /volume/bin/busybox && ls /sub/busybox")).stdout == b"/sub/busybox\n"
+    refused = await shell("touch /volume/new")
+    assert refused.exit_code != 0 and b"Read-only file system" in refused.stderr
+    not_executable = await shell("/volume/bin/busybox true")
+    assert not_executable.exit_code != 0 and b"Permission denied" in not_executable.stderr
+    status = await node.status(container)
+    assert [
+        (m.container_path, m.image.image if m.image else "", m.image_sub_path) for m in status.mounts
+    ] == [
+        ("/volume", BUSYBOX_IMAGE, ""),
+        ("/sub", BUSYBOX_IMAGE, "bin"),
+    ]
+    # In use: RemoveImage refuses (the kubelet's GC skips it), as for a container's own image.
+    removal = await cri_error(
+        node.client.call(IMAGE_SERVICE, "RemoveImage", cri.RemoveImageRequest(image=image), CALL_TIMEOUT)
+    )
+    assert removal.code == "FAILED_PRECONDITION", removal
+    mounted = [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if container in line]
+    assert len(mounted) >= 3  # the rootfs and the two volumes
+    for bad, field in (
+        (
+            cri.Mount(
+                container_path="/x", image=cri.ImageSpec(image="localhost/never-pulled:1"), readonly=True
+            ),
+            "source",
+        ),
+        (
+            cri.Mount(container_path="/x", image=image, image_sub_path="no/such/dir", readonly=True),
+            "sub_path",
+        ),
+        (
+            cri.Mount(container_path="/x", image=image, image_sub_path="../..", readonly=True),
+            "image_sub_path",
+        ),
+    ):
+        error = await cri_error(node.create(pod_id, node.config(f"bad-{field}", TOP, mounts=[bad])))
+        assert error.code in ("NOT_FOUND", "INVALID_ARGUMENT") and field in error.message, error
+    await node.stop_pod(pod_id)
+    await node.remove_pod(pod_id)
+    assert not [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if container in line]
