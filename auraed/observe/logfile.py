@@ -447,12 +447,17 @@ async def stream_line_batches(
 
 
 async def _wait(changed: asyncio.Event | None, timeout: float) -> bool:
-    """Sleep ``timeout``, or less when ``changed`` is set; whether it was."""
+    """Sleep ``timeout``, or less when ``changed`` is set; whether it was.
+
+    Not asyncio.wait_for: on Python 3.11 it swallows a cancellation that comes as the event is
+    set (it returns the result instead), and a follower cancelled then (an attach's client
+    detaching while the container writes) would follow on until the container ends."""
     if changed is None:
         await asyncio.sleep(timeout)
         return False
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(changed.wait(), timeout)
+        async with asyncio.timeout(timeout):
+            await changed.wait()
     return changed.is_set()
 
 

@@ -284,3 +284,15 @@ async def test_a_follower_goes_on_in_the_new_file_after_a_rotation(tmp_path: Pat
     finally:
         await lines.aclose()
         await watch.close()
+
+
+async def test_a_follower_cancelled_as_its_log_changes_ends() -> None:
+    """An attach's client detaching cancels its follower, maybe just as the container writes
+    (the watch's event set in the same turn of the loop): the follower must end, not go on."""
+    changed = asyncio.Event()
+    waiting = asyncio.ensure_future(logfile._wait(changed, 5.0))
+    await asyncio.sleep(0)  # it waits for the event
+    changed.set()
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
