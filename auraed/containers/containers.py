@@ -757,8 +757,10 @@ class Containers:
         since: float | None,
         *,
         start: tuple[int, int] | None = None,
+        parts: bool = False,
     ) -> AsyncGenerator[list[LogLine], None]:
-        """The log's lines (see stream_line_batches; ``start`` from end_position replaces ``tail``)."""
+        """The log's lines, or with ``parts`` its records (see stream_line_batches; ``start``
+        from end_position replaces ``tail``)."""
         return stream_line_batches(
             record.log_path,
             streams,
@@ -768,6 +770,7 @@ class Containers:
             since=since,
             watch=self._log_watch,
             start=start,
+            parts=parts,
         )
 
     def processes(self, record: ContainerRecord) -> list[ProcessInfo]:

@@ -431,10 +431,17 @@ class ContainerServicer:
             raise ContainerError.invalid("stream", "must be stdout, stderr or empty")
         if request.tail is not None and request.tail > MAX_TAIL:
             raise ContainerError.invalid("tail", f"at most {MAX_TAIL}")
-        batches = self._containers.logs(record, streams, request.tail, request.follow, request.since)
+        if request.tail is not None and request.partial:
+            raise ContainerError.invalid("tail", "counts whole lines: not with partial")
+        batches = self._containers.logs(
+            record, streams, request.tail, request.follow, request.since, parts=request.partial
+        )
         async with contextlib.aclosing(batches):  # its file watch ends with the call, not at GC
             async for batch in batches:
-                lines = [pb.LogLine(line=x.content, stream=x.stream, timestamp=x.timestamp) for x in batch]
+                lines = [
+                    pb.LogLine(line=x.content, stream=x.stream, timestamp=x.timestamp, partial=x.partial)
+                    for x in batch
+                ]
                 yield pb.ContainerServiceLogsResponse(lines=lines)
 
     async def stats(
@@ -504,21 +511,24 @@ class ContainerServicer:
         log_end: tuple[int, int],
         detached: asyncio.Event,
     ) -> AsyncIterator[pb.ContainerServiceAttachResponse]:
-        """The container's lines from ``log_end`` on, then its exit code; nothing more once the
-        client detaches."""
+        """The container's output from ``log_end`` on, record by record as it was written (a
+        line's end where it ended), then its exit code; nothing more once the client detaches."""
         replies: asyncio.Queue[pb.ContainerServiceAttachResponse | None] = asyncio.Queue(ATTACH_BACKLOG)
+        newline = b"\r\n" if record.tty else b"\n"
 
         async def follow() -> None:
             try:
                 if streams:
-                    batches = self._containers.logs(record, streams, None, True, None, start=log_end)
+                    batches = self._containers.logs(
+                        record, streams, None, True, None, start=log_end, parts=True
+                    )
                     async with contextlib.aclosing(batches):
                         async for batch in batches:
-                            for line in batch:
-                                data = line.content.encode() + b"\n"
+                            for part in batch:
+                                data = part.content.encode() + (b"" if part.partial else newline)
                                 await replies.put(
                                     pb.ContainerServiceAttachResponse(stdout=data)
-                                    if line.stream == "stdout"
+                                    if part.stream == "stdout"
                                     else pb.ContainerServiceAttachResponse(stderr=data)
                                 )
                 ended = await self._containers.wait(record)

@@ -11,10 +11,12 @@ every call's reply and by a Wait held open while the container runs, and saved (
 their guests how they are.
 
 The container's output: the guest logs it inside the guest; the host follows the guest's Logs
-stream and writes each line to the container's log path on the host in the CRI format, which is
-what the kubelet reads. Where the copy got to (the last line's time, and how many lines of that
+stream by records (``partial``: a line's parts as soon as the guest logged them, so an attach,
+which follows the host's copy, sees output that stopped mid-line at once) and writes each record
+to the container's log path on the host in the CRI format, P or F as in the guest, which is what
+the kubelet reads. Where the copy got to (the last record's time, and how many records of that
 time were written) is saved with the record, so that a host auraed killed and restarted resumes
-there: no line lost, none written twice.
+there: nothing lost, nothing written twice.
 
 A guest that ends under its containers (QEMU died, the pod's VM was freed) ends them too: each
 reports EXITED with the guest's end as its reason. A guest that does not answer a call is
@@ -92,8 +94,8 @@ class _Guested:
     vm: str
     record: ContainerRecord
     share: str = ""  # its key in the pod's shared directory ("": it mounts no host path)
-    log_us: int = 0  # microseconds since the epoch of the last line copied to the host
-    log_seen: int = 0  # lines of that microsecond copied
+    log_us: int = 0  # microseconds since the epoch of the last record copied to the host
+    log_seen: int = 0  # records of that microsecond copied
 
     def to_doc(self) -> dict[str, Any]:
         # Not dataclasses.asdict: it would deep-copy the record too, on every batch of log lines.
@@ -107,8 +109,8 @@ class _Guested:
 
 @dataclasses.dataclass
 class _Resume:
-    """Where a follow of a guest's log starts: lines before ``micros``, and the first ``skip`` of
-    that microsecond, were copied before."""
+    """Where a follow of a guest's log starts: records before ``micros``, and the first ``skip``
+    of that microsecond, were copied before."""
 
     micros: int
     skip: int
@@ -711,11 +713,13 @@ class GuestContainers:
     async def _follow_log(self, guested: _Guested) -> None:
         record = guested.record
         while record.id in self._containers:
-            # From the last line copied on: the lines of its microsecond that were copied are
+            # From the last record copied on: the records of its microsecond that were copied are
             # skipped (the guest's times have finer steps than a double's seconds keep).
             resume = _Resume(guested.log_us, guested.log_seen)
             since = (guested.log_us - 1) / 1e6 if guested.log_us else None
-            request = pb.ContainerServiceLogsRequest(container_id=record.id, follow=True, since=since)
+            request = pb.ContainerServiceLogsRequest(
+                container_id=record.id, follow=True, since=since, partial=True
+            )
             try:
                 endpoint = await self._endpoint(guested)
                 async for reply in stream_guest(endpoint, "Logs", request, pb.ContainerServiceLogsResponse):
@@ -730,7 +734,8 @@ class GuestContainers:
                 await asyncio.sleep(LOG_RETRY)
 
     def _write_lines(self, guested: _Guested, lines: list[pb.LogLine], resume: _Resume) -> None:
-        """Append the lines not copied yet to the host's log, then note where the copy got to."""
+        """Append the records not copied yet to the host's log, then note where the copy got to.
+        (A guest with an older auraed sends whole lines, never partial: each becomes an F.)"""
         records = []
         for line in lines:
             micros = round(line.timestamp * 1e6)
@@ -744,7 +749,8 @@ class GuestContainers:
             else:
                 guested.log_us, guested.log_seen = micros, 1
             stamp = format_cri_timestamp(round(line.timestamp * 1e9))
-            records.append(f"{stamp} {line.stream} F {line.line}\n".encode())
+            tag = "P" if line.partial else "F"
+            records.append(f"{stamp} {line.stream} {tag} {line.line}\n".encode())
         if not records:
             return
         path = guested.record.log_path

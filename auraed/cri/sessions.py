@@ -3,11 +3,12 @@ auraed.cri.streaming.backend): exec sessions, attaching to a container, connecti
 
 Exec starts a process in the container (auraed.containers.exec) and splits its output into the
 streams the client asked for. Attach joins the container's own streams: its output is followed
-in its CRI log from the end (the monitor writes every line there, so an attach never takes a line
+in its CRI log from the end (the monitor writes all of it there, so an attach never takes any
 from the log; a vm pod's container's log is the host's copy), its input is what the container's
 host gives (auraed.containers.attach on the host: the monitor's descriptor for the stdin pipe or
-terminal; the guest's Attach stream for a vm pod's container). A line reaches an attached client
-once it is whole: the monitor logs lines, so a prompt with no newline shows with the next newline.
+terminal; the guest's Attach stream for a vm pod's container). Output reaches an attached client
+record by record, as the container wrote it: the monitor logs what it reads at once, the end of
+a line not finished yet as a partial record, so a prompt with no newline shows at once.
 """
 
 from __future__ import annotations
@@ -184,11 +185,13 @@ class AttachProcess(_Streams):
             lambda: not host.alive,
             watch=watch,
             start=log_end,
+            parts=True,
         )
         try:
             async for batch in lines:
-                for line in batch:
-                    await self._outputs[line.stream].put(line.content.encode() + newline)
+                for part in batch:
+                    ending = b"" if part.partial else newline
+                    await self._outputs[part.stream].put(part.content.encode() + ending)
         finally:
             await lines.aclose()
             for output in self._outputs.values():

@@ -1,4 +1,5 @@
-"""Reading CRI-format log files (written by monitors) as whole lines, with tail and follow."""
+"""Reading CRI-format log files (written by monitors) as whole lines, with tail and follow; or
+record by record, as the output was written (``parts``: what an attach relays)."""
 
 from __future__ import annotations
 
@@ -106,6 +107,7 @@ class LogLine:
     timestamp: float
     stream: str  # "stdout" or "stderr"
     content: str
+    partial: bool = False  # read by parts: the line goes on in the stream's next one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +168,18 @@ class _Assembler:
         )
         head.append_part(content)
         return None if partial else LogLine(timestamp, stream, head.text())
+
+    def part(self, raw: str) -> LogLine | None:
+        """A record as it is, a part of a line when partial (its content cut as a line's)."""
+        try:
+            timestamp, stream, partial, content = parse_cri_log_line(raw)
+        except ValueError:
+            return None
+        if stream not in self.streams:
+            return None
+        head = _LineHead()
+        head.append_part(content)
+        return LogLine(timestamp, stream, head.text(), partial)
 
 
 TAIL_BLOCK = 64 << 10
@@ -276,16 +290,28 @@ def _tail_start(
 
 class _LineReader:
     """Whole lines of ``streams`` from the records of a log read in order from ``offset``:
-    those whose final record is at ``first_end`` or after, logged at or after ``since``."""
+    those whose final record is at ``first_end`` or after, logged at or after ``since``. With
+    ``parts``, each record alone (at ``first_end`` or after, logged at or after ``since``)."""
 
     def __init__(
-        self, streams: frozenset[str], offset: int, first_end: int = 0, since: float | None = None
+        self,
+        streams: frozenset[str],
+        offset: int,
+        first_end: int = 0,
+        since: float | None = None,
+        *,
+        parts: bool = False,
     ) -> None:
         self.assembler = _Assembler(streams)
         self._record = offset  # where the first record in the buffer starts
         self._buffer = b""
         self._first_end = first_end
         self._since = since
+        self._parts = parts
+
+    def restarted(self) -> _LineReader:
+        """A reader like this one of another file, from its start (a rotation's new file)."""
+        return _LineReader(self.assembler.streams, 0, parts=self._parts)
 
     def feed(self, chunk: bytes) -> list[LogLine]:
         """The lines the records completed by ``chunk`` (the file's next bytes) end."""
@@ -294,7 +320,8 @@ class _LineReader:
         lines = []
         for raw in complete:
             at, self._record = self._record, self._record + len(raw) + 1
-            line = self.assembler.feed(raw.decode(errors="replace"))
+            text = raw.decode(errors="replace")
+            line = self.assembler.part(text) if self._parts else self.assembler.feed(text)
             if (
                 line is not None
                 and at >= self._first_end
@@ -399,6 +426,7 @@ async def stream_line_batches(
     since: float | None = None,
     watch: LogWatch | None = None,
     start: tuple[int, int] | None = None,
+    parts: bool = False,
 ) -> AsyncGenerator[list[LogLine], None]:
     """The last ``tail`` lines (all when None), then, with ``follow``, new lines until ``finished()``,
     in batches of at most BATCH_BYTES (see :func:`batches`): the lines each read completed.
@@ -408,6 +436,10 @@ async def stream_line_batches(
     directory changes (the log written, the exit recorded); without it, or without a watch, it
     polls. ``start`` (from :func:`end_position`, taken before) replaces ``tail``: a follower then
     misses nothing written after that moment, however late it begins to read.
+
+    With ``parts`` a line's records come as they are, each a LogLine (``partial`` on all but a
+    line's last), from ``start`` or the file's start: output as it was written, a line or not,
+    for an attached client. ``tail`` counts whole lines: callers give none with ``parts``.
     """
     offset, first_end, limit = 0, 0, None
     if start is not None:
@@ -415,7 +447,7 @@ async def stream_line_batches(
     elif tail is not None:
         offset, first_end, end = await asyncio.to_thread(_find_tail, path, streams, tail, since)
         limit = None if follow else end  # not following, the tail is what was there
-    reader = _LineReader(streams, offset, first_end, since)
+    reader = _LineReader(streams, offset, first_end, since, parts=parts)
     watching = watch.watching(path.parent) if watch is not None and follow else contextlib.nullcontext()
     log_file = _FollowedFile(path)
     with watching as changed, contextlib.closing(log_file):
@@ -442,7 +474,7 @@ async def stream_line_batches(
             if follow and at_end and not chunk and log_file.replaced():
                 # Rotated (renamed away, ReopenContainerLog) and the old file read to its end:
                 # the new one is followed from its start.
-                offset, reader, at_end = 0, _LineReader(streams, 0), False
+                offset, reader, at_end = 0, reader.restarted(), False
                 continue
             if done and at_end:
                 return  # everything written before the end (or before now) is read
@@ -455,12 +487,17 @@ async def stream_line_batches(
 
 
 async def _wait(changed: asyncio.Event | None, timeout: float) -> bool:
-    """Sleep ``timeout``, or less when ``changed`` is set; whether it was."""
+    """Sleep ``timeout``, or less when ``changed`` is set; whether it was.
+
+    Not asyncio.wait_for: on Python 3.11 it swallows a cancellation that comes as the event is
+    set (it returns the result instead), and a follower cancelled then (an attach's client
+    detaching while the container writes) would follow on until the container ends."""
     if changed is None:
         await asyncio.sleep(timeout)
         return False
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(changed.wait(), timeout)
+        async with asyncio.timeout(timeout):
+            await changed.wait()
     return changed.is_set()
 
 

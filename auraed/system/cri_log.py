@@ -1,7 +1,8 @@
-"""The Kubernetes CRI log format: records ``<RFC3339Nano> <stream> <F|P> <content>``, one a line,
-a line longer than LOG_LINE_MAX split into P (partial) records ending with an F record. A monitor
-writes them (CriLogWriter), auraed reads them (parse_cri_log_line). Builtins only: the writer is on
-the monitor's path (see auraed.system.monitor).
+"""The Kubernetes CRI log format: records ``<RFC3339Nano> <stream> <F|P> <content>``, one a line:
+a line ends with an F record, after the P (partial) records of what of it came earlier (output
+that stopped mid-line, or more than LOG_LINE_MAX of it). A monitor writes them (CriLogWriter),
+auraed reads them (parse_cri_log_line). Builtins only: the writer is on the monitor's path (see
+auraed.system.monitor).
 """
 
 from __future__ import annotations
@@ -15,24 +16,36 @@ from auraed.system.request_files import open_regular
 LOG_MODE = 0o640
 """Mode of a log file the monitor creates."""
 LOG_LINE_MAX = 16 * 1024
-"""Longest CRI log record; longer lines are split into P records followed by an F record."""
+"""Longest CRI log record's content; a longer line is split into P records, then its F record."""
 
 
 class LogStream:
-    """One output pipe being logged: its descriptor, its stream name, what it carried since its
-    last full line."""
+    """One output pipe being logged: its descriptor, its stream name, the few bytes read but not
+    logged yet, and whether its last record left a line open (P)."""
 
-    __slots__ = ("buf", "crlf", "fd", "name")
+    __slots__ = ("buf", "crlf", "fd", "name", "open_line")
 
     def __init__(self, fd: int, name: bytes, crlf: bool = False) -> None:
         self.fd = fd
         self.name = name
-        self.buf = b""
+        self.buf = b""  # held back: a character cut in two by a read, a terminal's \r before its \n
         self.crlf = crlf  # a terminal: lines end in \r\n (ONLCR); the \r is not logged
+        self.open_line = False  # its last record was P: the next one goes on with that line
 
 
 class CriLogWriter:
-    """Appends CRI records (``<RFC3339Nano> <stream> <F|P> <content>``), one write(2) per read chunk."""
+    """Appends CRI records (``<RFC3339Nano> <stream> <F|P> <content>``), one write(2) per read chunk.
+
+    What a read brings is logged at once, a line or not: whole lines as F records, and what
+    follows the last newline as a P record that the stream's next records continue (as CRI-O's
+    conmon does; containerd writes P only for a line over its size limit, but its attach reads
+    the pipe, where ours follows this log). So an attached client sees ``echo -n`` output or a
+    shell prompt as it is written; readers that join P records into lines (the kubelet, auraed's
+    own) see the same lines. Held back from a P record, until the next read: the bytes of a
+    UTF-8 character the read cut in two (each record stays decodable) and, on a terminal, a
+    final \r whose \n may come next (the pair ends a line). At EOF a line left open gets an
+    empty F record, so that every line in the log ends with an F.
+    """
 
     __slots__ = ("failed", "fd", "path", "prefix", "second")
 
@@ -96,30 +109,59 @@ class CriLogWriter:
             if newline < 0:
                 break
             end = newline - 1 if stream.crlf and newline > start and buf[newline - 1] == 13 else newline
-            self._line(head, buf, start, end, records)
+            _line(head, buf, start, end, records)
             start = newline + 1
-        # An unterminated tail longer than one record: emit full-size partial records now.
-        while len(buf) - start > LOG_LINE_MAX:
-            records.append(head + b"P " + buf[start : start + LOG_LINE_MAX] + b"\n")
-            start += LOG_LINE_MAX
-        stream.buf = buf[start:]
+            stream.open_line = False
+        keep = _char_start(buf, start, len(buf))
+        if stream.crlf and keep > start and buf[keep - 1] == 13:
+            keep -= 1
+        if keep > start:
+            start = _parts(head, buf, start, keep, records)
+            if keep > start:
+                records.append(head + b"P " + buf[start:keep] + b"\n")
+            stream.open_line = True
+        stream.buf = buf[keep:]
         self.write(records)
 
     def finish(self, stream: LogStream) -> None:
-        """At EOF the last unterminated data becomes an F record."""
-        if stream.buf:
+        """At EOF: what was held back, and the end of a line left open, as an F record."""
+        if stream.buf or stream.open_line:
             head = b"%s %s " % (self.timestamp(), stream.name)
             records: list[bytes] = []
-            self._line(head, stream.buf, 0, len(stream.buf), records)
+            _line(head, stream.buf, 0, len(stream.buf), records)
             stream.buf = b""
+            stream.open_line = False
             self.write(records)
 
-    @staticmethod
-    def _line(head: bytes, buf: bytes, start: int, end: int, records: list[bytes]) -> None:
-        while end - start > LOG_LINE_MAX:
-            records.append(head + b"P " + buf[start : start + LOG_LINE_MAX] + b"\n")
-            start += LOG_LINE_MAX
-        records.append(head + b"F " + buf[start:end] + b"\n")
+
+def _char_start(buf: bytes, start: int, end: int) -> int:
+    """``end``, or where the UTF-8 character that ``end`` would cut in two begins (a record then
+    ends before it). Bytes that are not UTF-8 are cut where asked."""
+    lowest = max(start, end - 3)
+    at = end - 1
+    while at >= lowest and buf[at] & 0xC0 == 0x80:  # continuation bytes
+        at -= 1
+    if at < lowest:
+        return end
+    lead = buf[at]
+    length = 2 if 0xC0 <= lead < 0xE0 else 3 if 0xE0 <= lead < 0xF0 else 4 if 0xF0 <= lead < 0xF8 else 1
+    return at if end - at < length else end
+
+
+def _parts(head: bytes, buf: bytes, start: int, end: int, records: list[bytes]) -> int:
+    """P records of ``buf[start:end]`` while more than one record's worth is left; where the
+    rest begins."""
+    while end - start > LOG_LINE_MAX:
+        cut = _char_start(buf, start, start + LOG_LINE_MAX)
+        records.append(head + b"P " + buf[start:cut] + b"\n")
+        start = cut
+    return start
+
+
+def _line(head: bytes, buf: bytes, start: int, end: int, records: list[bytes]) -> None:
+    """``buf[start:end]`` ends a line: P records while it is longer than one, then its F."""
+    start = _parts(head, buf, start, end, records)
+    records.append(head + b"F " + buf[start:end] + b"\n")
 
 
 def format_cri_timestamp(ns: int) -> str:

@@ -176,15 +176,17 @@ class Attached:
 
 
 async def test_attach_writes_stdin_and_stdin_once_ends_with_the_container(loaded: AuraeClient) -> None:
-    script = "while read line; do echo got $line; echo err-$line >&2; done; echo closed"
+    """What the client types reaches the container, its answer comes back as it is written (the
+    prompt, with no newline, at once), and with stdin_once the end of input ends it."""
+    script = "while printf '> '; read line; do echo got $line; echo err-$line >&2; done; echo closed"
     await create(loaded, "talker", BUSYBOX, command=["sh", "-c", script], stdin=True, stdin_once=True)
     await start(loaded, "talker")
     attached = Attached(loaded, "talker", stdout=True, stderr=True)
     attached.send(stdin=b"one\n")
-    await attached.read_until(lambda a: b"got one\n" in a.stdout and b"err-one\n" in a.stderr)
+    await attached.read_until(lambda a: b"got one\n> " in a.stdout and b"err-one\n" in a.stderr)
     attached.send(close_stdin=True)  # stdin_once: the container reads EOF and exits
     await attached.read_until(lambda a: a.ended)
-    assert (attached.stdout, attached.stderr, attached.exit_code) == (b"got one\nclosed\n", b"err-one\n", 0)
+    assert (attached.stdout, attached.stderr, attached.exit_code) == (b"got one\n> closed\n", b"err-one\n", 0)
     assert (await wait_exit(loaded, "talker")).exit_code == 0
     await delete(loaded, "talker")
 

@@ -267,19 +267,28 @@ def container_cgroup(daemon: DaemonProcess, hierarchy: str, container_id: str) -
 
 
 def log_records(path: Path) -> list[tuple[str, str, str, str]]:
-    """The file's lines as critest's parser splits them: 4 fields, a valid timestamp."""
+    """The file's lines as critest's parser splits them: 4 fields, a valid timestamp, a tag."""
     records = []
     for line in path.read_text().splitlines():
         fields = line.split(" ", 3)
         assert len(fields) == 4, line
         parse_rfc3339_ns(fields[0])
-        assert fields[1] in ("stdout", "stderr") and fields[2] == "F", line
+        assert fields[1] in ("stdout", "stderr") and fields[2] in ("F", "P"), line
         records.append((fields[0], fields[1], fields[2], fields[3]))
     return records
 
 
 def stdout_lines(path: Path) -> list[str]:
-    return [content for _, stream, _, content in log_records(path) if stream == "stdout"]
+    """The stdout lines of a CRI log as the kubelet reads them: a line's P records joined with
+    the F record that ends it."""
+    lines, pending = [], ""
+    for _, stream, tag, content in log_records(path):
+        if stream == "stdout":
+            pending += content
+            if tag == "F":
+                lines.append(pending)
+                pending = ""
+    return lines
 
 
 # -- lifecycle ---------------------------------------------------------------------------------

@@ -2,9 +2,10 @@
 with our own SPDY/3.1 and WebSocket clients, against real containers in cell pods.
 
 critest's streaming specs are here as it makes them (exec ``echo hello`` with tty=false and with
-tty=true and stdin, attach to a shell with stdin writing ``echo hello``, port-forward to a server
-in the pod), with what a kubelet relies on besides: exit codes, stdin, resizes, stdin_once,
-attaching again after auraed was killed, a host-network pod's port, and the errors of bad input.
+tty=true and stdin, attach to a shell with stdin and stdin_once writing ``echo -n hello``,
+port-forward to a server in the pod), with what a kubelet relies on besides: exit codes, stdin,
+resizes, stdin_once, output without a newline (a shell's prompt) as it is written, attaching
+again after auraed was killed, a host-network pod's port, and the errors of bad input.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from auraed.cri.streaming.client import (
     run_remote_command,
 )
 from tests.integration import test_cri_containers as container_tests
-from tests.integration.test_cri_containers import EXITED, RUNNING, Node, cri_error
+from tests.integration.test_cri_containers import EXITED, RUNNING, Node, cri_error, log_records
 from tests.support import workers
 from tests.support.cri import cri_client, pod_config, run_pod
 
@@ -36,6 +37,9 @@ node = container_tests.node
 
 TRANSPORTS = ["spdy", "websocket"]
 TIMEOUT = 30
+PARTIAL_WAIT = 2.0
+"""Seconds an attached client waits for output that ends without a newline (critest waits 60 s
+for ``echo -n hello``; containerd shows it in about a second)."""
 SHELL = ["sh"]
 POD_PORT = 8080
 GREETING = b"hello from the pod\n"
@@ -62,12 +66,15 @@ async def forward_url(node: Node, pod_id: str, ports: list[int] | None = None) -
 async def read_until(command: RemoteCommand, wanted: bytes, timeout: float = TIMEOUT) -> bytes:
     """stdout until it holds ``wanted`` (all of it so far)."""
     seen = b""
-    async with asyncio.timeout(timeout):
-        while wanted not in seen:
-            chunk = await command.read_stdout()
-            if not chunk:
-                raise AssertionError(f"stdout ended before {wanted!r}: {seen!r}")
-            seen += chunk
+    try:
+        async with asyncio.timeout(timeout):
+            while wanted not in seen:
+                chunk = await command.read_stdout()
+                if not chunk:
+                    raise AssertionError(f"stdout ended before {wanted!r}: {seen!r}")
+                seen += chunk
+    except TimeoutError:
+        raise AssertionError(f"no {wanted!r} on stdout in {timeout} s: {seen!r}") from None
     return seen
 
 
@@ -229,6 +236,65 @@ async def test_attach_to_a_shell(node: Node, transport: str) -> None:
             await command.close()
         assert (result.exit_code, result.stdout, result.stderr) == (0, b"", b"")
         assert (await node.status(container_id)).state == RUNNING
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_attach_relays_output_that_ends_without_a_newline(node: Node, transport: str) -> None:
+    """critest's attach spec as it runs: a shell with stdin and stdin_once, ``echo -n hello``
+    written, and exactly ``hello`` on stdout while stdin is still open (it waited for a newline
+    that never came: critest timed out). The kubelet's log holds it as a P record, which the F
+    record of what the shell writes next completes."""
+    pod_id = await node.run_pod("attach-partial", log_directory=True)
+    config = node.config("partial", SHELL, stdin=True, stdin_once=True, log=True)
+    container_id = await node.run(pod_id, config)
+    await node.wait_state(container_id, RUNNING)
+    url = await attach_url(node, container_id, stdin=True, stdout=True, stderr=True)
+    command = await open_remote_command(
+        url,
+        transport=transport,  # type: ignore[arg-type]
+        stdin=True,
+        stdout=True,
+        stderr=True,
+    )
+    try:
+        await command.write_stdin(b"echo -n hello\n")
+        assert await read_until(command, b"hello", PARTIAL_WAIT) == b"hello"
+        await command.write_stdin(b"echo ' world'\n")
+        assert await read_until(command, b" world\n") == b" world\n"
+        await command.close_stdin()  # stdin_once: the shell reads EOF and ends, and the attach
+        result = await command.collect()
+    finally:
+        await command.close()
+    assert (result.exit_code, result.stdout, result.stderr) == (0, b"", b"")
+    records = log_records(node.log_root / "attach-partial" / "partial.log")
+    assert [(stream, tag, content) for _, stream, tag, content in records] == [
+        ("stdout", "P", "hello"),
+        ("stdout", "F", " world"),
+    ]
+
+
+async def test_a_shell_prompt_shows_at_once(node: Node) -> None:
+    """A shell on a terminal writes its prompt with no newline: an attached client sees it as
+    soon as it is written, not with the line typed after it."""
+    pod_id = await node.run_pod("attach-prompt")
+    container_id = await shell(node, pod_id, "prompt", tty=True)
+    url = await attach_url(node, container_id, stdin=True, stdout=True, tty=True)
+    command = await open_remote_command(url, stdin=True, stdout=True, stderr=False, tty=True)
+    try:
+        await command.write_stdin(b"echo hi\r")
+        # The terminal's echo of the line, the command's output, then the next prompt (busybox
+        # sh's as root: "/ # ", then its query of the cursor's position), with no newline.
+        seen = await read_until(command, b"echo hi\r\nhi\r\n", PARTIAL_WAIT)
+        prompt = seen.split(b"echo hi\r\nhi\r\n", 1)[1]
+        if b"# " not in prompt:
+            prompt += await read_until(command, b"# ", PARTIAL_WAIT)
+        assert prompt.startswith(b"/ # ") and b"\n" not in prompt, prompt
+        await command.close_stdin()  # no stdin_once: a detach
+        result = await command.collect()
+    finally:
+        await command.close()
+    assert result.exit_code == 0
+    assert (await node.status(container_id)).state == RUNNING
 
 
 async def test_attach_with_stdin_once_ends_the_containers_input(node: Node) -> None:

@@ -293,12 +293,14 @@ def test_stdout_and_stderr_land_in_cri_log(monitors: Monitors) -> None:
     record = run.wait_exit()
     assert (record.exit_code, record.signal, record.oom_killed, record.error) == (0, None, False, None)
     assert before <= record.started_at <= record.finished_at <= time.time()
-    assert run.lines("stdout") == ["out1", "", "out2", "tail"]
+    # "tail" has no newline: logged as written (P), its line ended by an empty F at EOF.
+    stdout = [(partial, content) for _, name, partial, content in run.records() if name == "stdout"]
+    assert stdout == [(False, "out1"), (False, ""), (False, "out2"), (True, "tail"), (False, "")]
     assert run.lines("stderr") == ["err1"]
     raw = Path(run.spec.log_path).read_text().splitlines()
     for line in raw:
         assert TS_RE.match(line.split(" ", 1)[0])
-        assert line.split(" ")[2] == "F"
+        assert line.split(" ")[2] in ("F", "P")
     for ts, _, _, _ in run.records():
         assert before - 1 <= ts <= time.time() + 1
 
@@ -334,6 +336,24 @@ def test_runtime_starts_logs_stdout_before_the_runtime_exits(monitors: Monitors,
     assert seen.read_text().strip() == "0"  # stderr was still held while the runtime ran
     os.kill(run.pid, signal.SIGKILL)
     assert run.wait_exit().signal == signal.SIGKILL
+
+
+def test_output_without_a_newline_is_logged_as_it_is_written(monitors: Monitors, tmp_path: Path) -> None:
+    """What a read brings is logged at once, a line or not (an attach follows the log): the
+    start of a line as a P record while the process waits, its end as the F record."""
+    go = tmp_path / "go"
+    script = f"printf hello; until [ -e {go} ]; do sleep 0.02; done; echo ' world'"
+    run = monitors.start(monitors.spec(["sh", "-c", script]))
+    wait_for(lambda: Path(run.spec.log_path).exists() and bool(run.records()), what="the line's start")
+    assert [(name, partial, content) for _, name, partial, content in run.records()] == [
+        ("stdout", True, "hello")
+    ]
+    go.touch()
+    assert run.wait_exit().exit_code == 0
+    assert [(partial, content) for _, _, partial, content in run.records()] == [
+        (True, "hello"),
+        (False, " world"),
+    ]
 
 
 def test_long_line_is_split_into_partial_records(monitors: Monitors) -> None:

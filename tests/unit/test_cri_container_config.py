@@ -100,8 +100,12 @@ def test_mounts_as_asked_and_as_binds(tmp_path: Path) -> None:
     (bind,) = made.request.mounts
     assert (bind.destination, bind.source, bind.read_only) == ("/data", str(tmp_path / "data"), True)
     refusal("config.mounts[0].host_path", mounts=[cri.Mount(container_path="/data", host_path="relative")])
-    image_volume = cri.Mount(container_path="/data", image=cri.ImageSpec(image="busybox"))
-    assert refusal("config.mounts[0].image", mounts=[image_volume]).kind is ErrorKind.UNIMPLEMENTED
+    # An image volume has no host path; the image is the container domain's to find.
+    image_volume = cri.Mount(
+        container_path="/data", image=cri.ImageSpec(image="busybox"), image_sub_path="bin"
+    )
+    made = spec(mounts=[image_volume])
+    assert [(m.host_path, m.image, m.image_sub_path) for m in made.mounts] == [("", "busybox", "bin")]
 
 
 def test_resources_zero_is_unset() -> None:

@@ -1,6 +1,6 @@
 """What the host keeps of a vm pod's containers, without a guest: the copy of a guest's log into
-the kubelet's log path (resumed with no line lost or twice), the config a guest is given, and the
-mirror of a guest's status."""
+the kubelet's log path (record by record, resumed with nothing lost or twice), the config a guest
+is given, and the mirror of a guest's status."""
 
 from __future__ import annotations
 
@@ -73,6 +73,18 @@ def test_a_host_log_swapped_for_a_fifo_drops_lines_and_waits_for_no_reader(tmp_p
     log.unlink()  # a regular file again: the copy goes on with the lines that come
     write(keeper, lines((100.0, "lost"), (101.0, "kept")))
     assert stdout_lines(log) == ["kept"]
+
+
+def test_a_partial_record_is_copied_as_one(tmp_path: Path) -> None:
+    """The guest sends its log by records (partial): a line's parts reach the host's log as P
+    records as soon as they come, the line ended by its F, as the guest logged them."""
+    keeper = guested(tmp_path)
+    write(keeper, [pb.LogLine(line="hello", stream="stdout", timestamp=1764633600.5, partial=True)])
+    write(keeper, [pb.LogLine(line=" world", stream="stdout", timestamp=1764633601.0)])
+    assert Path(keeper.record.log_file).read_text() == (
+        "2025-12-02T00:00:00.500000000Z stdout P hello\n2025-12-02T00:00:01.000000000Z stdout F  world\n"
+    )
+    assert stdout_lines(Path(keeper.record.log_file)) == ["hello world"]
 
 
 def test_a_guest_is_given_the_whole_security_context() -> None:

@@ -559,9 +559,20 @@ def test_mounts_are_checked_before_anything_is_made(tmp_path: Path) -> None:
             "config.mounts[1].container_path: /data is mounted twice",
         ),
         (
-            [bind(made), cri.Mount(container_path="/img", image=cri.ImageSpec(image="busybox"))],
-            ErrorKind.UNIMPLEMENTED,
-            "config.mounts[1].image: image volumes are not supported",
+            [
+                bind(made),
+                cri.Mount(container_path="/img", image=cri.ImageSpec(image="busybox"), host_path="/x"),
+            ],
+            ErrorKind.INVALID_ARGUMENT,
+            "config.mounts[1].host_path: an image volume has none",
+        ),
+        (
+            [
+                bind(made),
+                cri.Mount(container_path="/img", image=cri.ImageSpec(image="b"), image_sub_path="../x"),
+            ],
+            ErrorKind.INVALID_ARGUMENT,
+            "config.mounts[1].image_sub_path: ",
         ),
         (
             [bind(made), bind(tmp_path, "/x", image_sub_path="etc")],

@@ -284,3 +284,32 @@ async def test_a_follower_goes_on_in_the_new_file_after_a_rotation(tmp_path: Pat
     finally:
         await lines.aclose()
         await watch.close()
+
+
+async def test_a_follower_by_parts_gets_each_record_from_where_it_started(tmp_path: Path) -> None:
+    """What an attach reads: from the log's end when it began (the start of a line unfinished
+    there is not replayed), each record as it comes, a line's parts marked partial; other
+    streams passed by."""
+    log = tmp_path / "container.log"
+    earlier = tmp_path / "earlier.log"
+    later = [("stdout", True, "ls"), ("stderr", False, "err"), ("stdout", False, ""), ("stdout", True, "$ ")]
+    write_log(earlier, [("stdout", False, "before"), ("stdout", True, "$ ")])
+    write_log(log, [("stdout", False, "before"), ("stdout", True, "$ "), *later])
+    start = logfile.end_position(earlier, frozenset({"stdout"}))
+    batches = logfile.stream_line_batches(
+        log, frozenset({"stdout"}), 0, False, lambda: True, start=start, parts=True
+    )
+    parts = [(line.partial, line.content) async for batch in batches for line in batch]
+    assert parts == [(True, "ls"), (False, ""), (True, "$ ")]
+
+
+async def test_a_follower_cancelled_as_its_log_changes_ends() -> None:
+    """An attach's client detaching cancels its follower, maybe just as the container writes
+    (the watch's event set in the same turn of the loop): the follower must end, not go on."""
+    changed = asyncio.Event()
+    waiting = asyncio.ensure_future(logfile._wait(changed, 5.0))
+    await asyncio.sleep(0)  # it waits for the event
+    changed.set()
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
