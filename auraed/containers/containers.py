@@ -44,6 +44,7 @@ from auraed.system.cgroupfs import CgroupError, Cgroupfs
 from auraed.system.cri_log import LOG_MODE
 from auraed.system.fs_usage import FsUsage, measure
 from auraed.system.monitor_protocol import ExitRecord, MonitorSpec, holds_open, read_exit_record
+from auraed.system.pod_namespaces import IPC, NET, NamespaceError, sysctl_namespace, write_sysctls
 from auraed.system.processes import ProcessInfo
 from auraed.system.request_files import NotRegularFile, open_regular
 from auraed.system.supervisor import ORPHANED, MonitorStartError, Supervisor
@@ -121,7 +122,11 @@ class Containers:
         log_watch: LogWatch | None = None,
         pid_groups: PidGroups | None = None,
         userns_rootfs_dir: Path = DEFAULT_USERNS_ROOTFS_DIR,
+        machine_sysctls: bool = False,
     ) -> None:
+        # In a guest, the machine is the pod: a container in its network or IPC namespace has
+        # its sysctls of those written there (True), where on a host they would be the host's.
+        self._machine_sysctls = machine_sysctls
         self._log_watch = log_watch  # wakes Logs followers (None: they poll)
         self._userns_rootfs_dir = userns_rootfs_dir
         self._sockets_dir = sockets_dir
@@ -302,6 +307,8 @@ class Containers:
         self._mount(record, image, sandbox.namespaces.user)
         try:
             request = self._image_volumes_bound(record, request)
+            if self._machine_sysctls:
+                request = _machine_sysctls_written(request, sandbox)
             rootfs = record.rootfs if sandbox.namespaces.user is None else self._reachable_rootfs(record)
             image_config = image_runtime_config({"config": image.config})
             record.stop_signal = stop_signal(image_config, request)
@@ -996,3 +1003,27 @@ def _create_log_file(path: Path) -> os.stat_result:
 def _image_volume(record: ContainerRecord, index: int) -> Path:
     """Where the container's ``index``-th image volume is mounted (its own directory)."""
     return record.path / IMAGE_VOLUMES_DIR / str(index)
+
+
+def _machine_sysctls_written(request: ContainerRequest, sandbox: SandboxContext) -> ContainerRequest:
+    """``request`` without the sysctls of the namespaces it shares with the machine (its network
+    with ``host_network``, its IPC with the machine's), which are written in the machine's own
+    (a guest's: the pod's) instead; the OCI runtime would refuse them in a namespace it joins."""
+    shared = {NET} if request.host_network else set()
+    if "ipc" in sandbox.namespaces.host:
+        shared.add(IPC)
+    machine: dict[str, str] = {}
+    own: dict[str, str] = {}
+    for name, value in request.sysctls.items():
+        try:
+            kind = sysctl_namespace(name)
+        except NamespaceError as exc:
+            raise ContainerError(exc.kind, exc.message) from None
+        (machine if kind in shared else own)[name] = value
+    if not machine:
+        return request
+    try:
+        write_sysctls(machine)
+    except NamespaceError as exc:
+        raise ContainerError(exc.kind, exc.message) from None
+    return dataclasses.replace(request, sysctls=own)

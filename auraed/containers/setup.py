@@ -37,6 +37,7 @@ def build(
     cgroups: Cgroupfs,
     supervisor: Supervisor,
     log_watch: LogWatch,
+    machine_sysctls: bool = False,
 ) -> Containers:
     runtime = runtime_for(
         runtime_binary(config, cgroups.layout),
@@ -54,6 +55,7 @@ def build(
         sockets_dir=config.runtime_dir / "consoles",
         pid_groups=PidGroups(config.runtime_dir / "pid-groups", config.pod_init),
         userns_rootfs_dir=config.userns_rootfs_dir,
+        machine_sysctls=machine_sysctls,
         default_stop_timeout=config.stop_grace_period,
         log_watch=log_watch,
     )

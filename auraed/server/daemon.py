@@ -274,6 +274,7 @@ class Daemon:
                 cgroups=cgroups,
                 supervisor=supervisor,
                 log_watch=self._log_watch,
+                machine_sysctls=self.role is Role.GUEST,
             )
             await self.containers.recover()
         self._count_states()

@@ -182,7 +182,9 @@ def _check(spec: PodNamespaceSpec) -> None:
             raise NamespaceError.invalid(f"sysctls.{name}", f"{value!r} is not a printable value")
 
 
-def _write_sysctls(sysctls: Mapping[str, str]) -> None:
+def write_sysctls(sysctls: Mapping[str, str]) -> None:
+    """Each sysctl written where /proc/sys resolves it for the calling thread (its namespaces');
+    INVALID_ARGUMENT naming the one the kernel refuses."""
     for name, value in sysctls.items():
         path = sysctl_path(name)
         try:
@@ -256,7 +258,7 @@ def configure_namespaces(hostname: str, sysctls: Mapping[str, str], network: boo
     """In the calling thread's namespaces: the hostname, the sysctls, ``lo`` up."""
     if hostname:
         namespaces.sethostname(hostname)
-    _write_sysctls(sysctls)
+    write_sysctls(sysctls)
     if network:
         namespaces.bring_loopback_up()
 

@@ -65,6 +65,7 @@ copy on the host and the host's follower, under TCG on a loaded machine (critest
 PORT = 8080
 GREETING = "hello from the pod"
 POD_DNS = "10.96.0.10"
+POD_SYSCTLS = {"kernel.shm_rmid_forced": "1", "fs.mqueue.msg_max": "100"}
 SERVE = ["sh", "-c", f"echo serving; while true; do echo '{GREETING}' | nc -l -p {PORT}; done"]
 REACH = ["sh", "-c", f"until nc 127.0.0.1 {PORT}; do sleep 0.5; done"]
 TICK = ["sh", "-c", "i=0; while true; do echo tick $i; i=$((i+1)); sleep 0.2; done"]
@@ -136,6 +137,8 @@ async def test_a_vm_pods_containers_run_in_its_guest(
         hostname="vm-pod-host",
         dns=cri.DnsConfig(servers=[POD_DNS], searches=["vm-pods.svc.example"], options=["ndots:5"]),
         port_mappings=[cri.PortMapping(container_port=PORT, host_port=host_port)],
+        # critest's safe and unsafe sysctls: namespaced, so the guest's own (its IPC namespace).
+        linux=cri.LinuxPodSandboxConfig(sysctls=POD_SYSCTLS),
     )
     config.log_directory = str(logs)
     pod_id = await asyncio.wait_for(run_pod(vm_node.client, config, "vm"), BOOT_TIMEOUT)
@@ -184,6 +187,15 @@ async def the_pods_files_and_host_port_reach_the_guest(pod: VmPod, server: str, 
     assert "127.0.0.1\tlocalhost" in hosts or "127.0.0.1 localhost" in hosts, hosts
     hostname = await node.exec_sync(server, ["cat", "/etc/hostname"])
     assert hostname.stdout == b"vm-pod-host\n"
+    # The pod's sysctls, in the guest's IPC namespace the containers share (crun refused them in
+    # each container's spec: "requires a new IPC namespace").
+    read = await node.exec_sync(
+        server, ["cat", "/proc/sys/kernel/shm_rmid_forced", "/proc/sys/fs/mqueue/msg_max"]
+    )
+    assert read.stdout.decode().split() == [
+        POD_SYSCTLS["kernel.shm_rmid_forced"],
+        POD_SYSCTLS["fs.mqueue.msg_max"],
+    ]
     assert await asyncio.to_thread(probe, "127.0.0.1", host_port) == f"{GREETING}\n"
 
 
