@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from auraed.vms.backend import LaunchDisk, LaunchNet, LaunchSpec, MemoryImage
+from auraed.vms.backend import LaunchDisk, LaunchNet, LaunchSpec, MemoryImage, Room
 from auraed.vms.errors import VmError
 from auraed.vms.model import RunInfo, grown_memory_mib, host_memory_mib
-from auraed.vms.qemu import QemuBackend, Room, build_command, copy_sparse, host_tsc_khz
+from auraed.vms.qemu import QemuBackend, build_command, copy_sparse, host_tsc_khz
 
 SPEC = LaunchSpec(
     name="web",

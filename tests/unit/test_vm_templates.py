@@ -130,19 +130,26 @@ def test_the_identity_port_is_found_by_its_name(tmp_path: Path) -> None:
 def test_the_debug_console_is_part_of_a_template_s_digest_and_record_only_when_on(tmp_path: Path) -> None:
     kernel = tmp_path / "vmlinuz"
     kernel.write_bytes(b"kernel")
-    shape = dataclasses.replace(TemplateShape.of(spec()), kernel=str(kernel), initramfs="", root_disk="")
+    shape = dataclasses.replace(
+        TemplateShape.of(spec(), "microvm"), kernel=str(kernel), initramfs="", root_disk=""
+    )
     store = Store(tmp_path / "state.db")
     try:
-        off, on = QemuBackend(machine="q35"), QemuBackend(machine="q35", debug_console=True)
+        off, on = QemuBackend(machine="microvm"), QemuBackend(machine="microvm", debug_console=True)
         templates = Templates(store, {"qemu": off}, tmp_path / "templates", 1.0, dict)
         assert templates.digest(shape, on) != templates.digest(shape, off)
-        # Off, the digest is what it was before the debug console could be on a template.
-        assert (
-            templates.digest(shape, off)
-            == hashlib.sha256(
-                "\n".join([hashlib.sha256(b"kernel").hexdigest(), "q35", "tcg"]).encode()
-            ).hexdigest()
-        )
+        # Off, the digest is what it was before the debug console could be on a template (and,
+        # on microvm, which has no room, before templates had room).
+        kernel_digest = hashlib.sha256(b"kernel").hexdigest()
+        before = hashlib.sha256("\n".join([kernel_digest, "microvm", "tcg"]).encode()).hexdigest()
+        assert templates.digest(shape, off) == before
+        # On q35 the room is in it: a change of vm_max_vcpus (or memory, slots) rebuilds it.
+        q35 = QemuBackend(machine="q35", max_vcpus=4, max_memory_mib=4096, memory_slots=8)
+        q35_shape = dataclasses.replace(shape, machine="q35")
+        with_room = "\n".join([kernel_digest, "q35", "tcg", "room 4 4096 8"])
+        assert templates.digest(q35_shape, q35) == hashlib.sha256(with_room.encode()).hexdigest()
+        fewer = QemuBackend(machine="q35", max_vcpus=2, max_memory_mib=4096, memory_slots=8)
+        assert templates.digest(q35_shape, fewer) != templates.digest(q35_shape, q35)
     finally:
         store.close()
     record = TemplateRecord("t", shape, "qemu", "/run/aurae/templates/t", TemplateState.READY, "d")
@@ -151,6 +158,6 @@ def test_the_debug_console_is_part_of_a_template_s_digest_and_record_only_when_o
     old = TemplateRecord.from_doc(doc)
     assert not old.debug_console and not old.image().debug_console
     assert why_rebuilt(old, "d2", on) == "vm_debug_console is on now"
-    assert why_rebuilt(old, "d2", off) == "its files, machine type or accelerator changed"
+    assert why_rebuilt(old, "d2", off) == "its files, machine type, room or accelerator changed"
     made = dataclasses.replace(old, debug_console=True)
     assert TemplateRecord.from_doc(made.to_doc()).image().debug_console
