@@ -26,7 +26,8 @@ volumes: a template has none, QEMU 7.2 cannot migrate it) mounted where a cold b
 ``auraed.share=``. With ``"grow"``, the clone was grown from its template's size as it was
 restored (vCPUs and memory hotplugged by the host): it onlines them (auraed.system.hotplug) and
 waits until N CPUs are online and its MemTotal is M MiB above the template's (noted as the
-template became ready), so the clone serves at its size; its answer then says what it has.
+template became ready), so the clone serves at its size; its answer then says what it has, and
+PID 1 sizes its tmpfs mounts to half the new memory (auraed.init.pid1.resize_tmpfs).
 It answers ``{"identity": "applied", "boot_id": ...}`` (the boot id is made at its first read,
 which comes after the reseed), or ``{"identity": "failed", "error": ...}`` and then serves
 nothing: the Daemon's start fails and PID 1 ends the machine. The Daemon then loads the clone's
@@ -182,6 +183,7 @@ def online_grown(grow: Any, template_mem_total_kib: int, timeout: float = GROW_W
         done = hotplug.online_until(cpus, template_mem_total_kib + memory_mib * 1024, timeout)
     except (TimeoutError, OSError, ValueError) as exc:
         raise IdentityError(f"the vCPUs and memory plugged into the clone: {exc}") from None
+    # PID 1 then sizes its tmpfs mounts to the new memory (auraed.init.pid1.resize_tmpfs).
     return {"online_cpus": done.online_cpus, "mem_total_kib": done.mem_total_kib}
 
 

@@ -109,6 +109,7 @@ async def test_a_q35_clone_bigger_than_its_template_is_grown_as_it_is_restored_a
     assert record.template == TEMPLATE and record.restore_ms is not None
     assert (record.spec.vcpus, record.spec.memory_mib) == (2, 640)
     assert (record.plugged_vcpus, record.plugged_memory_mib) == (1, 256)
+    await tmpfs_take_half(guests, "q3")  # first: before anything asks the guest to online more
     (nproc,) = await run_in_guest(guests, "q3", "nproc")
     meminfo = await guests.online_cpu_mem("q3")
     assert int(nproc) == 2 and meminfo.online_cpus == 2
@@ -124,7 +125,20 @@ async def test_a_q35_clone_bigger_than_its_template_is_grown_as_it_is_restored_a
     assert resized.online_cpus == 3 and resized.mem_total_kib - base == 512 * 1024
     (nproc,) = await run_in_guest(guests, "q3", "nproc")
     assert int(nproc) == 3
+    await tmpfs_take_half(guests, "q3")
     await guests.free("q3", 0.0)
+
+
+async def tmpfs_take_half(guests: Guests, name: str) -> None:
+    """The guest's tmpfs mounts (/run holds its containers' layers) are half its memory now, as a
+    cold guest of its size has them, not half its template's."""
+    lines = await run_in_guest(guests, name, "grep MemTotal /proc/meminfo; df -k /run /tmp /dev/shm")
+    mem_total_kib = int(lines[0].split()[1])
+    sizes = [int(line.split()[1]) for line in lines[2:]]
+    assert len(sizes) == 3 and all(abs(size - mem_total_kib // 2) <= 8 for size in sizes), (
+        lines,
+        mem_total_kib,
+    )
 
 
 async def test_a_q35_clone_with_a_shared_directory_gets_a_copy_of_the_ram_and_virtio_fs_plugged(
