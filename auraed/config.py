@@ -30,6 +30,10 @@ from auraed.wire.channel import GUEST_PING_INTERVAL_MIN, MAX_KEEPALIVE_SECONDS
 DEFAULT_CONFIG_FILE = Path("/etc/aurae/auraed.toml")
 ENV_PREFIX = "AURAED_"
 ROLES = ("host", "guest", "nested")
+VM_MACHINES = ("microvm", "q35")  # QEMU's machine types (auraed/vms/qemu.py)
+VM_TEMPLATE_MEMORY_MIB = 256
+"""A growable guest template's memory by default: what a guest's own kernel and auraed take
+before any container (auraed.vms.guests.GUEST_BASE_MIB), so that every vm pod can be its clone."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +190,10 @@ class DaemonConfig:
     )
     vm_machine: str = field(
         default="microvm",
-        metadata=_help("QEMU machine type: microvm or q35 (q35 VMs can grow: VmService.Resize)"),
+        metadata=_help(
+            "QEMU machine type of VmService's VMs: microvm or q35 (q35 VMs can grow: VmService.Resize); "
+            "vm pods' guests have their own, cri_vm_machine"
+        ),
     )
     vm_max_vcpus: int = field(
         default=0,
@@ -204,7 +211,19 @@ class DaemonConfig:
     )
     vm_memory_slots: int = field(
         default=10,
-        metadata=_help("DIMM slots of a q35 VM (-m slots): each memory growth takes one; 1 to 255"),
+        metadata=_help(
+            "DIMM slots of a q35 VM (-m slots): each memory growth takes one (a template's clone "
+            "grown to its size as it is restored, one); 1 to 255"
+        ),
+    )
+    vm_template_memory_mib: int = field(
+        default=VM_TEMPLATE_MEMORY_MIB,
+        metadata=_help(
+            "MiB a guest template boots with on q35: it is made with room up to vm_max_vcpus and "
+            "vm_max_memory_mib, and each clone is grown by hotplug to its own size as it is "
+            "restored, so one template per guest image and machine type serves every VM of at "
+            "least this size (1 vCPU and these MiB); a smaller VM boots cold"
+        ),
     )
     vm_debug_console: bool = field(
         default=False,
@@ -298,13 +317,21 @@ class DaemonConfig:
         ),
     )
     cri_vm_boot: str = field(
-        default="cold",
+        default="template",
         metadata=_help(
-            "how a vm pod's guest starts: cold (booted for the pod) or template (cloned from the "
-            "host's guest template of the pod's shape, made at the first pod of that shape; on q35 "
-            "only, its virtio-fs plugged after the restore; a pod that cannot be cloned, or whose "
-            "template cannot be made, boots cold, logged). cold is the default: a clone cannot "
-            "grow (UpdatePodSandboxResources), and a template costs a boot of its own per shape"
+            "how a vm pod's guest starts: template (cloned from the host's guest template, made "
+            "in the background at daemon start and again when the guest image changes, grown to "
+            "the pod's size by hotplug as it is restored, its virtio-fs plugged then; a pod that "
+            "cannot be cloned, or whose template cannot be made, boots cold, logged) or cold "
+            "(booted for the pod). Clones need cri_vm_machine = q35"
+        ),
+    )
+    cri_vm_machine: str = field(
+        default="q35",
+        metadata=_help(
+            "QEMU machine type of vm pods' guests: q35 (cloned from a template, their volumes' "
+            "virtio-fs plugged after the restore, and grown by UpdatePodSandboxResources) or "
+            "microvm (booted cold, never grown: it cannot hotplug)"
         ),
     )
     cri_profile_max_kib: int = field(
@@ -654,6 +681,7 @@ CRI_HANDLER_CHOICES = ("cell", "vm", "auto")
 CRI_VM_BOOT_CHOICES = ("cold", "template")
 MAX_VM_VCPUS = 255
 MAX_VM_MEMORY_MIB = 1024 * 1024
+MIN_VM_MEMORY_MIB = 64  # a VM's least (vms/model.py MIN_MEMORY_MIB)
 MAX_CRI_PROFILE_KIB = 64 * 1024  # a profile is parsed whole in memory
 MAX_CRI_FILE_TIMEOUT = 600.0  # well past the kubelet's runtime-request-timeout (2 minutes)
 
@@ -667,6 +695,10 @@ def _validate_cri(config: DaemonConfig) -> None:
     if config.cri_vm_boot not in CRI_VM_BOOT_CHOICES:
         raise ConfigError(
             f"cri_vm_boot: must be one of {', '.join(CRI_VM_BOOT_CHOICES)}, not {config.cri_vm_boot!r}"
+        )
+    if config.cri_vm_machine not in VM_MACHINES:
+        raise ConfigError(
+            f"cri_vm_machine: must be one of {', '.join(VM_MACHINES)}, not {config.cri_vm_machine!r}"
         )
     if not 1 <= config.cri_vm_vcpus <= MAX_VM_VCPUS:
         raise ConfigError(f"cri_vm_vcpus: must be 1 to {MAX_VM_VCPUS}")
@@ -744,6 +776,8 @@ def _validate(config: DaemonConfig) -> DaemonConfig:
         raise ConfigError("vm_max_memory_mib: must be 0 (the host's MemTotal) or more")
     if not 1 <= config.vm_memory_slots <= MAX_VM_MEMORY_SLOTS:
         raise ConfigError(f"vm_memory_slots: must be 1 to {MAX_VM_MEMORY_SLOTS}")
+    if not MIN_VM_MEMORY_MIB <= config.vm_template_memory_mib <= MAX_VM_MEMORY_MIB:
+        raise ConfigError(f"vm_template_memory_mib: must be {MIN_VM_MEMORY_MIB} to {MAX_VM_MEMORY_MIB}")
     if not 0 <= config.vm_tcg_cache_mib <= MAX_TCG_CACHE_MIB:
         raise ConfigError(f"vm_tcg_cache_mib: must be 0 (QEMU's own size) to {MAX_TCG_CACHE_MIB}")
     if not 1 <= config.vm_guest_port <= MAX_PORT:

@@ -58,6 +58,8 @@ class Pods:
         self._records: dict[str, PodRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._running: dict[PodMetadata, asyncio.Future[PodRecord]] = {}  # runs in flight
+        # Pods whose sandbox the runtime is stopping: its end then is asked for, not a loss.
+        self._stopping: set[str] = set()
         self.containers: PodContainers | None = None  # set once the container domain exists
 
     # -- lookups -----------------------------------------------------------------------------
@@ -105,7 +107,11 @@ class Pods:
 
     def sandbox_lost(self, pod: PodRecord, why: str) -> None:
         """The pod's sandbox ended under it (a guest VM died): a READY pod is NOT_READY from now
-        on, and the kubelet stops and removes it as any other."""
+        on, and the kubelet stops and removes it as any other. A sandbox ending while the
+        runtime stops it (StopPodSandbox, RemovePodSandbox) is no loss: it is not warned of."""
+        if pod.id in self._stopping:
+            log.debug("pod %s: its sandbox ended as it was stopped: %s", pod.id[:13], why)
+            return
         if pod.state is PodState.READY and pod.id in self._records:
             log.warning("pod %s lost its sandbox: %s", pod.id[:13], why)
             pod.state = PodState.NOT_READY
@@ -203,9 +209,17 @@ class Pods:
         async with self._lock(pod.id):
             controller = self.controller(pod)
             await self._stop_containers(pod, controller)
-            await controller.stop(pod)
+            await self._stop_sandbox(pod, controller)
             pod.state = PodState.NOT_READY
             self.save(pod)
+
+    async def _stop_sandbox(self, pod: PodRecord, controller: SandboxController) -> None:
+        """The controller's stop, with the sandbox's end during it expected (sandbox_lost)."""
+        self._stopping.add(pod.id)
+        try:
+            await controller.stop(pod)
+        finally:
+            self._stopping.discard(pod.id)
 
     async def _stop_containers(self, pod: PodRecord, controller: SandboxController) -> None:
         """The pod's containers stopped; where the sandbox's stop ends them anyway (a guest VM's),
@@ -264,7 +278,7 @@ class Pods:
             # Its containers end with it first (stopped already when the kubelet stopped the
             # pod): then they are removed on the host alone, whether or not their guest answers.
             await self._stop_containers(pod, controller)
-            await controller.stop(pod)
+            await self._stop_sandbox(pod, controller)
         if self.containers is not None:
             await self.containers.remove_pod_containers(pod)
         await self._undo(pod, controller)

@@ -32,6 +32,7 @@ from auraed.cri.streaming.server import StreamingServer
 from auraed.cri.streaming_rpcs import StreamingRpcs
 from auraed.cri.unserved import Unserved
 from auraed.cri.vm import VmSandbox, VmSizing, host_namespaces_asked, pod_vm_name, vm_name
+from auraed.cri.vm_template import PodTemplate
 from auraed.images.images import Images
 from auraed.observe.logfile import LogWatch
 from auraed.state.store import Store
@@ -62,10 +63,14 @@ class Cri:
     pods: Pods
     containers: CriContainers
     streaming: StreamingServer
+    template: PodTemplate | None = None  # vm pods' guest template, kept ready
 
     async def close(self) -> None:
         """Let runs in flight finish; pods keep running across a restart of auraed, so nothing
-        is stopped but the streaming sessions (their exec'd processes are killed)."""
+        is stopped but the streaming sessions (their exec'd processes are killed) and the making
+        of vm pods' template."""
+        if self.template is not None:
+            await self.template.close()
         await self.streaming.close()
         await self.pods.close()
         await self.containers.close()
@@ -127,16 +132,18 @@ async def build(
     )
     controllers: dict[str, SandboxController] = {"cell": cell}
     hosts: dict[str, ContainerHost] = {"cell": LocalHost(containers, cgroups)}
+    template = None
     if guests is not None:
         sizing = VmSizing(
             vcpus=config.cri_vm_vcpus,
             memory_mib=config.cri_vm_memory_mib,
             vmm_overhead_mib=config.cri_vm_vmm_overhead_mib,
+            machine=config.cri_vm_machine,
         )
         shares = PodShares(config.runtime_dir / POD_SHARES_DIR)
-        controllers["vm"] = VmSandbox(
-            cell, cni, guests, sizing, shares, from_template=config.cri_vm_boot == "template"
-        )
+        vm = VmSandbox(cell, cni, guests, sizing, shares, from_template=config.cri_vm_boot == "template")
+        controllers["vm"] = vm
+        template = PodTemplate(guests, vm.template_spec, log_watch)
         root = config.state_dir / GUEST_CONTAINERS_DIR
         hosts["vm"] = GuestContainers(store, guests, images, root, vm_of=pod_vm_name, shares=shares)
     pods = Pods(store, controllers, default_handler(config.cri_default_handler, guests))
@@ -166,6 +173,8 @@ async def build(
     sessions = CriSessions(pod_containers, pods, log_watch)
     streaming = StreamingServer(sessions, streaming_config(config))
     await streaming.start()
+    if template is not None:
+        template.start()  # in the background: the node's first pod should not pay its boot
     return Cri(
         servicers={
             IMAGE_SERVICE: ImageServicer(images, fs_usage),
@@ -182,4 +191,5 @@ async def build(
         pods=pods,
         containers=pod_containers,
         streaming=streaming,
+        template=template,
     )

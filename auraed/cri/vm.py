@@ -62,14 +62,19 @@ POD_PID = Path("/proc/self/ns/pid")
 is joined by it, the guest makes the pod's PID namespace (auraed.cri.guest_containers)."""
 
 
+TEMPLATE_VM = "pod-template"
+"""The name of the spec a vm pod's template is made from (auraed.cri.vm_template): no VM has it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class VmSizing:
-    """A pod guest's size when the pod gives none, and what its VMM takes beyond the guest's
-    RAM (the ``cri_vm_*`` settings)."""
+    """A pod guest's size when the pod gives none, what its VMM takes beyond the guest's RAM, and
+    its machine type (the ``cri_vm_*`` settings)."""
 
     vcpus: int = 1
     memory_mib: int = 768
     vmm_overhead_mib: int = 160
+    machine: str = "q35"
 
     @property
     def vm_overhead_mib(self) -> int:
@@ -237,25 +242,13 @@ class VmSandbox:
             netns=netns,
         )
         vcpus, memory_mib = guest_size(pod.spec.resources, pod.spec.overhead, self._sizing)
-        spec = VmSpec(
-            name=name,
+        spec = self._guest_spec(
+            name,
             vcpus=vcpus,
             memory_mib=memory_mib,
-            kernel="",
-            initramfs="",
-            root_disk="",
-            extra_disks=(),
-            # The pod's hostname for the guest (the last auraed.hostname wins over the VM's name,
-            # which stays its identity: its certificate and the host's channel name it).
-            kernel_args=(f"auraed.hostname={pod.spec.hostname}",) if pod.spec.hostname else (),
-            network=True,
-            backend="qemu",
-            role=GUEST_ROLE,
+            hostname=pod.spec.hostname,
             shared_dir=str(shared),
             cgroup_procs=cgroup_procs,
-            # The host's template of the pod's shape (made at its first use): a clone, its
-            # virtio-fs plugged as it resumes; cold when it cannot be (Guests.boot says why).
-            template=AUTO if self._from_template else "",
         )
         await self._guests.allocate(spec, net)
         try:
@@ -268,6 +261,56 @@ class VmSandbox:
             ) from None
         how = f"cloned from template {booted.record.template}" if booted.record.template else "booted cold"
         log.info("pod %s: guest %s %s, ready in %.1f s", pod.id[:13], name, how, booted.ready or 0.0)
+
+    def _guest_spec(
+        self,
+        name: str,
+        *,
+        vcpus: int,
+        memory_mib: int,
+        hostname: str,
+        shared_dir: str,
+        cgroup_procs: tuple[str, ...],
+    ) -> VmSpec:
+        return VmSpec(
+            name=name,
+            vcpus=vcpus,
+            memory_mib=memory_mib,
+            kernel="",
+            initramfs="",
+            root_disk="",
+            extra_disks=(),
+            # The pod's hostname for the guest (the last auraed.hostname wins over the VM's name,
+            # which stays its identity: its certificate and the host's channel name it).
+            kernel_args=(f"auraed.hostname={hostname}",) if hostname else (),
+            network=True,
+            backend="qemu",
+            role=GUEST_ROLE,
+            shared_dir=shared_dir,
+            cgroup_procs=cgroup_procs,
+            # The host's template (made at daemon start, auraed.cri.vm_template): a clone grown to
+            # the pod's size, its virtio-fs plugged as it resumes; cold when it cannot be
+            # (Guests.boot says why).
+            template=AUTO if self._from_template else "",
+            machine=self._sizing.machine,
+        )
+
+    def template_spec(self) -> VmSpec | None:
+        """A pod's guest as its template is made for (its size is the default's: a template's
+        clones are grown from its own base size); None when pods boot cold (cri_vm_boot)."""
+        if not self._from_template:
+            return None
+        # As a pod's, it has a share (never made: a template has none, each clone's is plugged).
+        share = str(self._shares.served(TEMPLATE_VM))
+        sizing = self._sizing
+        return self._guest_spec(
+            TEMPLATE_VM,
+            vcpus=sizing.vcpus,
+            memory_mib=sizing.memory_mib,
+            hostname="",
+            shared_dir=share,
+            cgroup_procs=(),
+        )
 
     # -- stop, remove ----------------------------------------------------------------------
 

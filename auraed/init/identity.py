@@ -14,6 +14,7 @@ Each clone resumes inside that read. The host sends one JSON line, its identity:
     {"identity": 1, "name": ..., "hostname": ..., "entropy": <base64, 32..4096 bytes>,
      "time_ns": <host CLOCK_REALTIME>, "net": {"iface", "ip" (addr/prefix), "gateway", "mac"},
      "share": <a virtio-fs tag, optional>,
+     "grow": {"cpus": N, "memory_mib": M} (optional),
      "files": {"auraed.toml": ..., "pki/ca.crt": ..., "pki/server.crt": ..., "pki/server.key": ...}}
 
 and the guest applies it in this order, before anything serves or makes a key: the entropy
@@ -22,7 +23,11 @@ hostname, the NIC's own MAC, its address and default route, the config files on 
 /etc/aurae (where a cold boot mounts its config disk: the template never holds a serving key),
 and, with ``"share": TAG``, the virtio-fs the host plugged into the clone as it resumed (a pod's
 volumes: a template has none, QEMU 7.2 cannot migrate it) mounted where a cold boot mounts
-``auraed.share=``.
+``auraed.share=``. With ``"grow"``, the clone was grown from its template's size as it was
+restored (vCPUs and memory hotplugged by the host): it onlines them (auraed.system.hotplug) and
+waits until N CPUs are online and its MemTotal is M MiB above the template's (noted as the
+template became ready), so the clone serves at its size; its answer then says what it has, and
+PID 1 sizes its tmpfs mounts to half the new memory (auraed.init.pid1.resize_tmpfs).
 It answers ``{"identity": "applied", "boot_id": ...}`` (the boot id is made at its first read,
 which comes after the reseed), or ``{"identity": "failed", "error": ...}`` and then serves
 nothing: the Daemon's start fails and PID 1 ends the machine. The Daemon then loads the clone's
@@ -47,6 +52,8 @@ PORT_WAIT = 20.0  # seconds for the identity port to appear (its name comes over
 RETRY = 0.02  # seconds between reads while the host's end is closed
 MAX_LINE = 1024 * 1024
 SHARE_WAIT = 10.0  # seconds for a hotplugged virtio-fs to be probed (the host plugs it as the clone resumes)
+GROW_WAIT = 20.0  # seconds for hotplugged vCPUs and memory to be added by the kernel (ACPI events)
+MAX_GROW_CPUS = 1024
 CONFIG_DIR = "etc/aurae"
 SECRET_FILES = ("pki/server.key",)
 
@@ -114,8 +121,9 @@ def parse(line: bytes) -> dict[str, Any]:
     return message
 
 
-def apply(message: dict[str, Any], root: str = "/") -> dict[str, Any]:
-    """Apply an identity (the order matters: randomness first); what the host is told."""
+def apply(message: dict[str, Any], root: str = "/", template_mem_total_kib: int = 0) -> dict[str, Any]:
+    """Apply an identity (the order matters: randomness first); what the host is told.
+    ``template_mem_total_kib``: the MemTotal the template had, which a grown clone's is above."""
     from auraed.system import reseed
 
     steps: dict[str, float] = {}
@@ -137,6 +145,13 @@ def apply(message: dict[str, Any], root: str = "/") -> dict[str, Any]:
         step = time.monotonic()
         mount_share(share, os.path.join(root, SHARE_MOUNT.lstrip("/")))
         steps["share"] = time.monotonic() - step
+    grown: dict[str, Any] = {}
+    if "grow" in message:
+        # Last: the kernel adds what was plugged while the rest was applied.
+        step = time.monotonic()
+        grown = online_grown(message["grow"], template_mem_total_kib)
+        steps["grow"] = time.monotonic() - step
+        grown["grow_ms"] = round(steps["grow"] * 1000, 1)
     steps["all"] = time.monotonic() - started
     log.info(
         "identity of %s applied in %.0f ms (hostname %s; %s)",
@@ -145,7 +160,31 @@ def apply(message: dict[str, Any], root: str = "/") -> dict[str, Any]:
         message["hostname"],
         ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in steps.items() if k != "all"),
     )
-    return {"identity": "applied", "boot_id": reseed.boot_id(), "applied_ms": round(steps["all"] * 1000, 1)}
+    return {
+        "identity": "applied",
+        "boot_id": reseed.boot_id(),
+        "applied_ms": round(steps["all"] * 1000, 1),
+        **grown,
+    }
+
+
+def online_grown(grow: Any, template_mem_total_kib: int, timeout: float = GROW_WAIT) -> dict[str, Any]:
+    """The vCPUs and memory the host plugged into the clone online: ``grow["cpus"]`` CPUs, and
+    MemTotal ``grow["memory_mib"]`` above the template's; what the clone has then."""
+    from auraed.system import hotplug
+
+    cpus = grow.get("cpus") if isinstance(grow, dict) else None
+    memory_mib = grow.get("memory_mib") if isinstance(grow, dict) else None
+    if not isinstance(cpus, int) or not isinstance(memory_mib, int):
+        raise IdentityError("identity: grow needs cpus and memory_mib, integers")
+    if not 1 <= cpus <= MAX_GROW_CPUS or memory_mib < 0:
+        raise IdentityError(f"identity: grow to {cpus} CPUs and {memory_mib} MiB more is out of range")
+    try:
+        done = hotplug.online_until(cpus, template_mem_total_kib + memory_mib * 1024, timeout)
+    except (TimeoutError, OSError, ValueError) as exc:
+        raise IdentityError(f"the vCPUs and memory plugged into the clone: {exc}") from None
+    # PID 1 then sizes its tmpfs mounts to the new memory (auraed.init.pid1.resize_tmpfs).
+    return {"online_cpus": done.online_cpus, "mem_total_kib": done.mem_total_kib}
 
 
 def configure_network(net: dict[str, Any]) -> None:
@@ -210,6 +249,7 @@ class TemplateGuest:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
+        self.mem_total_kib = 0  # the template's, once ready: a grown clone's is above it
 
     @classmethod
     def open(cls) -> TemplateGuest:
@@ -236,10 +276,13 @@ class TemplateGuest:
 
         # What the template made stays as it is: the collector no longer walks (and so writes to)
         # those objects in each clone, which then keeps sharing their pages with the template.
+        from auraed.system import hotplug
+
+        self.mem_total_kib = hotplug.mem_total_kib()
         gc.collect()
         gc.freeze()
         took = time.monotonic() - started
-        send(self.fd, {"template": "ready", "imports_s": round(took, 3)})
+        send(self.fd, {"template": "ready", "imports_s": round(took, 3), "mem_total_kib": self.mem_total_kib})
         log.info("template ready in %.1f s: waiting for an identity", took)
 
     def take_identity(self, root: str = "/") -> dict[str, Any]:
@@ -247,7 +290,7 @@ class TemplateGuest:
         (the host told why) when it cannot be applied."""
         line = read_line(self.fd)
         try:
-            reply = apply(parse(line), root)
+            reply = apply(parse(line), root, self.mem_total_kib)
         except Exception as exc:
             send(self.fd, {"identity": "failed", "error": str(exc)[:2000]})
             raise IdentityError(str(exc)) from exc

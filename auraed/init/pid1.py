@@ -695,6 +695,31 @@ class Pid1:
         log.info("unmounted %d file systems%s", len(targets) - len(failed), _busy(failed))
 
 
+SIZED_TMPFS = "size=50%"
+"""A tmpfs of MOUNTS given no size has the kernel's default, half the machine's memory when it was
+mounted: resized to it again after the host grew the machine."""
+
+
+def resize_tmpfs(root: str = "/") -> list[str]:
+    """PID 1's tmpfs mounts (MOUNTS: /run, where a guest's containers and images live, /tmp,
+    /dev/shm) sized again to half the machine's memory, as a cold boot of its new size has them:
+    after the host grew the machine (a template's clone grown as it was restored, a Resize), they
+    were still half of what it had at boot. Their flags are MOUNTS' (a remount sets them again).
+    What failed, in words (nothing is undone)."""
+    from auraed.system.namespaces import mount
+
+    failures = []
+    for source, relative, fstype, flags, _ in MOUNTS:
+        target = os.path.join(root, relative)
+        if fstype != "tmpfs" or not os.path.ismount(target):
+            continue
+        try:
+            mount(source, target, fstype, flags | MS_REMOUNT, SIZED_TMPFS)
+        except OSError as exc:
+            failures.append(f"{target}: {exc.strerror or exc}")
+    return failures
+
+
 def find_block_device(wanted: str, sys_dir: str = "/sys", dev_dir: str = "/dev") -> str:
     """``wanted`` if that device exists; for ``serial=NAME`` the disk whose serial is NAME; "" if
     none (yet)."""
@@ -794,7 +819,12 @@ def _clone_config(
         from auraed.config import load_config
 
         template.ready(started)
-        await asyncio.to_thread(template.take_identity, root)
+        identity = await asyncio.to_thread(template.take_identity, root)
+        if identity.get("mem_total_kib", 0) > template.mem_total_kib:
+            # Grown as it was restored: /run (the containers' layers), /tmp and /dev/shm take half
+            # the clone's memory, not the template's.
+            for failure in resize_tmpfs(root):
+                log.warning("a tmpfs not resized to the clone's memory: %s", failure)
         loading = time.monotonic()
         config = load_config(argv)
         log.info("the clone's configuration loaded in %.0f ms", (time.monotonic() - loading) * 1000)

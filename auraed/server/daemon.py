@@ -425,7 +425,14 @@ class Daemon:
             config.guest_keepalive_time,
             config.guest_keepalive_timeout,
         )
-        self.guests = Guests(vms, trust, config.guest_image, config.guest_ready_timeout, self._metrics_sink())
+        self.guests = Guests(
+            vms,
+            trust,
+            config.guest_image,
+            config.guest_ready_timeout,
+            self._metrics_sink(),
+            template_memory_mib=config.vm_template_memory_mib,
+        )
         if self.metrics is not None:
             from auraed.vms.model import State as VmState
 

@@ -51,6 +51,7 @@ class SystemServicer:
     def __init__(self, request_stop: Callable[[], None], machine: Machine | None = None) -> None:
         self._request_stop = request_stop
         self._machine = machine
+        self._mem_total_kib = 0  # the machine's as OnlineCpuMem last saw it (its tmpfs sized to it)
 
     async def shutdown(
         self, request: pb.SystemServiceShutdownRequest, context: Context
@@ -109,6 +110,13 @@ class SystemServicer:
 
         self._machine_init("OnlineCpuMem")
         done = await asyncio.to_thread(hotplug.online_cpu_mem)
+        if done.mem_total_kib != self._mem_total_kib:
+            from auraed.init.pid1 import resize_tmpfs
+
+            # Grown: PID 1's tmpfs mounts take half the new memory, as a cold boot of its size has.
+            self._mem_total_kib = done.mem_total_kib
+            for failure in await asyncio.to_thread(resize_tmpfs):
+                log.warning("a tmpfs not resized to the machine's memory: %s", failure)
         if done.cpus_onlined or done.memory_blocks_onlined or done.failures:
             log.info(
                 "hotplug (asked by %s): %d CPUs and %d memory blocks onlined%s; %d CPUs, MemTotal %d KiB",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from pathlib import Path
 
 SYSFS = Path("/sys/devices/system")
@@ -94,3 +95,29 @@ def online_cpu_mem(sysfs: Path = SYSFS, meminfo: Path = MEMINFO) -> Onlined:
             continue
         blocks_onlined += 1
     return Onlined(online, mem_total_kib(meminfo), cpus_onlined, blocks_onlined, tuple(failures))
+
+
+def online_until(
+    cpus: int,
+    mem_total_kib: int,
+    timeout: float,
+    *,
+    poll: float = 0.01,
+    sysfs: Path = SYSFS,
+    meminfo: Path = MEMINFO,
+) -> Onlined:
+    """Online what was hotplugged (online_cpu_mem) until ``cpus`` CPUs are online and MemTotal is
+    at least ``mem_total_kib``: the host has plugged them, and the kernel adds each as it handles
+    its ACPI event. What is online then; TimeoutError saying what is after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done = online_cpu_mem(sysfs, meminfo)
+        if done.online_cpus >= cpus and done.mem_total_kib >= mem_total_kib:
+            return done
+        if time.monotonic() > deadline:
+            refused = f"; refused: {'; '.join(done.failures)}" if done.failures else ""
+            raise TimeoutError(
+                f"{done.online_cpus} of {cpus} CPUs and MemTotal {done.mem_total_kib} of {mem_total_kib} KiB "
+                f"online within {timeout:g} s{refused}"
+            )
+        time.sleep(poll)

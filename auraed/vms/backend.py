@@ -52,6 +52,19 @@ class LaunchNet:
 
 
 @dataclasses.dataclass(frozen=True)
+class Room:
+    """What a VM can grow to: its vCPUs (QEMU's ``-smp maxcpus``) and memory (``-m maxmem``, with
+    ``slots`` DIMM slots); both its boot values when it cannot grow."""
+
+    max_vcpus: int
+    max_memory_mib: int
+    slots: int
+
+
+NO_ROOM = Room(0, 0, 0)
+
+
+@dataclasses.dataclass(frozen=True)
 class MemoryImage:
     """A guest kept as files: its RAM (``memory_path``, a file-backed memory object) and its device
     state (``state_path``, a migration stream without the RAM).
@@ -62,12 +75,18 @@ class MemoryImage:
     host-only identity port, whose host end is ``identity.sock`` in the run directory.
     ``debug_console``: the template has the debug port (vm_debug_console), so its clones have it
     too (a clone's devices are its template's), each its own ``debug.sock`` in its run directory.
+    ``vcpus``, ``memory_mib`` and ``room``: the template's boot size and the room it was made with
+    (0 and None: the VM's own size, no room); a clone starts as its template did (its command
+    line must be the template's) and is grown to its own size by hotplug once restored.
     """
 
     memory_path: str
     state_path: str
     clone: bool
     debug_console: bool = False
+    vcpus: int = 0
+    memory_mib: int = 0
+    room: Room | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +108,15 @@ class LaunchSpec:
     image: MemoryImage | None = None  # a template being made, or a clone to restore
     # The cgroup files (cgroup.procs) the VMM and its helpers join as they start (VmSpec's).
     cgroup_procs: tuple[str, ...] = ()
+    machine: str = ""  # QEMU's machine type ("": the backend's configured one, vm_machine)
+
+    def boot_size(self) -> tuple[int, int]:
+        """The vCPUs and MiB the VMM starts with: a clone's are its template's (``image``), and
+        it is grown to ``vcpus`` and ``memory_mib`` once restored; any other VM's are its own."""
+        image = self.image
+        if image is not None and image.vcpus and image.memory_mib:
+            return image.vcpus, image.memory_mib
+        return self.vcpus, self.memory_mib
 
 
 @dataclasses.dataclass
@@ -113,6 +141,10 @@ class VmHandle:
     machine: str = ""
     max_vcpus: int = 0
     max_memory_mib: int = 0
+    # A clone grown to its own size as it was restored: the vCPUs and MiB it has then, and the
+    # seconds the hotplug took (None: it started at its size).
+    grown: tuple[int, int] | None = None
+    grown_in: float = 0.0
 
     def run_info(self) -> RunInfo:
         return RunInfo(
@@ -153,8 +185,20 @@ class Backend(Protocol):
         """Why this backend cannot boot VMs on this host (binary missing, no KVM); None when it can."""
         ...
 
-    def kernel_args(self) -> list[str]:
-        """Arguments this backend puts first on every kernel command line (console, clock)."""
+    def kernel_args(self, machine: str = "") -> list[str]:
+        """Arguments this backend puts first on every kernel command line (console, clock) of a
+        VM of ``machine`` ("": the configured one)."""
+        ...
+
+    def machine_of(self, requested: str) -> str:
+        """The machine type a VM asking for ``requested`` ("": the configured one) runs on; ""
+        for a backend without machine types."""
+        ...
+
+    def template_room(self, machine: str) -> Room | None:
+        """The room a template of ``machine`` is made with, so that its clones grow to any size
+        within it as they are restored; None where clones cannot grow (they are then their
+        template's shape)."""
         ...
 
     def console_log_path(self, run_dir: Path) -> Path: ...

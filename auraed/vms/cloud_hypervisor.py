@@ -54,7 +54,7 @@ import httpx
 from auraed.system import processes
 from auraed.system.tasks import run_to_end
 from auraed.vms import backend as common
-from auraed.vms.backend import ExitInfo, LaunchNet, LaunchSpec, VmHandle
+from auraed.vms.backend import ExitInfo, LaunchNet, LaunchSpec, Room, VmHandle
 from auraed.vms.errors import VmError
 from auraed.vms.model import RunInfo
 
@@ -229,8 +229,14 @@ class CloudHypervisorBackend:
             )
         return None
 
-    def kernel_args(self) -> list[str]:
+    def kernel_args(self, machine: str = "") -> list[str]:
         return ["console=ttyS0"]
+
+    def machine_of(self, requested: str) -> str:
+        return ""  # one machine: cloud-hypervisor's own
+
+    def template_room(self, machine: str) -> Room | None:
+        return None  # its clones are their template's shape (growing needs room set at boot)
 
     def template_problem(self) -> str | None:
         problem = self.problem()

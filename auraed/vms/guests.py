@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 
 from auraed.bootargs import GUEST_CONFIG_SERIAL, SHARE_TAG
+from auraed.config import VM_TEMPLATE_MEMORY_MIB
 from auraed.errors import AuraeError, ErrorKind
 from auraed.metrics.sink import NO_METRICS, MetricsSink
 from auraed.pki import (
@@ -263,6 +264,8 @@ class Guests:
         image_dir: Path,
         ready_timeout: float,
         metrics: MetricsSink = NO_METRICS,
+        *,
+        template_memory_mib: int = VM_TEMPLATE_MEMORY_MIB,
     ) -> None:
         self.vms = vms
         self._metrics = metrics
@@ -275,6 +278,7 @@ class Guests:
             vms.templates_dir,
             ready_timeout,
             lambda: template_config(vms.guest_port, HOST_IDENTITY),
+            base_memory_mib=template_memory_mib,
         )
         vms.when_ended(self._vm_ended)
 
@@ -319,6 +323,10 @@ class Guests:
     def has_image(self) -> bool:
         """Whether a guest image is there to boot guests from."""
         return all((self._image_dir / name).is_file() for name in GUEST_IMAGE_FILES.values())
+
+    @property
+    def image_dir(self) -> Path:
+        return self._image_dir
 
     def _image_file(self, field: str, filename: str) -> str:
         path = self._image_dir / filename
@@ -371,7 +379,8 @@ class Guests:
         """
         record = self.vms.get(name)
         if self.is_guest(record.spec) and record.spec.template:
-            why_cold = self._why_cold(record, wait_for_console)
+            why_cold = self.template_problem(record.spec, record.backend, wait_for_console)
+            why_cold = why_cold or self.templates.clone_problem(record.spec, record.backend)
             template, level = None, logging.INFO
             if why_cold is None:
                 try:
@@ -402,24 +411,36 @@ class Guests:
 
     # -- clones ------------------------------------------------------------------------------
 
-    def _why_cold(self, record: VmRecord, wait_for_console: str) -> str | None:
-        """Why this guest cannot be cloned from a template (None: it can)."""
-        problem = self.templates.problem(record.backend)
+    def template_problem(self, spec: VmSpec, backend: str, wait_for_console: str = "") -> str | None:
+        """Why guests like ``spec`` on ``backend`` cannot be cloned from a template, whatever
+        their size (None: they can; Templates.clone_problem says whether one of its size can)."""
+        problem = self.templates.problem(backend)
         if problem:
             return problem
-        if any(d.serial != GUEST_CONFIG_SERIAL for d in record.spec.extra_disks):
+        if any(d.serial != GUEST_CONFIG_SERIAL for d in spec.extra_disks):
             return "it has extra disks (a template has none)"
         if wait_for_console:
             return "a console marker was asked for (a clone prints no boot)"
-        if record.spec.shared_dir:
-            backend = self.vms.backends.get(record.backend)
+        if spec.shared_dir:
+            chosen = self.vms.backends.get(backend)
             why: str | None = "its backend cannot plug a shared directory into a clone"
-            check = getattr(backend, "shared_clone_problem", None)
+            check = getattr(chosen, "shared_clone_problem", None)
             if check is not None:
-                why = check()
+                why = check(spec.machine)
             if why:
                 return f"it has a shared directory: {why}"
         return None
+
+    async def ensure_template(self, spec: VmSpec) -> TemplateRecord:
+        """The template guests like ``spec`` (naming one) are cloned from, made or rebuilt now
+        when it is missing or out of date (auraed.cri.vm_template makes vm pods' at start).
+        VmError when such guests cannot be clones, or the template cannot be made."""
+        spec = self.complete(spec)
+        backend = choose_backend(spec.backend or "qemu", self.vms.backends)
+        problem = self.template_problem(spec, backend)
+        if problem:
+            raise VmError.precondition(problem)
+        return await self.templates.for_clone(spec, backend)
 
     async def _clone(self, name: str, timeout: float, template: TemplateRecord) -> Booted:
         """Restore the guest from its template, give it its identity, wait until it serves."""
@@ -449,6 +470,10 @@ class Guests:
             without_disks=(GUEST_CONFIG_SERIAL,),
             template=template.name,
         )
+        if record.plugged_vcpus or record.plugged_memory_mib:
+            # Grown from the template's size as it was restored: the guest onlines what was
+            # plugged before it takes the rest of its identity (auraed.init.identity).
+            message["grow"] = {"cpus": record.spec.vcpus, "memory_mib": record.plugged_memory_mib}
         handle = self.vms.handle(name)
         try:
             if handle is None:
@@ -463,13 +488,22 @@ class Guests:
         except asyncio.CancelledError:
             await run_to_end(self.vms.stop_boot(name, handle, "the Start was cancelled"))
             raise
+        grown = ""
+        if "grow" in message:
+            grown = (
+                f", grown from {template.shape.vcpus} vCPU and {template.shape.memory_mib} MiB to "
+                f"{record.spec.vcpus} vCPUs and {record.spec.memory_mib} MiB (the guest has "
+                f"{reply.get('online_cpus', '?')} CPUs online and MemTotal {reply.get('mem_total_kib', '?')} "
+                f"KiB {reply.get('grow_ms', '?')} ms into its identity)"
+            )
         log.info(
-            "VM %s cloned from template %s: restored in %.0f ms, identity applied in %s ms (boot id %s)",
+            "VM %s cloned from template %s: restored in %.0f ms, identity applied in %s ms (boot id %s)%s",
             name,
             template.name,
             record.restore_ms or 0.0,
             reply.get("applied_ms", "?"),
             reply.get("boot_id", "?"),
+            grown,
         )
         ready = await self._wait_serving(name)
         if ready is not None:
@@ -505,7 +539,8 @@ class Guests:
             )
         )
         backend = choose_backend("qemu", self.vms.backends)
-        return await self.templates.ensure(name, TemplateShape.of(spec), backend, auto=False)
+        machine = self.vms.backends[backend].machine_of(spec.machine)
+        return await self.templates.ensure(name, TemplateShape.of(spec, machine), backend, auto=False)
 
     async def remove_template(self, name: str) -> None:
         await self.templates.remove(name, self.vms.all())

@@ -77,6 +77,9 @@ class VmSpec:
     # The cgroup.procs files the VMM and its helpers (virtiofsd) start in, e.g. a pod's cgroup
     # (its owner makes and removes the cgroup). (): the daemon's own cgroup.
     cgroup_procs: tuple[str, ...] = ()
+    # QEMU's machine type: "" the configured one at each start (vm_machine), else this one (a vm
+    # pod's guest: cri_vm_machine).
+    machine: str = ""
 
     def files(self) -> list[tuple[str, str]]:
         """(field, path) of every file the VM boots from."""

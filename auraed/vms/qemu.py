@@ -16,12 +16,16 @@
   device is vhost-user-fs with the tag auraed.bootargs.SHARE_TAG. virtiofsd runs in its own
   namespace sandbox and ends when QEMU disconnects; what the guest may write there is what the
   mounts of the directory allow in that namespace (a vm pod's share: auraed.cri.pod_share);
-- on q35 a VM booted cold starts with room to grow (``-smp N,maxcpus=M``, ``-m SIZE,slots=S,
-  maxmem=MAX``), ``memhp_default_state=online`` and ``swiotlb=noforce`` on its kernel command line
-  (see kernel_args); ``grow`` hotplugs vCPUs (``device_add`` of a slot ``query-hotpluggable-cpus``
+- the machine type is the VM's own (``LaunchSpec.machine``: a vm pod's is cri_vm_machine) or the
+  configured one (vm_machine);
+- on q35 a VM starts with room to grow (``-smp N,maxcpus=M``, ``-m SIZE,slots=S,maxmem=MAX``),
+  ``memhp_default_state=online`` and ``swiotlb=noforce`` on its kernel command line (see
+  kernel_args); ``grow`` hotplugs vCPUs (``device_add`` of a slot ``query-hotpluggable-cpus``
   reports free) and memory (a ``pc-dimm`` over a new memory object: a shared memfd when the VM's
-  RAM is, for virtiofsd, else plain RAM). microvm has no hotplug at all; templates and clones
-  start without room (a clone's command line must be its template's);
+  RAM is, for virtiofsd, else plain RAM). A template is made with the node's whole room at its
+  base size (templates.py), and each clone starts as its template did (its command line must be
+  the template's) and is grown to its own size right after its restore, before its guest is
+  given its identity. microvm has no hotplug at all (nor room);
 - on q35 a template and its clones have one free PCIe root port (HOTPLUG_PORT); a clone with a
   shared directory maps its own copy of the template's RAM file shared (vhost-user maps it; the
   file is unlinked once QEMU has it) and gets vhost-user-fs-pci plugged there after its restore
@@ -37,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import os
@@ -50,19 +53,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 from auraed.bootargs import DEBUG_PORT, IDENTITY_PORT, SHARE_TAG
+from auraed.config import VM_MACHINES
 from auraed.errors import ErrorKind
 from auraed.system import processes
 from auraed.system.tasks import run_to_end
 from auraed.vms import backend as common
 from auraed.vms import network
-from auraed.vms.backend import ExitInfo, LaunchSpec, MemoryImage, VmHandle
+from auraed.vms.backend import NO_ROOM, ExitInfo, LaunchSpec, MemoryImage, Room, VmHandle
 from auraed.vms.errors import VmError
 from auraed.vms.model import RunInfo, grown_memory_mib, host_memory_mib
 from auraed.vms.qmp import QmpClient, QmpError
 
 log = logging.getLogger(__name__)
 
-MACHINES = ("microvm", "q35")
+MACHINES = VM_MACHINES
 QMP_SOCKET = "qmp.sock"
 STATUS_TIMEOUT = 5.0
 QUIT_WAIT = 5.0
@@ -86,16 +90,6 @@ SHARE_CHARDEV = "fs0"
 SHARE_DEVICE = "share0"
 HOTPLUG_PORT = "hotplug0"
 """A q35 template's (and so its clones') free PCIe root port: a clone's virtio-fs is plugged there."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Room:
-    """What a VM can grow to: its vCPUs (``-smp maxcpus``) and memory (``-m maxmem``, with
-    ``slots`` DIMM slots); both its boot values when it cannot grow."""
-
-    max_vcpus: int
-    max_memory_mib: int
-    slots: int
 
 
 def host_tsc_khz(cpuinfo: Path = Path("/proc/cpuinfo")) -> int | None:
@@ -137,11 +131,12 @@ def build_command(
     if image is not None or spec.shared_dir:
         # A template's RAM file, or a shared memfd virtiofsd maps (vhost-user).
         machine_arg += f",memory-backend={MEMORY_ID}"
-    smp, memory = str(spec.vcpus), f"{spec.memory_mib}M"
+    vcpus, memory_mib = spec.boot_size()
+    smp, memory = str(vcpus), f"{memory_mib}M"
     if room is not None and not mmio:
-        if room.max_vcpus > spec.vcpus:
+        if room.max_vcpus > vcpus:
             smp += f",maxcpus={room.max_vcpus}"
-        if room.slots and room.max_memory_mib > spec.memory_mib:
+        if room.slots and room.max_memory_mib > memory_mib:
             memory += f",slots={room.slots},maxmem={room.max_memory_mib}M"
     argv = [
         binary,
@@ -229,9 +224,10 @@ def image_arguments(spec: LaunchSpec, image: MemoryImage, mmio: bool) -> list[st
     share = "off" if image.clone and not spec.shared_dir else "on"
     memory_path = spec.run_dir / CLONE_MEMORY_FILE if image.clone and spec.shared_dir else image.memory_path
     serial = "virtio-serial-device" if mmio else "virtio-serial-pci"
+    _, memory_mib = spec.boot_size()
     argv = [
         "-object",
-        f"memory-backend-file,id={MEMORY_ID},size={spec.memory_mib}M,mem-path={memory_path},share={share}",
+        f"memory-backend-file,id={MEMORY_ID},size={memory_mib}M,mem-path={memory_path},share={share}",
         "-device", f"{serial},id=identity-bus",
         "-chardev", f"socket,id=identity,path={spec.run_dir / common.IDENTITY_SOCKET},server=on,wait=off",
         "-device", f"virtserialport,bus=identity-bus.0,chardev=identity,name={IDENTITY_PORT}",
@@ -274,13 +270,32 @@ class QemuBackend:
         self.debug_console = debug_console
         self.tcg_cache_mib = tcg_cache_mib  # vm_tcg_cache_mib
 
+    def machine_of(self, requested: str) -> str:
+        """The VM's own machine type, else the configured one (vm_machine)."""
+        if requested and requested not in MACHINES:
+            raise VmError(ErrorKind.INVALID_ARGUMENT, f"machine: {requested!r} is not one of {MACHINES}")
+        return requested or self.machine
+
+    def template_room(self, machine: str) -> Room | None:
+        """The node's room (vm_max_vcpus, vm_max_memory_mib, vm_memory_slots) on q35; None on
+        microvm, which cannot hotplug."""
+        if self.machine_of(machine) != "q35":
+            return None
+        return Room(
+            self.max_vcpus or os.cpu_count() or 1, self.max_memory_mib or host_memory_mib(), self.memory_slots
+        )
+
     def room(self, spec: LaunchSpec) -> Room:
-        """The room ``spec`` gets to grow: none on microvm, nor for a template or a clone (all 0)."""
-        if self.machine == "microvm" or spec.image is not None:
-            return Room(0, 0, 0)
-        vcpus = max(spec.vcpus, self.max_vcpus or os.cpu_count() or 1)
-        memory = max(spec.memory_mib, self.max_memory_mib or host_memory_mib())
-        return Room(vcpus, memory, self.memory_slots if memory > spec.memory_mib else 0)
+        """The room ``spec`` gets to grow: a template's or a clone's is the template's (a clone's
+        command line must be its template's); none on microvm."""
+        if spec.image is not None:
+            return spec.image.room or NO_ROOM
+        most = self.template_room(spec.machine)
+        if most is None:
+            return NO_ROOM
+        vcpus = max(spec.vcpus, most.max_vcpus)
+        memory = max(spec.memory_mib, most.max_memory_mib)
+        return Room(vcpus, memory, most.slots if memory > spec.memory_mib else 0)
 
     def debug_wanted(self, spec: LaunchSpec) -> bool:
         """Whether ``spec`` gets the debug port: the daemon's setting for a VM booted cold; for a
@@ -299,9 +314,9 @@ class QemuBackend:
     def accelerator(self) -> str:
         return "kvm" if self._kvm_usable() else "tcg"
 
-    def kernel_args(self) -> list[str]:
+    def kernel_args(self, machine: str = "") -> list[str]:
         args = ["console=ttyS0"]
-        if self.machine == "microvm":
+        if self.machine_of(machine) == "microvm":
             khz = host_tsc_khz()
             if khz:
                 args.append(f"tsc_early_khz={khz}")
@@ -322,7 +337,7 @@ class QemuBackend:
         if not shared_clone:
             return await self._start(spec, shared_clone=False)
         assert spec.image is not None
-        problem = self.shared_clone_problem()
+        problem = self.shared_clone_problem(spec.machine)
         if problem:
             raise VmError.precondition(problem)
         copy = spec.run_dir / CLONE_MEMORY_FILE
@@ -350,8 +365,9 @@ class QemuBackend:
         console = self.console_log_path(run_dir)
         common.remove_quietly(qmp_socket, run_dir / common.DEBUG_SOCKET)
         debug = self.debug_wanted(spec)
+        machine = self.machine_of(spec.machine)
         # Before the VM's own words: a kernel_args "auraed.debug_console=0" overrides it.
-        words = [*self.kernel_args(), *([DEBUG_CONSOLE_ARG] if debug else []), spec.cmdline]
+        words = [*self.kernel_args(machine), *([DEBUG_CONSOLE_ARG] if debug else []), spec.cmdline]
         cmdline = " ".join(words).strip()
         accelerator = self.accelerator
         tap_fd = state_fd = -1
@@ -374,7 +390,7 @@ class QemuBackend:
                 spec,
                 room=room,
                 binary=self.binary,
-                machine=self.machine,
+                machine=machine,
                 accelerator=accelerator,
                 qmp_socket=qmp_socket,
                 console_path=console,
@@ -400,7 +416,7 @@ class QemuBackend:
             accelerator=accelerator,
             process=process,
             client=QmpClient(qmp_socket),
-            machine=self.machine,
+            machine=machine,
             max_vcpus=room.max_vcpus,
             max_memory_mib=room.max_memory_mib,
         )
@@ -427,18 +443,27 @@ class QemuBackend:
             common.remove_quietly(spec.run_dir / CLONE_MEMORY_FILE)
         if spec.image is not None and spec.image.clone:
             handle.restored_in = await self._restore(handle, state_fd)
+            if (spec.vcpus, spec.memory_mib) != spec.boot_size():
+                # Before its virtio-fs: virtiofsd is then given the whole memory table at once.
+                started = time.monotonic()
+                handle.grown = await self.grow(
+                    handle, vcpus=spec.vcpus, memory_mib=spec.memory_mib, shared=shared_clone
+                )
+                handle.grown_in = time.monotonic() - started
         if shared_clone:
             handle.share_plug = (0.0, 0, await self._plug_share(handle, spec))
         status = await self.status(handle)
         if status not in ("running", "prelaunch"):
             raise VmError.internal(f"QEMU reports the new VM {status!r}, not running")
 
-    def shared_clone_problem(self) -> str | None:
-        """Why a clone here cannot have a shared directory (None: it can, q35's hotplug)."""
-        if self.machine != "q35":
+    def shared_clone_problem(self, machine: str = "") -> str | None:
+        """Why a clone of ``machine`` cannot have a shared directory (None: it can, q35's hotplug)."""
+        machine = self.machine_of(machine)
+        if machine != "q35":
             return (
-                f"QEMU's {self.machine} machine cannot hotplug: a clone's virtio-fs is plugged after its "
-                'restore (QEMU 7.2 cannot migrate vhost-user-fs), which needs vm_machine = "q35"'
+                f"QEMU's {machine} machine cannot hotplug: a clone's virtio-fs is plugged after its "
+                'restore (QEMU 7.2 cannot migrate vhost-user-fs), which needs vm_machine = "q35" '
+                '(cri_vm_machine = "q35" for vm pods)'
             )
         return None
 
@@ -551,12 +576,13 @@ class QemuBackend:
         if machine != "q35":
             return (
                 f"QEMU's {machine} machine cannot hotplug vCPUs or memory: VMs that are to grow need "
-                'vm_machine = "q35" (in the daemon\'s configuration; VMs started after it get it)'
+                'vm_machine = "q35" (cri_vm_machine = "q35" for vm pods; in the daemon\'s '
+                "configuration: VMs started after it get it)"
             )
         if not run.max_vcpus:
             return (
-                "it was started without room to grow: a template's clone (its command line is its "
-                "template's), or started by an auraed before Resize existed"
+                "it was started without room to grow: a clone of a template made without room (its "
+                "command line is its template's), or started by an auraed before Resize existed"
             )
         return None
 

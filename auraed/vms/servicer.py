@@ -102,6 +102,11 @@ def template_message(record: TemplateRecord, clones: list[str]) -> pb.TemplateSt
         memory_resident_bytes=record.memory_resident_bytes(),
         clones=clones,
         debug_console=record.debug_console,
+        max_vcpus=record.max_vcpus,
+        max_memory_mib=record.max_memory_mib,
+        memory_slots=record.memory_slots,
+        build=record.build,
+        mem_total_kib=record.mem_total_kib,
     )
 
 

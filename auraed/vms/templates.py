@@ -17,12 +17,22 @@ With the daemon's vm_debug_console on, a template is made with the debug port (i
 so) and its clones have it too, each on its own socket; with it flipped, the template is rebuilt
 before its next clone (a clone's devices must be its template's, or QEMU refuses its state).
 
+Room to grow: on a machine whose VMs grow by hotplug (QEMU's q35), a template is made with the
+node's whole room (vm_max_vcpus, vm_max_memory_mib, vm_memory_slots) on its command line, which
+its clones share; each clone is grown to its own size as it is restored (the backend hotplugs
+vCPUs and memory, the guest onlines them as it takes its identity). So a VM of any size within
+the room is a clone of the one ``auto`` template of its files and machine, made at the base size
+(TEMPLATE_VCPUS, vm_template_memory_mib); a VM smaller than that base or beyond the room boots
+cold (Guests.boot says why). Where VMs cannot grow (microvm, cloud-hypervisor) a clone is its
+template's shape, and ``auto`` means the template of the VM's own shape.
+
 Records are in the store (kind ``vm-template``). A template is rebuilt when what it was made
-from changes (the files' content hash, the accelerator, the machine type, the debug console), and
-made on first use when a VM asks for ``auto``: the one template of its shape, named
-``auto-<hash of the shape>``. A template still used by a running VM is not removed. At start, a
-template left building is cleaned up (its VMM killed, its files removed) and one whose files are
-gone (a host reboot emptied the runtime dir) is made again at its next use.
+from changes (the files' content hash, the accelerator, the machine type, the room, the debug
+console), and made on first use when a VM asks for ``auto`` (or before, at daemon start, for vm
+pods: auraed.cri.vm_template): named ``auto-<hash of the shape>``. A template still used by a
+running VM is not removed. At start, a template left building is cleaned up (its VMM killed, its
+files removed) and one whose files are gone (a host reboot emptied the runtime dir) is made again
+at its next use.
 """
 
 from __future__ import annotations
@@ -45,9 +55,9 @@ from auraed.errors import ErrorKind
 from auraed.state.store import Store
 from auraed.system.tasks import run_to_end
 from auraed.vms import backend as common
-from auraed.vms.backend import Backend, LaunchDisk, LaunchNet, LaunchSpec, MemoryImage, VmHandle
+from auraed.vms.backend import Backend, LaunchDisk, LaunchNet, LaunchSpec, MemoryImage, Room, VmHandle
 from auraed.vms.errors import VmError
-from auraed.vms.model import ACTIVE_STATES, ROOT_SERIAL, VmRecord, VmSpec, check_file
+from auraed.vms.model import ACTIVE_STATES, ROOT_SERIAL, VmRecord, VmSpec, check_file, grown_memory_mib
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +71,8 @@ IDENTITY_ARGS = ("auraed.hostname=", "auraed.ip=", "auraed.gateway=", "auraed.if
 IDENTITY_TIMEOUT = 30.0
 ENTROPY_BYTES = 64
 MAX_REPLY = 64 * 1024
+TEMPLATE_VCPUS = 1
+"""A template's vCPUs where its clones grow: the fewest a VM has."""
 
 
 class TemplateState:
@@ -80,9 +92,10 @@ class TemplateShape:
     vcpus: int
     memory_mib: int
     kernel_args: tuple[str, ...]  # the guest's own, without the identity ones (IDENTITY_ARGS)
+    machine: str = ""  # QEMU's machine type, resolved (Backend.machine_of); "" on cloud-hypervisor
 
     @classmethod
-    def of(cls, spec: VmSpec) -> TemplateShape:
+    def of(cls, spec: VmSpec, machine: str = "") -> TemplateShape:
         return cls(
             kernel=spec.kernel,
             initramfs=spec.initramfs,
@@ -90,6 +103,7 @@ class TemplateShape:
             vcpus=spec.vcpus,
             memory_mib=spec.memory_mib,
             kernel_args=tuple(a for a in spec.kernel_args if not a.startswith(IDENTITY_ARGS)),
+            machine=machine,
         )
 
     def key(self) -> str:
@@ -99,7 +113,10 @@ class TemplateShape:
         return [f for f in (self.kernel, self.initramfs, self.root_disk) if f]
 
     def describe(self) -> str:
-        return f"{self.vcpus} vCPU, {self.memory_mib} MiB"
+        return f"{self.vcpus} vCPU, {self.memory_mib} MiB" + (f", {self.machine}" if self.machine else "")
+
+    def size(self) -> tuple[int, int]:
+        return self.vcpus, self.memory_mib
 
 
 @dataclasses.dataclass
@@ -120,16 +137,36 @@ class TemplateRecord:
     save_seconds: float = 0.0
     imports_seconds: float = 0.0
     debug_console: bool = False  # made with the debug port (vm_debug_console), so its clones have it
+    # The room it was made with (its clones grow within it as they are restored); 0: none.
+    max_vcpus: int = 0
+    max_memory_mib: int = 0
+    memory_slots: int = 0
+    mem_total_kib: int = 0  # its guest's MemTotal, as it said when ready (a grown clone's is above it)
 
     @property
     def build_dir(self) -> Path:
         return Path(self.run_dir) / f"build-{self.build}"
 
+    @property
+    def room(self) -> Room | None:
+        return Room(self.max_vcpus, self.max_memory_mib, self.memory_slots) if self.max_vcpus else None
+
     def image(self) -> MemoryImage:
         build = self.build_dir
         return MemoryImage(
-            str(build / MEMORY_FILE), str(build / STATE_FILE), clone=True, debug_console=self.debug_console
+            str(build / MEMORY_FILE),
+            str(build / STATE_FILE),
+            clone=True,
+            debug_console=self.debug_console,
+            vcpus=self.shape.vcpus,
+            memory_mib=self.shape.memory_mib,
+            room=self.room,
         )
+
+    def fit_problem(self, vcpus: int, memory_mib: int) -> str | None:
+        """Why a VM of ``vcpus`` and ``memory_mib`` cannot be this template's clone (None: it can):
+        its shape's size without room, else at least the base size and within the room."""
+        return size_problem(self.shape, self.room, vcpus, memory_mib)
 
     def files_present(self) -> bool:
         # The state is a file (QEMU's migration stream) or a directory (cloud-hypervisor's snapshot).
@@ -151,6 +188,8 @@ class TemplateRecord:
     def from_doc(cls, doc: dict[str, Any]) -> TemplateRecord:
         shape = dict(doc["shape"])
         shape["kernel_args"] = tuple(shape["kernel_args"])
+        # A record saved before the shape named its machine: the one it was made on.
+        shape.setdefault("machine", doc.get("machine", ""))
         return cls(**{**doc, "shape": TemplateShape(**shape)})
 
 
@@ -182,7 +221,10 @@ class Templates:
         templates_dir: Path,
         ready_timeout: float,
         template_config: Callable[[], dict[str, str]],
+        *,
+        base_memory_mib: int = 256,
     ) -> None:
+        self._base_memory_mib = base_memory_mib  # vm_template_memory_mib
         self._store = store
         self._template_config = template_config
         self._backends = backends
@@ -217,11 +259,35 @@ class Templates:
 
     def digest(self, shape: TemplateShape, backend: Backend) -> str:
         """What a template must be rebuilt for when it changes: the files' contents, the machine
-        type, the accelerator and the debug port (only when on: templates made before it stay)."""
+        type, the accelerator, the room and the debug port (the last two only when there: a
+        template made before either could be stays)."""
         parts = [self._fingerprints.digest(f) for f in shape.files()]
-        parts += [str(getattr(backend, "machine", "")), str(getattr(backend, "accelerator", ""))]
+        parts += [shape.machine, str(getattr(backend, "accelerator", ""))]
         parts += ["debug_console"] if debug_console_of(backend) else []
+        room = backend.template_room(shape.machine)
+        parts += [f"room {room.max_vcpus} {room.max_memory_mib} {room.slots}"] if room else []
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+    def shape_for(self, spec: VmSpec, backend_name: str) -> TemplateShape:
+        """The shape of the template a VM of ``spec`` is cloned from when it asks for ``auto``:
+        where clones grow, the base size (TEMPLATE_VCPUS, vm_template_memory_mib), whatever the
+        VM's; else the VM's own shape."""
+        backend = self._backends[backend_name]
+        machine = backend.machine_of(spec.machine)
+        shape = TemplateShape.of(spec, machine)
+        if backend.template_room(machine) is not None:
+            shape = dataclasses.replace(shape, vcpus=TEMPLATE_VCPUS, memory_mib=self._base_memory_mib)
+        return shape
+
+    def clone_problem(self, spec: VmSpec, backend_name: str) -> str | None:
+        """Why a VM of ``spec`` cannot be a clone of its ``auto`` template (None: it can): smaller
+        than the template's base, or beyond its room. A VM naming a template is held to it at
+        Allocate (check_shape) instead."""
+        if spec.template != AUTO or backend_name not in self._backends:
+            return None
+        backend = self._backends[backend_name]
+        shape = self.shape_for(spec, backend_name)
+        return size_problem(shape, backend.template_room(shape.machine), spec.vcpus, spec.memory_mib)
 
     # -- making ------------------------------------------------------------------------------
 
@@ -231,26 +297,36 @@ class Templates:
         ``spec.template`` is "auto" (the template of the VM's shape) or a template's name, whose
         shape must be the VM's (FAILED_PRECONDITION naming the difference otherwise).
         """
-        shape = TemplateShape.of(spec)
         if spec.template == AUTO:
+            shape = self.shape_for(spec, backend_name)
             name = auto_name(shape, backend_name)
         else:
             name = spec.template
             self.check_shape(dataclasses.replace(spec, backend=backend_name))
+            shape = self.get(name).shape
         return await self.ensure(name, shape, backend_name, auto=spec.template == AUTO)
 
     def check_shape(self, spec: VmSpec) -> None:
-        """A VM naming a template must be of its shape (FAILED_PRECONDITION naming the difference)."""
-        shape = TemplateShape.of(spec)
+        """A VM naming a template must be of its shape but for its size, which must fit it (its
+        own without room, else at least its base and within its room): FAILED_PRECONDITION
+        naming the difference."""
         template = self.get(spec.template)
         if spec.backend and template.backend != spec.backend:
             raise VmError.precondition(_other_backend(template, spec.name, spec.backend))
+        backend = self._backends.get(template.backend)
+        machine = backend.machine_of(spec.machine) if backend is not None else template.shape.machine
         known = template.shape
-        if known != shape:
+        shape = dataclasses.replace(
+            TemplateShape.of(spec, machine), vcpus=known.vcpus, memory_mib=known.memory_mib
+        )
+        misfit = template.fit_problem(spec.vcpus, spec.memory_mib)
+        if known != shape or misfit:
+            asked = dataclasses.replace(shape, vcpus=spec.vcpus, memory_mib=spec.memory_mib)
             raise VmError.precondition(
-                f"VM {spec.name} ({shape.describe()}, kernel args {list(shape.kernel_args)}) does not "
+                f"VM {spec.name} ({asked.describe()}, kernel args {list(shape.kernel_args)}) does not "
                 f"match template {spec.template} ({known.describe()}, kernel args {list(known.kernel_args)})"
                 + ("" if known.files() == shape.files() else ", or boots other files")
+                + (f": {misfit}" if misfit and known == shape else "")
             )
 
     async def ensure(
@@ -306,17 +382,21 @@ class Templates:
         problem = backend.template_problem()
         if problem:
             raise VmError.precondition(f"VM template {name}: {problem}")
+        room = backend.template_room(shape.machine)
         record = TemplateRecord(
             name=name,
             shape=shape,
             backend=backend_name,
             run_dir=str(self._dir / name),
             digest=digest,
-            machine=str(getattr(backend, "machine", "")),
+            machine=shape.machine,
             build=(previous.build + 1) if previous is not None else 1,
             auto=auto,
             created_at=time.time(),
             debug_console=debug_console_of(backend),
+            max_vcpus=room.max_vcpus if room else 0,
+            max_memory_mib=room.max_memory_mib if room else 0,
+            memory_slots=room.slots if room else 0,
         )
         self._save(record)  # building: a crash from here on is cleaned up at start
         old_build = previous.build_dir if previous is not None else None
@@ -328,6 +408,7 @@ class Templates:
             try:
                 ready = await self._wait_ready(record, handle)
                 record.imports_seconds = float(ready.get("imports_s", 0.0))
+                record.mem_total_kib = int(ready.get("mem_total_kib", 0))
                 record.save_seconds = await backend.save(handle, record.build_dir / STATE_FILE)
             finally:
                 await run_to_end(backend.kill(handle))
@@ -366,7 +447,11 @@ class Templates:
                 str(build / STATE_FILE),
                 clone=False,
                 debug_console=record.debug_console,
+                vcpus=shape.vcpus,
+                memory_mib=shape.memory_mib,
+                room=record.room,
             ),
+            machine=shape.machine,
         )
 
     async def _wait_ready(self, record: TemplateRecord, handle: VmHandle) -> dict[str, Any]:
@@ -460,8 +545,32 @@ def why_rebuilt(record: TemplateRecord, digest: str, backend: Backend) -> str:
     if record.debug_console != debug_console_of(backend):
         return f"vm_debug_console is {'on' if debug_console_of(backend) else 'off'} now"
     if record.digest != digest:
-        return "its files, machine type or accelerator changed"
+        return "its files, machine type, room or accelerator changed"
     return "its files were gone"
+
+
+def size_problem(shape: TemplateShape, room: Room | None, vcpus: int, memory_mib: int) -> str | None:
+    """Why a VM of ``vcpus`` and ``memory_mib`` cannot be a clone of a template of ``shape`` made
+    with ``room`` (None: it can): without room it must be of the shape's size; with room at
+    least that (a clone grows, never shrinks) and within the room."""
+    if room is None:
+        if (vcpus, memory_mib) != shape.size():
+            return f"its clones are its size ({shape.describe()}): its machine cannot grow them"
+        return None
+    if vcpus < shape.vcpus or memory_mib < shape.memory_mib:
+        return (
+            f"a clone is grown from its template's {shape.vcpus} vCPU and {shape.memory_mib} MiB, never "
+            f"shrunk to {vcpus} vCPU and {memory_mib} MiB (vm_template_memory_mib)"
+        )
+    if vcpus > room.max_vcpus:
+        return f"its template leaves room for {room.max_vcpus} vCPUs, not {vcpus} (vm_max_vcpus)"
+    grown = grown_memory_mib(shape.memory_mib, memory_mib)
+    if grown > room.max_memory_mib:
+        return (
+            f"its template leaves room for {room.max_memory_mib} MiB, not {grown} MiB "
+            "(whole memory blocks; vm_max_memory_mib)"
+        )
+    return None
 
 
 def _other_backend(template: TemplateRecord, vm: str, backend: str) -> str:

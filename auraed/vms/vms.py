@@ -87,6 +87,19 @@ def _starting(record: VmRecord, template: str) -> None:
     record.plugged_vcpus = record.plugged_memory_mib = 0
 
 
+def _grown_at_restore(record: VmRecord, launch: LaunchSpec, grown: tuple[int, int], seconds: float) -> None:
+    """A clone grown from its template's size to its own as it was restored: the spec holds the
+    size it has (memory in whole blocks: maybe more than asked), the record what was plugged."""
+    vcpus, memory_mib = grown
+    boot_vcpus, boot_memory_mib = launch.boot_size()
+    record.plugged_vcpus, record.plugged_memory_mib = vcpus - boot_vcpus, memory_mib - boot_memory_mib
+    record.spec = dataclasses.replace(record.spec, vcpus=vcpus, memory_mib=memory_mib)
+    log.info(
+        "VM %s grown as it was restored from %d vCPU and %d MiB to %d vCPUs and %d MiB in %.0f ms",
+        record.name, boot_vcpus, boot_memory_mib, vcpus, memory_mib, seconds * 1000,
+    )  # fmt: skip
+
+
 class _Live:
     """The in-memory side of a running VM: its handle and the task watching its VMM."""
 
@@ -317,6 +330,7 @@ class Vms:
             shared_dir=spec.shared_dir,
             image=image,
             cgroup_procs=spec.cgroup_procs,
+            machine=spec.machine,
         )
 
     async def start(
@@ -348,8 +362,9 @@ class Vms:
             launched = time.monotonic()
             _starting(record, template if image is not None else "")
             self._save(record)
+            launch = self._launch_spec(record, timeout, image, without_disks)
             try:
-                handle = await backend.start(self._launch_spec(record, timeout, image, without_disks))
+                handle = await backend.start(launch)
             except BaseException as exc:
                 # A cancelled start may have left a VMM the backend never returned (spawned in a
                 # thread, or killed by a cleanup cancelled in turn): none may outlive the start.
@@ -361,14 +376,7 @@ class Vms:
                 record.console_tail = tail_of(record.console_path)
                 self._save(record)
                 raise
-            record.run = handle.run_info()
-            record.accelerator = handle.accelerator
-            if handle.restored_in is not None:
-                record.restore_ms = round(handle.restored_in * 1000, 1)
-            record.state = State.RUNNING
-            self._save(record)
-            self._watch(record, handle)
-            log.info("started VM %s (%s, %s, pid %d)", name, record.backend, handle.accelerator, handle.pid)
+            self._started(record, launch, handle)
         if not wait_for_console:
             return record, None
         # Waited for outside the VM's lock: a Stop or Free meanwhile is not held up by a slow boot.
@@ -397,6 +405,21 @@ class Vms:
             await run_to_end(self.stop_boot(name, handle, "the Start was cancelled"))
             raise
         return record, time.monotonic() - launched
+
+    def _started(self, record: VmRecord, launch: LaunchSpec, handle: VmHandle) -> None:
+        """The VM runs the VMM of ``handle`` (started from ``launch``): saved so, and watched."""
+        record.run = handle.run_info()
+        record.accelerator = handle.accelerator
+        if handle.restored_in is not None:
+            record.restore_ms = round(handle.restored_in * 1000, 1)
+        if handle.grown is not None:
+            _grown_at_restore(record, launch, handle.grown, handle.grown_in)
+        record.state = State.RUNNING
+        self._save(record)
+        self._watch(record, handle)
+        log.info(
+            "started VM %s (%s, %s, pid %d)", record.name, record.backend, handle.accelerator, handle.pid
+        )
 
     async def stop_boot(self, name: str, handle: VmHandle | None, why: str) -> None:
         """End a boot its Start gave up on (``handle``'s, or the current one), saying ``why``.

@@ -68,9 +68,12 @@ async def test_a_guest_never_ready_fails_its_run_and_leaves_nothing(
     daemon_factory: DaemonFactory, guest_image: Path, pki: PkiPaths, tmp_path: Path
 ) -> None:
     with cni_network(tmp_path) as network:
+        # Booted cold: a template would not be ready within the timeout either (it would be tried
+        # first, then the pod boot cold all the same).
         daemon = vm_daemon(
-            daemon_factory, network, guest_image, pki, "--guest-ready-timeout", str(READY_TIMEOUT)
-        )
+            daemon_factory, network, guest_image, pki, "--guest-ready-timeout", str(READY_TIMEOUT),
+            "--cri-vm-boot", "cold",
+        )  # fmt: skip
         client = cri_client(daemon)
         try:
             started = time.monotonic()

@@ -1,5 +1,6 @@
 """The CRI's ``vm`` handler with real QEMU guests (TCG here): a pod is a guest VM on the pod's CNI
-network, its IP the guest's.
+network, its IP the guest's. Its guests are microvm's (``cri_vm_machine = "microvm"``), booted
+cold (a clone needs q35: test_cri_vm_templates has the default's clones), which cannot grow.
 
 One pod is booted for the module and shared by the tests that only look at it (each boot costs
 seconds of TCG): its status, the guest's auraed reached at the pod IP over mTLS, port-forward into
@@ -57,7 +58,7 @@ async def vm_node(
     daemon_factory: DaemonFactory, guest_image: Path, pki: PkiPaths, tmp_path: Path
 ) -> AsyncIterator[VmNode]:
     with cni_network(tmp_path) as network:
-        daemon = vm_daemon(daemon_factory, network, guest_image, pki)
+        daemon = vm_daemon(daemon_factory, network, guest_image, pki, "--cri-vm-machine", "microvm")
         client = cri_client(daemon)
         try:
             yield VmNode(daemon, network, client)

@@ -29,13 +29,14 @@ HOST_IMAGE = Path(__file__).resolve().parents[2] / "host-image"
 
 def config_disk(work: Path) -> Path:
     """The image's own auraed.toml (host-image/mkhost.py writes it) with console_shell on, as a
-    squashfs config disk."""
+    squashfs config disk; no vm pods' guest template made at start (a guest inside this 1-vCPU TCG
+    machine would take its only CPU for minutes)."""
     sys.path.insert(0, str(HOST_IMAGE))
     try:
         mkhost = importlib.import_module("mkhost")  # a build script beside guest-image/'s, not a package
     finally:
         sys.path.remove(str(HOST_IMAGE))
-    return squashfs_config_disk(work, mkhost.DAEMON_CONFIG + "console_shell = true\n")
+    return squashfs_config_disk(work, mkhost.DAEMON_CONFIG + 'console_shell = true\ncri_vm_boot = "cold"\n')
 
 
 @pytest.fixture(scope="module")

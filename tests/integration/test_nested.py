@@ -23,7 +23,7 @@ from auraed.client import AuraeClient, ClientConfig, ClientError, log_lines
 from auraed.pki import PkiPaths, create_ca, issue_client_cert, write_pem_files
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
 from tests.integration.containers_helpers import CONTAINERS, import_layout
-from tests.integration.test_vms import guest_host_args
+from tests.integration.test_vms import NO_POD_TEMPLATE, guest_host_args
 from tests.support.images import BuiltImage
 
 VMS = "aurae.vms.v0.VmService"
@@ -36,7 +36,7 @@ DATA_DISK_BYTES = 1 << 20
 async def host(
     daemon_factory: DaemonFactory, guest_image: Path, pki: PkiPaths
 ) -> AsyncIterator[DaemonProcess]:
-    daemon = daemon_factory(*guest_host_args(guest_image, pki.ca_key))
+    daemon = daemon_factory(*guest_host_args(guest_image, pki.ca_key), *NO_POD_TEMPLATE)
     yield daemon
     async with daemon.client() as client:
         listing = await client.call(VMS, "List", vms.VmServiceListRequest())

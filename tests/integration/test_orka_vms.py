@@ -39,7 +39,7 @@ from tests.integration.test_orka_workloads import (
     usage,
     workload,
 )
-from tests.integration.test_vms import guest_host_args
+from tests.integration.test_vms import NO_POD_TEMPLATE, guest_host_args
 from tests.support.cri import mirrors_config, publish
 from tests.support.images import build_busybox_layout
 from tests.support.orka import SchedulerProcess, WorkloadClient
@@ -66,6 +66,7 @@ def vm_node_args(guest_image: Path, pki: PkiPaths, scheduler: SchedulerProcess, 
         "--orka-workload-isolation", "vm",
         "--orka-workload-status-interval", "0.5",
         *guest_host_args(guest_image, pki.ca_key),
+        *NO_POD_TEMPLATE,
     ]  # fmt: skip
 
 

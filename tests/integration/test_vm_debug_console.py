@@ -33,7 +33,7 @@ from auraed.client.client import AuraeClient, ClientError, client_config_text
 from auraed.pki import PkiPaths
 from auraed.vms.backend import DEBUG_SOCKET
 from tests.conftest import DaemonFactory, DaemonProcess
-from tests.integration.test_vms import guest_host_args
+from tests.integration.test_vms import NO_POD_TEMPLATE, guest_host_args
 
 pytestmark = pytest.mark.slow
 
@@ -196,7 +196,9 @@ async def test_a_debug_shell_in_a_guest_authorized_logged_and_off_by_default(
     assert error.code == "FAILED_PRECONDITION" and "vm_debug_console" in error.message
     off.stop()
 
-    daemon = daemon_factory(*guest_host_args(guest_image, off.pki.ca_key), config_text=POLICY, name="dbg")
+    daemon = daemon_factory(
+        *guest_host_args(guest_image, off.pki.ca_key), *NO_POD_TEMPLATE, config_text=POLICY, name="dbg"
+    )
     try:
         async with daemon.client() as aurae:
             vm = vms.VirtualMachine(name="g1", role="guest", memory_mib=512)
@@ -253,7 +255,9 @@ async def test_a_debug_shell_in_a_guest_authorized_logged_and_off_by_default(
 async def test_a_clone_of_a_template_made_with_the_debug_console_has_its_own_shell(
     daemon_factory: DaemonFactory, guest_image: Path, pki: PkiPaths
 ) -> None:
-    daemon = daemon_factory(*guest_host_args(guest_image, pki.ca_key), config_text=POLICY, name="dbt")
+    daemon = daemon_factory(
+        *guest_host_args(guest_image, pki.ca_key), *NO_POD_TEMPLATE, config_text=POLICY, name="dbt"
+    )
     try:
         async with daemon.client() as aurae:
             vm = vms.VirtualMachine(name="c1", role="guest", memory_mib=384, template="auto")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from auraed.bootargs import SHARE_MOUNT
 from auraed.errors import AuraeError, ErrorKind
 from auraed.pki import PkiPaths, ensure_dev_pki
 from auraed.vms import backend as common
+from auraed.vms.backend import Room
 from auraed.vms.guests import Guests
 from auraed.vms.qemu import CLONE_MEMORY_FILE, HOTPLUG_PORT, SHARE_DEVICE
 from auraed.vms.templates import TemplateRecord, TemplateState
@@ -28,6 +30,9 @@ from tests.integration.test_vms import VmEnv
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 TEMPLATE = "q35"
+MAX_VCPUS = 3  # more than this 2-core host's: TCG runs them all the same
+MAX_MEMORY_MIB = 2048
+SLOTS = 4
 
 
 class Q35:
@@ -43,7 +48,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> PkiPaths:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def q35(guest_image: Path, pki: PkiPaths) -> AsyncIterator[Q35]:
     root = Path(tempfile.mkdtemp(prefix="aurae-q35-", dir="/tmp"))  # unix socket paths are short
-    env = VmEnv(root, guest_image, machine="q35")
+    env = VmEnv(root, guest_image, machine="q35", room=Room(MAX_VCPUS, MAX_MEMORY_MIB, SLOTS))
     try:
         vms, guests = guests_over(env, pki, guest_image)
         template = await guests.create_template(TEMPLATE, vcpus=1, memory_mib=384)
@@ -74,14 +79,66 @@ async def test_a_q35_template_s_clone_serves_with_its_own_identity(q35: Q35, pki
     assert cert.subject.rfc4514_string()
     (hostname,) = await run_in_guest(guests, "q1", "hostname")
     assert hostname == "q1"
-    # A clone has its template's command line: no hotplug room, refused saying why.
-    for vcpus, memory_mib in ((2, 384), (1, 768)):
-        with pytest.raises(AuraeError) as refused:
-            await guests.resize("q1", vcpus, memory_mib)
-        assert refused.value.kind is ErrorKind.FAILED_PRECONDITION, refused.value
-        assert "q1 cannot grow" in refused.value.message and "template's clone" in refused.value.message
+    # Of the template's size, it was not grown as it was restored.
+    assert (booted.record.plugged_vcpus, booted.record.plugged_memory_mib) == (0, 0)
     await guests.free("q1", 0.0)
     assert guests.template_users(TEMPLATE) == []
+
+
+async def test_a_q35_clone_bigger_than_its_template_is_grown_as_it_is_restored_and_grows_again(
+    q35: Q35, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The template (1 vCPU, 384 MiB) has the node's room: a VM of 2 vCPUs and 600 MiB is its
+    clone, grown by hotplug as it is restored (memory in whole blocks: 640 MiB), its guest serving
+    with both CPUs online and the memory in its MemTotal; then Resize grows it as it grows a cold
+    guest. Smaller than the template, or beyond its room, is refused at Allocate."""
+    caplog.set_level(logging.INFO, logger="auraed.vms")
+    guests, template = q35.guests, q35.template
+    assert template.room == Room(MAX_VCPUS, MAX_MEMORY_MIB, SLOTS)
+    for vcpus, memory_mib, said in ((1, 256, "never shrunk"), (MAX_VCPUS + 1, 384, "vm_max_vcpus")):
+        with pytest.raises(AuraeError) as refused:
+            await guests.allocate(
+                dataclasses.replace(clone_spec("q3", TEMPLATE), vcpus=vcpus, memory_mib=memory_mib)
+            )
+        assert refused.value.kind is ErrorKind.FAILED_PRECONDITION and said in refused.value.message, (
+            refused.value
+        )
+    await guests.allocate(dataclasses.replace(clone_spec("q3", TEMPLATE), vcpus=2, memory_mib=600))
+    booted = await guests.boot("q3")
+    record = booted.record
+    assert record.template == TEMPLATE and record.restore_ms is not None
+    assert (record.spec.vcpus, record.spec.memory_mib) == (2, 640)
+    assert (record.plugged_vcpus, record.plugged_memory_mib) == (1, 256)
+    await tmpfs_take_half(guests, "q3")  # first: before anything asks the guest to online more
+    (nproc,) = await run_in_guest(guests, "q3", "nproc")
+    meminfo = await guests.online_cpu_mem("q3")
+    assert int(nproc) == 2 and meminfo.online_cpus == 2
+    base = template.mem_total_kib  # the template's guest's, as it said when it was ready
+    assert base > 300 * 1024 and meminfo.mem_total_kib - base == 256 * 1024, (meminfo.mem_total_kib, base)
+    said = "grown from 1 vCPU and 384 MiB to 2 vCPUs and 640 MiB (the guest has 2 CPUs online"
+    assert said in caplog.text, caplog.text[-3000:]
+
+    # And again, as a cold guest grows: a vCPU and a DIMM more, onlined through OnlineCpuMem.
+    record, resized = await guests.resize_reporting("q3", 3, 896)
+    assert (record.spec.vcpus, record.spec.memory_mib) == (3, 896)
+    assert (record.plugged_vcpus, record.plugged_memory_mib) == (2, 512)
+    assert resized.online_cpus == 3 and resized.mem_total_kib - base == 512 * 1024
+    (nproc,) = await run_in_guest(guests, "q3", "nproc")
+    assert int(nproc) == 3
+    await tmpfs_take_half(guests, "q3")
+    await guests.free("q3", 0.0)
+
+
+async def tmpfs_take_half(guests: Guests, name: str) -> None:
+    """The guest's tmpfs mounts (/run holds its containers' layers) are half its memory now, as a
+    cold guest of its size has them, not half its template's."""
+    lines = await run_in_guest(guests, name, "grep MemTotal /proc/meminfo; df -k /run /tmp /dev/shm")
+    mem_total_kib = int(lines[0].split()[1])
+    sizes = [int(line.split()[1]) for line in lines[2:]]
+    assert len(sizes) == 3 and all(abs(size - mem_total_kib // 2) <= 8 for size in sizes), (
+        lines,
+        mem_total_kib,
+    )
 
 
 async def test_a_q35_clone_with_a_shared_directory_gets_a_copy_of_the_ram_and_virtio_fs_plugged(

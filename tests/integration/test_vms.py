@@ -36,6 +36,7 @@ from auraed.state.store import Store
 from auraed.system.kvm import probe_kvm
 from auraed.vms import backend as common
 from auraed.vms import network
+from auraed.vms.backend import Room
 from auraed.vms.cloud_hypervisor import CloudHypervisorBackend
 from auraed.vms.errors import VmError
 from auraed.vms.guests import Guests, GuestTrust
@@ -67,6 +68,11 @@ def free_test_pool(prefixlen: int = 28, within: ipaddress.IPv4Network = TEST_RAN
     raise AssertionError(f"no free /{prefixlen} in {within} on this host")
 
 
+NO_POD_TEMPLATE = ("--cri-vm-boot", "cold")
+"""For a daemon that boots guests but runs no vm pod: no guest template made in the background at
+its start for pods it never has (a guest's boot of CPU on a 2-core machine, beside its own)."""
+
+
 def guest_host_args(guest_image: Path, ca_key: Path) -> list[str]:
     """A host daemon's flags for booting guests: the guest image, the CA key that issues each
     guest its certificate, and a free address pool of the tests' range."""
@@ -80,10 +86,11 @@ def guest_host_args(guest_image: Path, ca_key: Path) -> list[str]:
 class VmEnv:
     """One test's VMs: store, run directory, pool; every Vms made here is cleaned up."""
 
-    def __init__(self, root: Path, guest: Path, machine: str = "microvm") -> None:
+    def __init__(self, root: Path, guest: Path, machine: str = "microvm", room: Room | None = None) -> None:
         self.root = root
         self.guest = guest
         self.machine = machine  # QEMU's
+        self.room = room  # QEMU's vm_max_vcpus, vm_max_memory_mib, vm_memory_slots (None: defaults)
         self.pool = free_test_pool()
         self.store = Store(root / "state" / "auraed.db")
         self.made: list[Vms] = []
@@ -91,7 +98,13 @@ class VmEnv:
 
     def backends(self) -> dict[str, QemuBackend | CloudHypervisorBackend]:
         return {
-            "qemu": QemuBackend(machine=self.machine, kvm_usable=lambda: self.kvm_usable),
+            "qemu": QemuBackend(
+                machine=self.machine,
+                kvm_usable=lambda: self.kvm_usable,
+                max_vcpus=self.room.max_vcpus if self.room else 0,
+                max_memory_mib=self.room.max_memory_mib if self.room else 0,
+                memory_slots=self.room.slots if self.room else 10,
+            ),
             "cloud-hypervisor": CloudHypervisorBackend(kvm_usable=lambda: self.kvm_usable),
         }
 

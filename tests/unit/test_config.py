@@ -320,9 +320,17 @@ def test_only_a_guest_the_host_configured_skips_checking_its_credentials(tmp_pat
         assert not guest.check_server_credentials
 
 
-def test_a_vm_pod_boots_cold_unless_told_to_clone_from_a_template(tmp_path: Path) -> None:
-    assert load_config([], {}).cri_vm_boot == "cold"
-    assert load_config(["--cri-vm-boot", "template"], {}).cri_vm_boot == "template"
-    with pytest.raises(ConfigError) as error:
-        load_config(["--config", str(write_config(tmp_path, 'cri_vm_boot = "warm"\n'))], {})
-    assert "cri_vm_boot: must be one of cold, template, not 'warm'" in str(error.value)
+def test_a_vm_pod_is_a_q35_clone_of_a_template_unless_told_to_boot_cold(tmp_path: Path) -> None:
+    default = load_config([], {})
+    assert (default.cri_vm_boot, default.cri_vm_machine, default.vm_machine) == ("template", "q35", "microvm")
+    assert default.vm_template_memory_mib == 256
+    assert load_config(["--cri-vm-boot", "cold"], {}).cri_vm_boot == "cold"
+    assert load_config(["--cri-vm-machine", "microvm"], {}).cri_vm_machine == "microvm"
+    for text, said in (
+        ('cri_vm_boot = "warm"\n', "cri_vm_boot: must be one of cold, template, not 'warm'"),
+        ('cri_vm_machine = "pc"\n', "cri_vm_machine: must be one of microvm, q35, not 'pc'"),
+        ("vm_template_memory_mib = 32\n", "vm_template_memory_mib: must be 64 to"),
+    ):
+        with pytest.raises(ConfigError) as error:
+            load_config(["--config", str(write_config(tmp_path, text))], {})
+        assert said in str(error.value)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from auraed.system.hotplug import mem_total_kib, online_cpu_mem
+from auraed.system.hotplug import mem_total_kib, online_cpu_mem, online_until
 
 
 def tree(root: Path, cpus: dict[str, str | None], blocks: dict[str, str], mem_total: int) -> Path:
@@ -70,3 +70,15 @@ def test_meminfo_without_mem_total_is_an_error(tmp_path: Path) -> None:
     meminfo.write_text("MemFree: 1 kB\n")
     with pytest.raises(ValueError, match="MemTotal"):
         mem_total_kib(meminfo)
+
+
+def test_a_grown_clone_waits_until_what_was_plugged_is_online(tmp_path: Path) -> None:
+    """online_until: onlined at once when there; until the timeout, saying what is, when not."""
+    sysfs = tmp_path / "system"
+    meminfo = tree(sysfs, {"cpu0": None, "cpu1": "0"}, {"memory2": "offline"}, 512 * 1024)
+    done = online_until(2, 512 * 1024, timeout=1.0, sysfs=sysfs, meminfo=meminfo)
+    assert (done.online_cpus, done.cpus_onlined, done.memory_blocks_onlined) == (2, 1, 1)
+    # A third CPU the kernel has not added (its ACPI event not handled yet), memory not counted.
+    with pytest.raises(TimeoutError) as waited:
+        online_until(3, 640 * 1024, timeout=0.05, sysfs=sysfs, meminfo=meminfo)
+    assert "2 of 3 CPUs and MemTotal 524288 of 655360 KiB online within 0.05 s" in str(waited.value)

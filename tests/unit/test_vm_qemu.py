@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from auraed.vms.backend import LaunchDisk, LaunchNet, LaunchSpec, MemoryImage
+from auraed.vms.backend import LaunchDisk, LaunchNet, LaunchSpec, MemoryImage, Room
 from auraed.vms.errors import VmError
 from auraed.vms.model import RunInfo, grown_memory_mib, host_memory_mib
-from auraed.vms.qemu import QemuBackend, Room, build_command, copy_sparse, host_tsc_khz
+from auraed.vms.qemu import QemuBackend, build_command, copy_sparse, host_tsc_khz
 
 SPEC = LaunchSpec(
     name="web",
@@ -290,3 +290,39 @@ def test_the_tcg_translation_cache_is_capped_only_when_asked_and_only_for_tcg() 
     assert accel("tcg", 0) == ["tcg"]
     assert accel("tcg", 32) == ["tcg,tb-size=32"]
     assert accel("kvm", 32) == ["kvm"]
+
+
+def test_a_q35_template_and_its_clones_have_its_room_and_a_clone_starts_at_its_size() -> None:
+    """The room is the template's (its record's), on the template's command line and each clone's
+    alike; a clone of a bigger VM starts at the template's size (it is grown once restored)."""
+    room = Room(3, 2048, 4)
+    q35 = QemuBackend(machine="microvm", max_vcpus=8, max_memory_mib=4096)  # the VM's machine wins
+    made = MemoryImage("/t/memory", "/t/state", clone=False, vcpus=1, memory_mib=256, room=room)
+    template = dataclasses.replace(SPEC, vcpus=1, memory_mib=256, image=made, machine="q35")
+    clone_image = dataclasses.replace(made, clone=True)
+    clone = dataclasses.replace(SPEC, vcpus=2, memory_mib=640, image=clone_image, machine="q35")
+    assert q35.room(template) == q35.room(clone) == room
+    assert clone.boot_size() == (1, 256) and SPEC.boot_size() == (SPEC.vcpus, SPEC.memory_mib)
+    for spec in (template, clone):
+        argv = command("q35", spec=spec, room=q35.room(spec))
+        assert option(argv, "-smp") == ["1,maxcpus=3"]
+        assert option(argv, "-m") == ["256M,slots=4,maxmem=2048M"]
+        assert any(o.startswith("memory-backend-file,id=ram0,size=256M,") for o in option(argv, "-object"))
+    # Without room in the image (a template made before templates had it): none.
+    assert q35.room(dataclasses.replace(clone, image=dataclasses.replace(clone_image, room=None))) == Room(
+        0, 0, 0
+    )
+
+
+def test_a_vm_s_own_machine_and_the_room_a_template_of_it_gets() -> None:
+    backend = QemuBackend(machine="microvm", max_vcpus=4, max_memory_mib=4096, memory_slots=6)
+    assert (backend.machine_of(""), backend.machine_of("q35")) == ("microvm", "q35")
+    with pytest.raises(VmError):
+        backend.machine_of("pc")
+    assert backend.template_room("") is None and backend.template_room("microvm") is None
+    assert backend.template_room("q35") == Room(4, 4096, 6)
+    assert backend.kernel_args("q35") == ["console=ttyS0", "memhp_default_state=online", "swiotlb=noforce"]
+    # A cold VM asking for q35 on a microvm host gets q35's room.
+    assert backend.room(dataclasses.replace(SPEC, machine="q35")) == Room(4, 4096, 6)
+    assert backend.room(SPEC) == Room(0, 0, 0)
+    assert backend.shared_clone_problem("q35") is None and backend.shared_clone_problem("") is not None

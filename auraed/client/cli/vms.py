@@ -158,14 +158,19 @@ def cmd_template_list(args: argparse.Namespace) -> int:
     if args.json:
         print_json(reply)
         return 0
-    table = Table("NAME", "STATE", "SHAPE", "RESIDENT", "CLONES", "BUILT IN", box=None, header_style="bold")
+    table = Table(
+        "NAME", "STATE", "SHAPE", "ROOM", "RESIDENT", "CLONES", "BUILT IN", box=None, header_style="bold"
+    )
     for status in reply.templates:
         shape = status.template
         debug = ", debug console" if status.debug_console else ""
+        room = f"{status.max_vcpus} vCPU, {status.max_memory_mib} MiB" if status.max_vcpus else "-"
+        machine = f", {status.machine}" if status.machine else ""
         table.add_row(
             shape.name,
             status.state,
-            f"{shape.vcpus} vCPU, {shape.memory_mib} MiB{debug}",
+            f"{shape.vcpus} vCPU, {shape.memory_mib} MiB{machine}{debug}",
+            room,
             f"{status.memory_resident_bytes >> 20} MiB",
             ", ".join(status.clones) or "-",
             f"{status.build_ms / 1000:.1f} s" if status.build_ms else "-",
