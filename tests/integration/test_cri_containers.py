@@ -34,6 +34,7 @@ from auraed.api.runtime import v1 as cri
 from auraed.client import AuraeClient, ClientError
 from auraed.cri.containers import EXEC_OUTPUT_MAX
 from auraed.cri.streaming.client import open_port_forward
+from auraed.system import processes
 from auraed.system.cri_log import parse_rfc3339_ns
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
 from tests.support.cni import CniNetwork, cni_network, free_port
@@ -1181,6 +1182,7 @@ async def test_containers_of_pods_in_host_namespaces_run(node: Node) -> None:
     auraed is not in PID 1's namespaces or may not open them: this machine's PID 1 is another
     program's). A host namespace is left out of the spec, as containerd does: the container stays
     in the runtime's own, and sees the host's processes, SysV IPC and network there."""
+    own_start = processes.start_ticks(os.getpid())
     made = subprocess.run(["ipcmk", "-M", "4096"], capture_output=True, text=True, check=True).stdout
     shm_id = made.split()[-1]
     port = free_port()
@@ -1194,7 +1196,8 @@ async def test_containers_of_pods_in_host_namespaces_run(node: Node) -> None:
                 container = await node.run(pod_id, node.config("c", TOP))
                 await node.wait_state(container, RUNNING)
                 seen = {
-                    "pid": f"grep -q pytest /proc/{os.getpid()}/cmdline",
+                    # This very process, by its pid and start time (the host's PID namespace).
+                    "pid": f"grep -q ' {own_start} ' /proc/{os.getpid()}/stat",
                     "ipc": f"grep -qw {shm_id} /proc/sysvipc/shm",
                     "network": f"nc 127.0.0.1 {port} | grep -q 'hello from the host'",
                 }
