@@ -28,7 +28,7 @@ from auraed.containers.model import ContainerRecord, State
 from auraed.containers.oci_spec import build_spec, image_runtime_config, resource_limits, stop_signal
 from auraed.containers.pid_groups import PidGroups
 from auraed.containers.request import ContainerRequest, Resources, SpecError, check_path
-from auraed.containers.rootfs import Snapshotter
+from auraed.containers.rootfs import SharedImage, Snapshotter, check_shared_layers
 from auraed.containers.runtime import OciRuntime, OciRuntimeError
 from auraed.containers.sandbox import CGROUP_PARENT, HOST_LOCAL, SandboxContext, UserNamespace
 from auraed.errors import ErrorKind
@@ -177,12 +177,15 @@ class Containers:
         *,
         sandbox: SandboxContext = HOST_LOCAL,
         log_path: Path | None = None,
+        shared: SharedImage | None = None,
     ) -> ContainerRecord:
         """Create a container: its rootfs and bundle, and with ``start`` its process.
 
         ``sandbox`` is where it lives and what it shares (its cgroup parent, namespaces, files);
         the default, a container on its own. ``log_path`` is where its CRI-format log goes (an
-        absolute path; its directory is made if missing); None: in its own directory.
+        absolute path; its directory is made if missing); None: in its own directory. ``shared``:
+        the image is not the store's but read where another machine shares its layers
+        (``image_name`` then only names it).
 
         With ``start``, one ``run --detach``. Without, the reply does not wait for the runtime:
         its ``create`` is handed to a monitor before the reply goes (create_ahead) and runs while
@@ -202,13 +205,14 @@ class Containers:
         async with self._lock:
             if any(r.name == request.name for r in self._records.values()):
                 raise ContainerError.already_exists(f"container {request.name}")
-            image = self._images.find(image_name)
+            image = self._images.find(image_name) if shared is None else shared
             container_id = secrets.token_hex(ID_BYTES)
             record = ContainerRecord(
                 id=container_id,
                 name=request.name,
                 image=image_name,
                 image_id=image.id,
+                shared_layers=[str(layer) for layer in shared.layers] if shared is not None else [],
                 directory=str(self._root / container_id),
                 labels=labels,
                 tty=request.tty,
@@ -282,11 +286,15 @@ class Containers:
             raise ContainerError.invalid("sandbox.cgroup_parent", str(exc)) from None
 
     def _prepare(
-        self, record: ContainerRecord, image: ImageRecord, request: ContainerRequest, sandbox: SandboxContext
+        self,
+        record: ContainerRecord,
+        image: ImageRecord | SharedImage,
+        request: ContainerRequest,
+        sandbox: SandboxContext,
     ) -> dict[str, Any]:
         """Mount the rootfs and write the bundle; its spec. Runs in a worker thread."""
         record.path.mkdir(mode=0o700, parents=True)
-        self._mount(record, image, sandbox.namespaces.user)
+        self._mount(record, image if isinstance(image, ImageRecord) else None, sandbox.namespaces.user)
         try:
             rootfs = record.rootfs if sandbox.namespaces.user is None else self._reachable_rootfs(record)
             image_config = image_runtime_config({"config": image.config})
@@ -308,9 +316,14 @@ class Containers:
     def _mount(
         self, record: ContainerRecord, image: ImageRecord | None = None, userns: UserNamespace | None = None
     ) -> None:
-        """The rootfs over the image's layers; the container's directory keeps what was written."""
-        image = image or self._images.find(record.image_id)
-        self._snapshotter.mount(image, record.path, record.rootfs, userns)
+        """The rootfs over the image's layers (the store's, or those shared with this machine);
+        the container's directory keeps what was written."""
+        if record.shared_layers:
+            layers = tuple(Path(layer) for layer in record.shared_layers)
+            check_shared_layers(layers)
+        else:
+            layers = self._snapshotter.layers(image or self._images.find(record.image_id))
+        self._snapshotter.mount(layers, record.path, record.rootfs, userns)
 
     def _reachable_rootfs(self, record: ContainerRecord) -> Path:
         """The rootfs bound below ``userns_rootfs_dir``, for a container in its own user

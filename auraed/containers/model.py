@@ -55,6 +55,9 @@ class ContainerRecord:
     signal: int | None = None
     oom_killed: bool = False
     reason: str = ""
+    # The layers' directories (bottom first) of an image this machine does not store but reads
+    # where another machine shares it (auraed.containers.rootfs.SharedImage); none: the store's.
+    shared_layers: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def path(self) -> Path:
