@@ -1,8 +1,9 @@
 """CRI ``vm`` pods: RunPodSandbox until the guest serves, against a bare boot of the same kernel;
-the lifecycle of a pod with one container, ``vm`` pods against ``cell`` pods; all in one run.
+the lifecycle of a pod with one container, ``vm`` pods against ``cell`` pods, busybox against a
+~330 MB Debian image in ``vm`` pods; all in one run.
 
     .venv/bin/python bench/cri_vm.py [--iterations 5] [--warmup 1] [--gap-ms 500]
-        [--memory-mib 768] [--guest-image DIR] [--boot default|cold] [--json-only]
+        [--memory-mib 768] [--guest-image DIR] [--boot default|cold] [--density N] [--json-only]
 
 A sibling of bench/cri.py, not a mode of it: it shares cri.py's pieces (the Auraed runtime, the
 pods' and the container's requests, the busybox image and its registry mirror, the CNI network,
@@ -21,16 +22,20 @@ and 1 vCPU, as the bare VM). QEMU runs under TCG on machines without a usable KV
 image is cri.py's: busybox (``registry.k8s.io/e2e-test-images/busybox:1.29-2``, built from
 Debian's busybox-static, tests.support.images) pushed to a local docker-registry
 (tests.support.registry.LocalRegistry), the daemon's mirror of registry.k8s.io, and pulled onto
-the host once through ImageService.PullImage before anything is measured. Three series, one of
-each per round, the order rotating from round to round, each after ``--gap-ms`` idle:
+the host once through ImageService.PullImage before anything is measured, as is the Debian image
+(tests.support.images.build_debian_layout: libc, dash and coreutils, Python, the C toolchain,
+QEMU and the CNI plugins, as installed here, in four layers; kept in .work/bench/debian-layout).
+Four series, one of each per round, the order rotating from round to round, each after
+``--gap-ms`` idle:
 
 * ``vm``: a pod of the ``vm`` handler with one container, its lifecycle as a kubelet drives it,
   each step timed by the client: RunPodSandbox (its reply comes once the guest's auraed serves
   health over mTLS at the pod IP: cell-style pod namespaces and cgroup, CNI ADD, the tap,
   Allocate, the config disk, QEMU, the boot) -> PodSandboxStatus (READY, an IP of the CNI
   subnet) -> CreateContainer (busybox ``sh -c 'echo ready; sleep 3600'``, its log at
-  ``<pod log directory>/main/0.log``, oom_score_adj 1000; the host places the image's blobs in
-  the guest, which unpacks them and creates the container with crun) -> StartContainer -> the
+  ``<pod log directory>/main/0.log``, oom_score_adj 1000; the host binds the image's snapshots
+  read-only in the pod's virtio-fs share and the guest mounts the container's overlay over them
+  and creates it with crun) -> StartContainer -> the
   container's first line, ``ready``, in its log file on the host (the file the kubelet reads,
   which the host writes from the guest's Logs stream; read every 5 ms from StartContainer's
   reply) -> StopContainer (timeout 0: SIGKILL at once) -> RemoveContainer -> StopPodSandbox (the
@@ -42,7 +47,9 @@ each per round, the order rotating from round to round, each after ``--gap-ms`` 
   from the template's base size (1 vCPU, 256 MiB) to the pod's; each clone gets a copy of the
   template's RAM and its virtio-fs plugged after the restore, whose steps are read off the
   daemon's log. With ``--boot cold`` (the default before issue 35: ``cri_vm_boot = "cold"``,
-  microvm) booted cold. Either way every CreateContainer places the whole image in it.
+  microvm) booted cold. Once the first line is there, untimed, an ExecSync in the container
+  reads the guest's MemAvailable.
+* ``vm_debian``: the same, the container from the Debian image (Debian's ``sh`` and ``sleep``).
 * ``bare`` (RunPodSandbox's peer): the same kernel with the same QEMU command line (auraed's own:
   machine, accelerator, 1 vCPU, the same memory; the machine the pods' own, q35 with
   ``--boot default`` (``vm_machine``, which only the VmService's VMs follow), microvm cold) and
@@ -78,10 +85,16 @@ whatever happens: containers and pods removed through the CRI, VMs freed through
 the daemon stopped, any QEMU still naming a VM's run directory killed, mounts detached, cgroups,
 the registry, the CNI bridge, rules and leases and the temp directory removed.
 
+With ``--density N``, after the rounds: N vm pods of the Debian image made one after another,
+each running its container, all left idle 30 s, then per pod the PSS of its processes on the host
+(QEMU and virtiofsd) and its guest's MemAvailable, with the load average; removed after.
+
 Targets (issues #20, #35): RunPodSandbox of a vm pod at most 1.0x the bare boot (p50) *with the
 default configuration* (``--boot default``: the bare VM boots on q35 too, the clones' machine); a
 cold run's ratio is reported against that target as what it is; the vm pod's lifecycle (with its
-container) is reported against the cell pod's (no target); nothing leaks.
+container) is reported against the cell pod's (no target); nothing leaks. Issue #35 also: a vm
+pod's CreateContainer at most 2x its StartContainer (p50); the Debian image's CreateContainer at
+most 1.2x busybox's; its guest's MemAvailable at most 32 MiB lower than busybox's guest's.
 """
 
 from __future__ import annotations
@@ -89,6 +102,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import re
 import shutil
@@ -102,6 +116,7 @@ from common import (
     exit_on_sigterm,
     machine_info,
     make_pki,
+    percentile,
     print_json,
     print_lines,
     print_table,
@@ -154,6 +169,7 @@ from auraed.api.aurae.vms import v0 as vms_pb
 from auraed.api.runtime import v1 as cri
 from auraed.client import AuraeClient
 from auraed.cri.runtime import SERVICE_NAME as RUNTIME_SERVICE
+from auraed.images.content import tree_size
 from auraed.system.cri_log import parse_cri_log_line
 from auraed.system.monitor_launcher import MONITOR_NAME
 from auraed.vms import network
@@ -161,12 +177,18 @@ from auraed.vms.backend import CONSOLE_LOG, processes_referencing
 
 if TYPE_CHECKING:
     from tests.support.cni import CniNetwork
+    from tests.support.images import BuiltImage
     from tests.support.registry import LocalRegistry
 
 T = TypeVar("T")
 
-SERIES = ("vm", "bare", "cell")
+SERIES = ("vm", "vm_debian", "bare", "cell")
 HANDLERS = ("vm", "cell")
+HANDLER_OF = {"vm": "vm", "vm_debian": "vm", "cell": "cell"}  # the pod series' handlers
+DEBIAN_IMAGE = "registry.k8s.io/e2e-test-images/aurae-debian:bench"
+"""The ~330 MB image of Debian packages (tests.support.images.build_debian_layout), mirrored."""
+DEBIAN_LAYOUT = Path(__file__).resolve().parent.parent / ".work" / "bench" / "debian-layout"
+"""Where its layout is kept between runs (built again when the packages' versions change)."""
 POD_PHASES = ("run_pod", "status", "stop_pod", "remove_pod")  # the pod's own RPCs
 # The whole lifecycle, in order: the pod's RPCs and its one container's (``first_line``: from
 # StartContainer's reply until the container's first line is in its log file on the host).
@@ -189,9 +211,14 @@ STEP_NAMES = {
 }
 VCPUS = 1
 TARGET_RATIO = 1.0  # vm pod RunPodSandbox over the bare boot, p50, with the default configuration
+TARGET_CREATE_OVER_START = 2.0  # a vm pod's CreateContainer over its StartContainer, p50 (issue 35)
+TARGET_DEBIAN_OVER_BUSYBOX = 1.2  # the Debian image's CreateContainer over busybox's, p50 (issue 35)
+TARGET_EXTRA_MEMORY_MIB = 32.0  # the guest's MemAvailable: the Debian image's drop beyond busybox's
+MIB = 1024 * 1024
 RUN_POD_TIMEOUT = 300.0  # a cold guest boot under TCG on a loaded machine
 START_TIMEOUT_S = 300
 BARE_TAIL_S = 0.2  # the bare guest powers off right after its marker: let the console catch up
+DENSITY_SETTLE_S = 30.0  # idle time of the density pods before their memory is read
 QEMU = "qemu-system-x86_64"
 
 
@@ -350,12 +377,14 @@ async def pod_lifecycle(
     while_running: Callable[[Pod], Awaitable[None]] | None = None,
     *,
     cold: bool = True,
+    memory: list[float] | None = None,
 ) -> tuple[dict[str, float], dict[str, float] | None]:
     """One pod with one container, as a kubelet drives it: RunPodSandbox, PodSandboxStatus (READY
     with an IP), CreateContainer, StartContainer, the container's first line in its log file on
     the host, StopContainer, RemoveContainer, StopPodSandbox, RemovePodSandbox: seconds per step,
     their sum (``total``) and the sum of the pod's four RPCs (``pod_total``); for a vm pod, its
-    boot's phases too. ``while_running`` runs (untimed) once the line is seen."""
+    boot's phases too. ``while_running`` runs (untimed) once the line is seen; with ``memory``,
+    the guest's MemAvailable then (MiB, read by an ExecSync in the container) is appended to it."""
     pod = setup.pod(name)
     await asyncio.to_thread(pod.prepare)
     client = runtime.client
@@ -390,6 +419,8 @@ async def pod_lifecycle(
         await timed(durations, "first_line", first_line(log, f"{name}: {COMMAND}"))
         if while_running is not None:
             await while_running(pod)
+        if memory is not None:
+            memory.append(await mem_available_mib(client, pod.container_id))
         for phase, method, teardown_request in teardown(pod.container_id, pod.pod_id):
             await timed(durations, phase, call(client, method, teardown_request))
     finally:
@@ -414,6 +445,17 @@ def one_container(pod: Pod) -> cri.ContainerConfig:
     container = pod.container()
     container.command = COMMAND
     return container
+
+
+async def mem_available_mib(client: AuraeClient, container_id: str) -> float:
+    """The MemAvailable of the machine the container runs on (a vm pod's: its guest's), in MiB."""
+    request = cri.ExecSyncRequest(container_id=container_id, cmd=["cat", "/proc/meminfo"], timeout=60)
+    reply = await client.call(RUNTIME_SERVICE, "ExecSync", request, 90)
+    for line in reply.stdout.decode().splitlines():
+        key, _, value = line.partition(":")
+        if key == "MemAvailable":
+            return int(value.split()[0]) / 1024
+    raise RuntimeError(f"no MemAvailable in the container's /proc/meminfo: {reply.stdout[:200]!r}")
 
 
 async def timed(durations: dict[str, float], phase: str, step: Awaitable[T]) -> T:
@@ -476,6 +518,65 @@ async def bare_boot(
     return {"total": phases.pop("total"), "allocate_rpc": allocated, **phases}
 
 
+async def idle_density(runtime: VmAuraed, setup: Setup, count: int) -> dict[str, Any]:
+    """``count`` vm pods of ``setup.image``, one after another, each with its container running
+    COMMAND, then all left idle DENSITY_SETTLE_S: per pod, the PSS of its processes on the host
+    (QEMU and virtiofsd, every process naming its VM's run directory: PSS splits the guest RAM they
+    both map) and its guest's MemAvailable; the load average then. Removed after, untimed."""
+    client = runtime.client
+    pods: list[Pod] = []
+    try:
+        for i in range(count):
+            pod = setup.pod(f"idle-{i}")
+            await asyncio.to_thread(pod.prepare)
+            pods.append(pod)
+            config = pod.config()
+            run_pod = cri.RunPodSandboxRequest(config=config, runtime_handler="vm")
+            pod.pod_id = (
+                await client.call(RUNTIME_SERVICE, "RunPodSandbox", run_pod, RUN_POD_TIMEOUT)
+            ).pod_sandbox_id
+            container = one_container(pod)
+            create = cri.CreateContainerRequest(
+                pod_sandbox_id=pod.pod_id, config=container, sandbox_config=config
+            )
+            pod.container_id = (
+                await client.call(RUNTIME_SERVICE, "CreateContainer", create, CREATE_TIMEOUT)
+            ).container_id
+            await call(client, "StartContainer", cri.StartContainerRequest(container_id=pod.container_id))
+            await first_line(pod.log_directory / container.log_path, pod.name)
+        await asyncio.sleep(DENSITY_SETTLE_S)
+        loadavg = [round(x, 2) for x in os.getloadavg()]
+        pss = [round(pod_pss_mib(runtime.vms_dir / f"pod-{pod.pod_id[:16]}"), 1) for pod in pods]
+        available = [round(await mem_available_mib(client, pod.container_id), 1) for pod in pods]
+    finally:
+        for pod in pods:
+            with contextlib.suppress(Exception):
+                for _, method, request in teardown(pod.container_id, pod.pod_id):
+                    await call(client, method, request)
+            await asyncio.to_thread(pod.clean)
+    return {
+        "pods": count,
+        "image": setup.image,
+        "settle_s": DENSITY_SETTLE_S,
+        "host_pss_mib_per_pod": pss,
+        "host_pss_mib_mean": round(sum(pss) / len(pss), 1),
+        "host_pss_mib_total": round(sum(pss), 1),
+        "guest_mem_available_mib": available,
+        "loadavg_at_measure": loadavg,
+    }
+
+
+def pod_pss_mib(run_dir: Path) -> float:
+    """The PSS of every process naming the VM's run directory (its QEMU and virtiofsd), in MiB."""
+    total_kib = 0
+    for pid in processes_referencing(run_dir):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total_kib += int(line.split()[1])
+    return total_kib / 1024
+
+
 async def container_running(client: AuraeClient, pod: Pod) -> None:
     """ContainerStatus: the pod's container RUNNING."""
     request = cri.ContainerStatusRequest(container_id=pod.container_id)
@@ -524,38 +625,62 @@ def qemu_argv(run_dir: Path) -> list[str]:
     return []
 
 
-async def run(args: argparse.Namespace, runtime: VmAuraed, setup: Setup, image: Path) -> dict[str, Any]:
-    """Warm-up, the rotating rounds, the leak check; whatever happens, pods and VMs removed."""
+async def run(
+    args: argparse.Namespace, runtime: VmAuraed, setup: Setup, image: Path, debian: BuiltImage
+) -> dict[str, Any]:
+    """Warm-up, the rotating rounds, the density pods when asked, the leak check; whatever
+    happens, pods and VMs removed."""
     series: dict[str, list[dict[str, float]]] = {s: [] for s in SERIES}
-    boots: dict[str, list[dict[str, float]]] = {"vm": [], "bare": []}
+    boots: dict[str, list[dict[str, float]]] = {"vm": [], "vm_debian": [], "bare": []}
+    memory: dict[str, list[float]] = {"vm": [], "vm_debian": []}  # the guests' MemAvailable, MiB
     runs: list[dict[str, Any]] = []
     warmup_run_pod: list[float] = []  # by default, the first may wait for the template's end
+    density: dict[str, Any] = {}
     async with runtime.daemon.client() as aurae:
         check = GuestCheck(aurae, runtime)
 
         async def one(
-            kind: str, name: str, ready: Callable[[Pod], Awaitable[None]] | None
+            kind: str, name: str, ready: Callable[[Pod], Awaitable[None]] | None, measured: bool = True
         ) -> tuple[dict[str, float], dict[str, float] | None]:
             if kind == "bare":
                 phases = await bare_boot(aurae, runtime, image, args.memory_mib, name)
                 return phases, phases
-            return await pod_lifecycle(runtime, setup, kind, name, ready, cold=args.boot == "cold")
+            of = dataclasses.replace(setup, image=DEBIAN_IMAGE) if kind == "vm_debian" else setup
+            return await pod_lifecycle(
+                runtime, of, HANDLER_OF[kind], name, ready, cold=args.boot == "cold",
+                memory=memory[kind] if measured and kind in memory else None,
+            )  # fmt: skip
 
         async def cell_running(pod: Pod) -> None:
             await container_running(runtime.client, pod)
 
         try:
-            await runtime.connect(setup.image)  # busybox pulled once, untimed, onto the host
+            # busybox and the Debian image pulled once, untimed, onto the host
+            await runtime.connect(setup.image, DEBIAN_IMAGE)
+            snapshots = runtime.root / "state" / "images" / "snapshots"
+            debian_facts = {
+                "layers": len(debian.layers),
+                "compressed_mib": round(debian.total_layer_size / MIB, 1),
+                "unpacked_mib": round(
+                    sum(
+                        tree_size(snapshots / layer.diff_id.removeprefix("sha256:"))
+                        for layer in debian.layers
+                    )
+                    / MIB,
+                    1,
+                ),
+            }
             before = baseline(runtime, setup.pods_base)
             for i in range(args.warmup):
                 for kind in SERIES:
-                    measured, _ = await one(kind, f"{kind}-w{i}", check if kind == "vm" else cell_running)
+                    ready = check if HANDLER_OF.get(kind) == "vm" else cell_running
+                    measured, _ = await one(kind, f"{kind}-w{i}".replace("_", "-"), ready, measured=False)
                     if kind == "vm":
                         warmup_run_pod.append(measured["run_pod"])
             for i in range(args.iterations):
                 for kind in SERIES[i % len(SERIES) :] + SERIES[: i % len(SERIES)]:
                     await asyncio.sleep(args.gap_ms / 1000)
-                    measured, phases = await one(kind, f"{kind}-{i}", None)
+                    measured, phases = await one(kind, f"{kind}-{i}".replace("_", "-"), None)
                     series[kind].append(measured)
                     if phases is not None and kind in boots:
                         boots[kind].append(phases)
@@ -565,6 +690,11 @@ async def run(args: argparse.Namespace, runtime: VmAuraed, setup: Setup, image: 
                     runs.append(entry)
                     if not args.json_only:
                         print(f"  round {i}: {kind} {measured['total']:.2f} s", file=sys.stderr)
+            loadavg_after_rounds = [round(x, 2) for x in os.getloadavg()]
+            if args.density:
+                density = await idle_density(
+                    runtime, dataclasses.replace(setup, image=DEBIAN_IMAGE), args.density
+                )
             left = await leaks(runtime, setup, before)
             listed = await aurae.call(VMS, "List", vms_pb.VmServiceListRequest(), timeout=30)
             if listed.vms:
@@ -581,6 +711,10 @@ async def run(args: argparse.Namespace, runtime: VmAuraed, setup: Setup, image: 
         "version": runtime.version,
         "series": series,
         "boots": boots,
+        "memory": memory,
+        "density": density,
+        "debian_image": debian_facts,
+        "loadavg_after_rounds": loadavg_after_rounds,
         "runs": runs,
         "vm_pod_guest": check.seen,
         "leaks_after_rounds": left,
@@ -675,6 +809,11 @@ def report(
         return {phase: ratio(of["vm"][phase]["p50_ms"], of["cell"][phase]["p50_ms"]) for phase in of["vm"]}
 
     clean = bool(results["leaks_after_rounds"]["clean"])
+    debian = {k: steps_of for k, steps_of in stats_of(results["series"]["vm_debian"]).items() if k in PHASES}
+    create_over_start = ratio(lifecycle["vm"]["create"]["p50_ms"], lifecycle["vm"]["start"]["p50_ms"])
+    debian_over_busybox = ratio(debian["create"]["p50_ms"], lifecycle["vm"]["create"]["p50_ms"])
+    available = {kind: round(percentile(sorted(values), 50), 1) for kind, values in results["memory"].items()}
+    extra_mib = round(available["vm"] - available["vm_debian"], 1)
     result: dict[str, Any] = {
         "benchmark": "cri_vm",
         "machine": machine,
@@ -703,6 +842,15 @@ def report(
         ),
         "pod_lifecycle": pod_rpcs,
         "ratio_p50_pod_lifecycle_vm_over_cell": vm_over_cell(pod_rpcs),
+        "debian_image": {"reference": DEBIAN_IMAGE, **results["debian_image"]},
+        "lifecycle_vm_debian": debian,
+        "ratio_p50_create_over_start_vm": create_over_start,
+        "ratio_p50_create_debian_over_busybox_vm": debian_over_busybox,
+        "guest_mem_available_mib": {k: results["memory"][k] for k in results["memory"]},
+        "guest_mem_available_p50_mib": available,
+        "guest_mem_available_debian_drop_beyond_busybox_mib": extra_mib,
+        "density": results["density"],
+        "loadavg_after_rounds": results["loadavg_after_rounds"],
         "runs": results["runs"],
         "leaks_after_rounds": results["leaks_after_rounds"],
         "warmup_run_pod_ms": [round(s * 1000, 1) for s in results["warmup_run_pod_s"]],
@@ -715,6 +863,12 @@ def report(
             "ratio_p50_run_pod_over_bare_at_most": TARGET_RATIO,
             "applies_to": "the default configuration (--boot default: template clones)",
             f"{args.boot}_result": verdict(boot_ratio <= TARGET_RATIO),
+            "create_over_start_at_most": TARGET_CREATE_OVER_START,
+            "create_over_start": verdict(create_over_start <= TARGET_CREATE_OVER_START),
+            "debian_create_over_busybox_at_most": TARGET_DEBIAN_OVER_BUSYBOX,
+            "debian_create_over_busybox": verdict(debian_over_busybox <= TARGET_DEBIAN_OVER_BUSYBOX),
+            "debian_extra_memory_mib_at_most": TARGET_EXTRA_MEMORY_MIB,
+            "debian_extra_memory": verdict(extra_mib <= TARGET_EXTRA_MEMORY_MIB),
             "nothing_leaked": verdict(clean),
         },
     }
@@ -761,6 +915,40 @@ def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
             row("of which the pod's 4 RPCs", pod_rpcs, "total", pod_ratios["total"]),
         ],
     )
+    debian = result["lifecycle_vm_debian"]
+    print_table(
+        "vm pods: busybox (1 MB) against a Debian image (~330 MB) (ms per step, p50 min max)",
+        ["step", "busybox p50", "min", "max", "debian p50", "min", "max", "ratio p50"],
+        [
+            [
+                STEP_NAMES[phase],
+                *(lifecycle["vm"][phase][f"{stat}_ms"] for stat in ("p50", "min", "max")),
+                *(debian[phase][f"{stat}_ms"] for stat in ("p50", "min", "max")),
+                ratio(debian[phase]["p50_ms"], lifecycle["vm"][phase]["p50_ms"]),
+            ]
+            for phase in ("create", "start", "first_line")
+        ],
+    )
+    memory, target = result["guest_mem_available_mib"], result["target"]
+    extra = result["guest_mem_available_debian_drop_beyond_busybox_mib"]
+    lines = [
+        f"guest MemAvailable after the start (MiB): busybox {memory['vm']}, debian {memory['vm_debian']}; "
+        f"the Debian image's drop beyond busybox's: {extra} MiB "
+        f"(target <= {TARGET_EXTRA_MEMORY_MIB:g}: {target['debian_extra_memory']})",
+        f"vm pod CreateContainer / StartContainer, p50: {result['ratio_p50_create_over_start_vm']}x "
+        f"(target <= {TARGET_CREATE_OVER_START:g}: {target['create_over_start']})",
+        f"debian / busybox CreateContainer, p50: {result['ratio_p50_create_debian_over_busybox_vm']}x "
+        f"(target <= {TARGET_DEBIAN_OVER_BUSYBOX:g}: {target['debian_create_over_busybox']})",
+        f"load average after the rounds: {result['loadavg_after_rounds']}",
+    ]
+    if density := result["density"]:
+        lines.append(
+            f"density: {density['pods']} idle vm pods of the Debian image, host PSS per pod (QEMU + "
+            f"virtiofsd) mean {density['host_pss_mib_mean']} MiB, total {density['host_pss_mib_total']} "
+            f"MiB: {density['host_pss_mib_per_pod']}; guests' MemAvailable "
+            f"{density['guest_mem_available_mib']}; load average {density['loadavg_at_measure']}"
+        )
+    print_lines(lines)
     found = result["leaks_after_rounds"]
     target = result["target"]
     cold = result["ratio_p50_run_pod_vm_over_bare"]
@@ -810,10 +998,19 @@ def parse_args() -> argparse.Namespace:
         help="the daemon's default configuration: vm pods cloned from the host's template, made as "
         "the daemon starts (q35; the bare VM boots q35 too), or booted cold (microvm)",
     )
+    parser.add_argument(
+        "--density",
+        type=int,
+        default=0,
+        help="after the rounds, this many idle vm pods of the Debian image at once: the host memory "
+        "(PSS of QEMU and virtiofsd) per pod (default 0: none)",
+    )
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
     args = parser.parse_args()
-    if args.iterations < 1 or args.warmup < 0 or args.gap_ms < 0 or args.memory_mib < 64:
-        parser.error("--iterations must be positive, --warmup and --gap-ms not negative, --memory-mib >= 64")
+    if args.iterations < 1 or args.warmup < 0 or args.gap_ms < 0 or args.memory_mib < 64 or args.density < 0:
+        parser.error(
+            "--iterations must be positive, --warmup, --gap-ms and --density not negative, --memory-mib >= 64"
+        )
     if os.geteuid() != 0:
         parser.exit(2, "cri_vm: needs root (pods: namespaces, cgroups, mounts, CNI; taps, QEMU)\n")
     if shutil.which(QEMU) is None:
@@ -842,6 +1039,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     with temp_dir("auraed-bench-cri-vm-") as root, LocalRegistry() as registry, cni_network(root) as network:
         network.write(network.conflist())
         publish_images(root / "images", registry, pause=False)
+        from tests.support.cri import publish
+        from tests.support.images import build_debian_layout
+
+        debian = build_debian_layout(DEBIAN_LAYOUT)
+        publish(debian, registry, DEBIAN_IMAGE)
         runtime = VmAuraed(
             root / "auraed",
             network,
@@ -854,7 +1056,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         try:
             runtime.start()
             setup = Setup(BUSYBOX_IMAGE, network, root / "pods", pods_base)
-            results = asyncio.run(run(args, runtime, setup, image))
+            results = asyncio.run(run(args, runtime, setup, image, debian))
         except BaseException:
             with contextlib.suppress(Exception):
                 sys.stderr.write(f"--- auraed log (tail)\n{runtime.log()[-4000:]}\n")

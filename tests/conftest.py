@@ -92,6 +92,7 @@ GUEST_GROUPS = {
         "test_cri_vm_pods.py",
         "test_vm_templates_q35.py",
         "test_cri_vm_share.py",
+        "test_cri_vm_rootfs.py",
     ),
     "guests-2": (
         "test_host_disk.py",

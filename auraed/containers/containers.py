@@ -29,7 +29,7 @@ from auraed.containers.model import ContainerRecord, State
 from auraed.containers.oci_spec import build_spec, image_runtime_config, resource_limits, stop_signal
 from auraed.containers.pid_groups import PidGroups
 from auraed.containers.request import IMAGE_MOUNT, ContainerRequest, Mount, Resources, SpecError, check_path
-from auraed.containers.rootfs import Snapshotter, unmount_image_volume
+from auraed.containers.rootfs import SharedImage, Snapshotter, check_shared_layers, unmount_image_volume
 from auraed.containers.runtime import OciRuntime, OciRuntimeError
 from auraed.containers.sandbox import CGROUP_PARENT, HOST_LOCAL, SandboxContext, UserNamespace
 from auraed.errors import ErrorKind
@@ -193,12 +193,15 @@ class Containers:
         *,
         sandbox: SandboxContext = HOST_LOCAL,
         log_path: Path | None = None,
+        shared: SharedImage | None = None,
     ) -> ContainerRecord:
         """Create a container: its rootfs and bundle, and with ``start`` its process.
 
         ``sandbox`` is where it lives and what it shares (its cgroup parent, namespaces, files);
         the default, a container on its own. ``log_path`` is where its CRI-format log goes (an
-        absolute path; its directory is made if missing); None: in its own directory.
+        absolute path; its directory is made if missing); None: in its own directory. ``shared``:
+        the image is not the store's but read where another machine shares its layers
+        (``image_name`` then only names it).
 
         With ``start``, one ``run --detach``. Without, the reply does not wait for the runtime:
         its ``create`` is handed to a monitor before the reply goes (create_ahead) and runs while
@@ -218,7 +221,7 @@ class Containers:
         async with self._lock:
             if any(r.name == request.name for r in self._records.values()):
                 raise ContainerError.already_exists(f"container {request.name}")
-            image = self._images.find(image_name)
+            image = self._images.find(image_name) if shared is None else shared
             volume_images = self._volume_images(request)
             container_id = secrets.token_hex(ID_BYTES)
             record = ContainerRecord(
@@ -226,6 +229,7 @@ class Containers:
                 name=request.name,
                 image=image_name,
                 image_id=image.id,
+                shared_layers=[str(layer) for layer in shared.layers] if shared is not None else [],
                 directory=str(self._root / container_id),
                 labels=labels,
                 tty=request.tty,
@@ -300,11 +304,15 @@ class Containers:
             raise ContainerError.invalid("sandbox.cgroup_parent", str(exc)) from None
 
     def _prepare(
-        self, record: ContainerRecord, image: ImageRecord, request: ContainerRequest, sandbox: SandboxContext
+        self,
+        record: ContainerRecord,
+        image: ImageRecord | SharedImage,
+        request: ContainerRequest,
+        sandbox: SandboxContext,
     ) -> dict[str, Any]:
         """Mount the rootfs and write the bundle; its spec. Runs in a worker thread."""
         record.path.mkdir(mode=0o700, parents=True)
-        self._mount(record, image, sandbox.namespaces.user)
+        self._mount(record, image if isinstance(image, ImageRecord) else None, sandbox.namespaces.user)
         try:
             request = self._image_volumes_bound(record, request)
             if self._machine_sysctls:
@@ -329,12 +337,17 @@ class Containers:
     def _mount(
         self, record: ContainerRecord, image: ImageRecord | None = None, userns: UserNamespace | None = None
     ) -> None:
-        """The rootfs over the image's layers; the container's directory keeps what was written;
-        its image volumes, read-only."""
-        image = image or self._images.find(record.image_id)
-        self._snapshotter.mount(image, record.path, record.rootfs, userns)
+        """The rootfs over the image's layers (the store's, or those shared with this machine);
+        the container's directory keeps what was written; its image volumes, read-only."""
+        if record.shared_layers:
+            layers = tuple(Path(layer) for layer in record.shared_layers)
+            check_shared_layers(layers)
+        else:
+            layers = self._snapshotter.layers(image or self._images.find(record.image_id))
+        self._snapshotter.mount(layers, record.path, record.rootfs, userns)
         for index, image_id in enumerate(record.volume_images):
-            self._snapshotter.mount_read_only(self._images.find(image_id), _image_volume(record, index))
+            volume_layers = self._snapshotter.layers(self._images.find(image_id))
+            self._snapshotter.mount_read_only(volume_layers, _image_volume(record, index))
 
     def _volume_images(self, request: ContainerRequest) -> tuple[str, ...]:
         """The ids of the images ``request`` mounts as volumes, which must be here (pulled)."""

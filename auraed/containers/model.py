@@ -74,6 +74,9 @@ class ContainerRecord:
     reason: str = ""
     # The images it mounts as volumes (IMAGE_MOUNT), by id, in its mounts' order: kept while it is.
     volume_images: tuple[str, ...] = ()
+    # The layers' directories (bottom first) of an image this machine does not store but reads
+    # where another machine shares it (auraed.containers.rootfs.SharedImage); none: the store's.
+    shared_layers: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def path(self) -> Path:

@@ -2,18 +2,24 @@
 
 The :class:`Snapshotter` interface is what containers ask for (containerd's snapshotter, for the
 one writable snapshot a container gets over its image's committed layers); :class:`OverlaySnapshotter`
-is overlayfs over the layers the image store keeps (auraed.images.content.LayerSnapshots).
+is overlayfs over the layers the image store keeps (auraed.images.content.LayerSnapshots), or over
+a :class:`SharedImage`'s: layers this machine does not store but reads where another machine
+shares them (a vm pod's guest: its host's snapshots, read-only in the pod's virtio-fs share at
+auraed.bootargs.SHARE_MOUNT), the writable layer still this machine's own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
+from auraed.bootargs import SHARE_MOUNT
 from auraed.containers.errors import ContainerError
 from auraed.containers.sandbox import UserNamespace
 from auraed.errors import ErrorKind
@@ -25,20 +31,63 @@ from auraed.system import mount_api, namespaces
 MAX_MOUNT_DATA = 4095
 
 
+MAX_SHARED_LAYERS = 500
+"""Layers a shared root filesystem may name: more than one overlay mount takes anyway."""
+# overlayfs splits its options at "," and lower dirs at ":"; "\\" escapes them.
+_OVERLAY_SEPARATORS = frozenset(",:\\\n\0")
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedImage:
+    """An image whose layers this machine reads where another machine shares them, read-only,
+    and stores nothing of: its id, its config's "config" object, and its layers' directories,
+    the bottom one first, each below the shared directory's mount (SHARE_MOUNT)."""
+
+    id: str
+    config: dict[str, Any]
+    layers: tuple[Path, ...]
+
+
+def shared_layer(path: str) -> Path:
+    """``path`` as a shared layer's directory: absolute, normal (no ``..``, no ``//``), below
+    SHARE_MOUNT, and free of what overlayfs's options would split at; ValueError saying why not."""
+    if (
+        not path.startswith(f"{SHARE_MOUNT}/")
+        or os.path.normpath(path) != path
+        or _OVERLAY_SEPARATORS & set(path)
+    ):
+        raise ValueError(f"{path[:200]!r} is not a plain directory path below {SHARE_MOUNT}")
+    return Path(path)
+
+
+def check_shared_layers(layers: Sequence[Path]) -> None:
+    """Each of ``layers`` a directory (the share mounted, the host's binds there); a
+    FAILED_PRECONDITION naming the first that is not."""
+    for layer in layers:
+        if not os.path.isdir(layer):
+            raise ContainerError.precondition(
+                f"the shared layer {layer} is not there: is the host's share mounted at {SHARE_MOUNT}?"
+            )
+
+
 class Snapshotter(Protocol):
     """A container's root filesystem from its image's layers."""
 
-    def mount(
-        self, image: ImageRecord, writable: Path, target: Path, userns: UserNamespace | None = None
-    ) -> None:
-        """Mount at ``target`` the image's layers under a writable layer kept in ``writable``
-        (the container's own directory: what the container writes lasts as long as it does); for
-        a container in ``userns``, its root owning the image's files."""
+    def layers(self, image: ImageRecord) -> tuple[Path, ...]:
+        """The directories of the stored image's layers, the bottom one first."""
         ...
 
-    def mount_read_only(self, image: ImageRecord, target: Path) -> None:
-        """Mount at ``target`` the image's files, read-only, nothing executable or set-id (an
-        image volume)."""
+    def mount(
+        self, layers: Sequence[Path], writable: Path, target: Path, userns: UserNamespace | None = None
+    ) -> None:
+        """Mount at ``target`` the ``layers`` (bottom first) under a writable layer kept in
+        ``writable`` (the container's own directory: what the container writes lasts as long as
+        it does); for a container in ``userns``, its root owning the image's files."""
+        ...
+
+    def mount_read_only(self, layers: Sequence[Path], target: Path) -> None:
+        """Mount at ``target`` an image's files (its ``layers``, bottom first), read-only, nothing
+        executable or set-id (an image volume)."""
         ...
 
     def unmount(self, target: Path) -> None:
@@ -59,19 +108,20 @@ class OverlaySnapshotter:
     def __init__(self, layers: LayerSnapshots) -> None:
         self._layers = layers
 
+    def layers(self, image: ImageRecord) -> tuple[Path, ...]:
+        return tuple(self._layers.snapshot_path(layer.diff_id) for layer in image.layers)
+
     def mount(
-        self, image: ImageRecord, writable: Path, target: Path, userns: UserNamespace | None = None
+        self, layers: Sequence[Path], writable: Path, target: Path, userns: UserNamespace | None = None
     ) -> None:
-        lowers = [
-            self._layers.snapshot_path(layer.diff_id) for layer in reversed(image.layers)
-        ]  # topmost first
+        lowers = list(reversed(layers))  # overlayfs takes the topmost first
         if userns is None:
             mount_rootfs(lowers, self.written(writable), writable / "work", target)
         else:
             mount_mapped_rootfs(lowers, self.written(writable), writable / "work", target, userns)
 
-    def mount_read_only(self, image: ImageRecord, target: Path) -> None:
-        lowers = [self._layers.snapshot_path(layer.diff_id) for layer in reversed(image.layers)]
+    def mount_read_only(self, layers: Sequence[Path], target: Path) -> None:
+        lowers = list(reversed(layers))  # overlayfs takes the topmost first
         target.mkdir(mode=0o755, parents=True, exist_ok=True)
         flags = namespaces.MS_RDONLY | namespaces.MS_NOSUID | namespaces.MS_NODEV | namespaces.MS_NOEXEC
         try:

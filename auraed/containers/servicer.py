@@ -36,9 +36,10 @@ from auraed.containers.request import (
     SpecError,
     parse_signal,
 )
+from auraed.containers.rootfs import MAX_SHARED_LAYERS, SharedImage, shared_layer
 from auraed.containers.sandbox import HOST_LOCAL, SandboxContext, in_pid_namespace_of
 from auraed.images.images import Images, PullProgress
-from auraed.images.model import ImageRecord
+from auraed.images.model import MAX_CONFIG_BYTES, ImageRecord
 from auraed.names import seconds_from_ms, validate_label
 from auraed.observe.logfile import end_position
 from auraed.wire.handlers import Context
@@ -151,6 +152,32 @@ def _seccomp_section(text: str) -> dict[str, Any] | None:
     if not isinstance(section, dict):
         raise ContainerError.invalid("config.security.seccomp_json", "is not a JSON object")
     return section
+
+
+def shared_image(shared: pb.SharedRootfs) -> SharedImage:
+    """``config.shared_rootfs`` as the image it describes: a sha256 id, one layer or more, each a
+    directory below the shared directory's mount, and a config that is a JSON object."""
+    field = "config.shared_rootfs"
+    algorithm, _, digest = shared.image_id.partition(":")
+    if algorithm != "sha256" or len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
+        raise ContainerError.invalid(f"{field}.image_id", f"{shared.image_id[:100]!r} is not a sha256 digest")
+    if not 0 < len(shared.layers) <= MAX_SHARED_LAYERS:
+        raise ContainerError.invalid(f"{field}.layers", f"must name 1 to {MAX_SHARED_LAYERS} layers")
+    layers = []
+    for index, path in enumerate(shared.layers):
+        try:
+            layers.append(shared_layer(path))
+        except ValueError as exc:
+            raise ContainerError.invalid(f"{field}.layers[{index}]", str(exc)) from None
+    if len(shared.image_config) > MAX_CONFIG_BYTES:
+        raise ContainerError.invalid(f"{field}.image_config", f"is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        config = json.loads(shared.image_config or "{}")
+    except ValueError as exc:
+        raise ContainerError.invalid(f"{field}.image_config", f"is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ContainerError.invalid(f"{field}.image_config", "is not a JSON object")
+    return SharedImage(shared.image_id, config, tuple(layers))
 
 
 def container_sandbox(
@@ -358,6 +385,7 @@ class ContainerServicer:
             _labels(config.labels, "config.labels"),
             start=request.start,
             sandbox=await asyncio.to_thread(container_sandbox, config, self._containers.pid_groups, pid_of),
+            shared=shared_image(config.shared_rootfs) if config.shared_rootfs is not None else None,
         )
         return pb.ContainerServiceCreateResponse(status=status_message(record))
 

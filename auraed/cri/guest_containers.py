@@ -1,10 +1,15 @@
 """The containers of ``vm`` pods: each made and run by its pod's guest (the guest's
 ContainerService), with the host keeping what the kubelet reads.
 
-The guest has no CRI or pod concept: the host places the image there (only the blobs it lacks),
-then creates the container with the guest's network (the pod network: the guest's eth0 has the
-pod IP), and the guest's IPC namespace (the pod's); PID as the pod asks (the pod's in the
-guest, one of the container's own, or another container's that it targets). For each container
+The guest has no CRI or pod concept, and holds nothing of the image: its root filesystem is the
+host's layer snapshots (pulled and unpacked once per host), bound read-only in the pod's share
+(auraed.cri.pod_share, under the container's own key with its volumes), over which the guest
+mounts the container's overlay with its writable layer in the guest (``shared_rootfs``). The
+container's layers are in use while its record exists (Images.layers_in_use): a RemoveImage
+forgets the image, but its layers stay until no container reads them. The guest creates the
+container with its network (the pod network: the guest's eth0 has the pod IP), and its IPC
+namespace (the pod's); PID as the pod asks (the pod's in the guest, one of the container's own,
+or another container's that it targets). For each container
 the host keeps a record like a host container's, a mirror of the guest's status: updated by
 every call's reply and by a Wait held open while the container runs, and saved (kind
 ``cri_guest_container``) so that a restarted host auraed finds its containers again and asks
@@ -47,7 +52,6 @@ from auraed.containers.oci_spec import process_user
 from auraed.containers.request import IMAGE_MOUNT, ContainerRequest, Mount, Resources
 from auraed.containers.sandbox import SandboxContext
 from auraed.cri.container_host import AttachInput, CgroupUsage, ProcessHandle
-from auraed.cri.errors import CriError
 from auraed.cri.pod_share import PodShares
 from auraed.errors import AuraeError, ErrorKind
 from auraed.images.images import Images
@@ -57,10 +61,10 @@ from auraed.system.fs_usage import FsUsage
 from auraed.system.request_files import NotRegularFile, open_regular
 from auraed.system.tasks import run_to_end
 from auraed.vms.errors import VmError
-from auraed.vms.guest_calls import call_guest, channel_closed, guest_error, place_in_guest, stream_guest
+from auraed.vms.guest_calls import call_guest, channel_closed, guest_error, stream_guest
 from auraed.vms.guests import Guests
 from auraed.vms.model import State as VmState
-from auraed.vms.placement import CONTAINERS, GuestEndpoint, ImagePlacer
+from auraed.vms.placement import CONTAINERS, GuestEndpoint
 from auraed.wire import codec
 
 log = logging.getLogger(__name__)
@@ -69,8 +73,8 @@ KIND = "cri_guest_container"
 CALL_TIMEOUT = 30.0
 """Seconds a guest has to answer a call about a container (a status, a start, a delete)."""
 CREATE_TIMEOUT = 300.0
-"""Seconds for placing an image in a guest and creating a container there: its layers are
-unpacked in the guest (under TCG, slowly)."""
+"""Seconds for creating a container in a guest (its rootfs mounted, its bundle written: under TCG,
+slowly)."""
 STOP_SLACK = 30.0
 """Seconds a guest's Stop may take beyond the container's grace period."""
 MAX_LABEL = 63
@@ -93,7 +97,8 @@ class _Guested:
 
     vm: str
     record: ContainerRecord
-    share: str = ""  # its key in the pod's shared directory ("": it mounts no host path)
+    share: str = ""  # its key in the pod's shared directory: its volumes and its image's layers
+    layers: list[str] = dataclasses.field(default_factory=list)  # the diff_ids its rootfs reads
     log_us: int = 0  # microseconds since the epoch of the last record copied to the host
     log_seen: int = 0  # records of that microsecond copied
 
@@ -215,6 +220,12 @@ def pod_file_mounts(request: ContainerRequest, sandbox: SandboxContext) -> tuple
         for destination, source in files
         if source is not None and destination not in taken
     )
+
+
+def _layer_mount(snapshot: Path) -> Mount:
+    """A layer snapshot of the host's store as the pod's share binds it: read-only, every mount
+    of it (a guest, even root in a privileged container, writes nothing there)."""
+    return Mount(destination="/", source=str(snapshot), type="bind", options=("rbind", "rro"), read_only=True)
 
 
 def _mount_message(mount: Mount) -> pb.Mount:
@@ -395,7 +406,6 @@ class GuestContainers:
         self._store = store
         self._guests = guests
         self._images = images
-        self._placer = ImagePlacer(images)
         self._root = root
         self._vm_of = vm_of
         self._shares = shares
@@ -403,8 +413,15 @@ class GuestContainers:
         self._logs: dict[str, asyncio.Task[None]] = {}
         self._logs_refused: set[str] = set()  # containers whose log path is no regular file now
         self._written: dict[str, tuple[Path, FsUsage]] = {}  # id: its writable layer in the guest
+        self._creating: dict[str, tuple[str, ...]] = {}  # share key: the layers a Create shares
         for doc in store.load(KIND, _Guested.from_doc):
             self._containers[doc.record.id] = doc
+        images.layers_in_use = self.layers_in_use
+
+    def layers_in_use(self) -> set[str]:
+        """The layers the containers of vm pods read, and those being shared for one."""
+        used = {layer for guested in self._containers.values() for layer in guested.layers}
+        return used.union(*self._creating.values())
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -442,61 +459,63 @@ class GuestContainers:
         self, request: ContainerRequest, image: str, labels: dict[str, str], *, sandbox: SandboxContext,
         log_path: Path | None, pid_of: ContainerRecord | None = None,
     ) -> ContainerRecord:  # fmt: skip
-        """The container in the pod's guest (``sandbox.sandbox_id`` names the pod); the image
-        placed there first. Its PID namespace is the pod's when the sandbox gives it one, that of
-        ``pid_of`` (a container of the same guest) when named."""
+        """The container in the pod's guest (``sandbox.sandbox_id`` names the pod), its rootfs
+        the host's snapshots of the image, shared with the guest with its volumes. Its PID
+        namespace is the pod's when the sandbox gives it one, that of ``pid_of`` (a container of
+        the same guest) when named."""
         vm = self._vm_of(sandbox.sandbox_id)
         _refuse_what_crosses_the_vm(request.mounts)
-        config = config_message(request, image, labels, share_pid=sandbox.namespaces.pid is not None)
-        config.pid_of = pid_of.id if pid_of is not None else ""
-        host_mounts = (*request.mounts, *pod_file_mounts(request, sandbox))
-        share = secrets.token_hex(8) if host_mounts else ""
-        if share:
-            mounts = await run_to_end(
-                asyncio.to_thread(self._shares.bind, sandbox.sandbox_id, share, host_mounts)
-            )
-            config.mounts = [_mount_message(m) for m in mounts]
+        host_image = self._images.find(image)
+        share = secrets.token_hex(8)
+        # In use from here on (no await since the image was found): a RemoveImage meanwhile
+        # forgets the image but leaves its layers.
+        self._creating[share] = tuple(layer.diff_id for layer in host_image.layers)
         try:
-            return await self._create(
-                request, image, labels=labels, sandbox=sandbox, log_path=log_path, vm=vm, config=config,
-                share=share,
-            )  # fmt: skip
-        except BaseException:
-            if share:
+            config = config_message(request, image, labels, share_pid=sandbox.namespaces.pid is not None)
+            config.pid_of = pid_of.id if pid_of is not None else ""
+            config.image = host_image.id
+            volumes = (*request.mounts, *pod_file_mounts(request, sandbox))
+            layers = tuple(
+                _layer_mount(self._images.snapshots.snapshot_path(d)) for d in self._creating[share]
+            )
+            shared = await run_to_end(
+                asyncio.to_thread(self._shares.bind, sandbox.sandbox_id, share, (*volumes, *layers))
+            )
+            config.mounts = [_mount_message(m) for m in shared[: len(volumes)]]
+            config.shared_rootfs = pb.SharedRootfs(
+                image_id=host_image.id,
+                layers=[m.source for m in shared[len(volumes) :]],
+                image_config=json.dumps(host_image.config),
+            )
+            try:
+                return await self._create(
+                    request, image, labels=labels, sandbox=sandbox, log_path=log_path, vm=vm, config=config,
+                    share=share, layers=list(self._creating[share]),
+                )  # fmt: skip
+            except BaseException:
                 await run_to_end(asyncio.to_thread(self._shares.release, sandbox.sandbox_id, share))
-            raise
+                raise
+        finally:
+            released = self._creating.pop(share)
+            if share not in {g.share for g in self._containers.values()}:
+                self._images.layers_released(released)
 
     async def _create(
         self, request: ContainerRequest, image: str, *, labels: dict[str, str], sandbox: SandboxContext,
-        log_path: Path | None, vm: str, config: pb.ContainerConfig, share: str,
+        log_path: Path | None, vm: str, config: pb.ContainerConfig, share: str, layers: list[str],
     ) -> ContainerRecord:  # fmt: skip
         config.hostname = sandbox.hostname or ""
-        host_image = self._images.find(image)
-        # Placed under a name it has (the kubelet names images by id), created by its id.
-        names = [*host_image.references, *host_image.repo_digests]
-        if not names:
-            raise CriError.precondition(f"image {image[:100]} has no name to place it in a guest by")
-        config.image = host_image.id
-        endpoint = await self._endpoint_of(vm)
-        try:
-            async with asyncio.timeout(CREATE_TIMEOUT):
-                if not self._placer.placed(endpoint, names[0], host_image):
-                    await place_in_guest(self._placer, endpoint, names[0], host_image)
-                reply = await call_guest(
-                    endpoint, "Create", pb.ContainerServiceCreateRequest(config=config),
-                    pb.ContainerServiceCreateResponse, CREATE_TIMEOUT,
-                )  # fmt: skip
-        except TimeoutError:
-            raise VmError.deadline(
-                f"guest {vm}: creating {request.name} took over {CREATE_TIMEOUT:g}s"
-            ) from None
+        reply = await call_guest(
+            await self._endpoint_of(vm), "Create", pb.ContainerServiceCreateRequest(config=config),
+            pb.ContainerServiceCreateResponse, CREATE_TIMEOUT,
+        )  # fmt: skip
         status = reply.status or pb.ContainerStatus()
         directory = self._root / status.id
         record = ContainerRecord(
             id=status.id,
             name=request.name,
             image=image,
-            image_id=host_image.id,
+            image_id=config.image,
             directory=str(directory),
             labels=labels,
             tty=request.tty,
@@ -509,7 +528,7 @@ class GuestContainers:
             log_file=str(log_path) if log_path is not None else "",
             created_at=time.time(),
         )
-        guested = _Guested(vm, mirror(record, status), share)
+        guested = _Guested(vm, mirror(record, status), share, layers)
         try:
             await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
             await asyncio.to_thread(_touch, record.log_path)  # there from Create on, as a host container's
@@ -573,11 +592,12 @@ class GuestContainers:
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        if guested.share:  # its layers stay in use until they are unbound
+            await run_to_end(asyncio.to_thread(self._shares.release, record.sandbox_id, guested.share))
         self._containers.pop(record.id, None)
         self._written.pop(record.id, None)
         self._store.delete(KIND, record.id)
-        if guested.share:
-            await run_to_end(asyncio.to_thread(self._shares.release, record.sandbox_id, guested.share))
+        self._images.layers_released(guested.layers)  # those no image names any more are collected
         directory = Path(record.directory)
         await asyncio.to_thread(_remove_directory, directory, record.log_path if keep_logs else None)
 

@@ -29,8 +29,10 @@ with its submounts) and removes its mount points; the pod's removal detaches the
 then deletes its directories without following links, whatever is there. What a guest wrote
 into a writable volume is the volume's, on the host's side of the mount, and stays.
 
-A read-only subtree of the pod's own (an image's layers for its containers' root filesystems)
-is added as a container's volumes are: ``bind`` under a key of its own, with ``rro`` mounts.
+A container's image layers (the host's snapshots its root filesystem is made of in the guest,
+auraed.cri.guest_containers) are bound as its volumes are, after them under its key, each
+read-only with ``rro``: the share holds the layers of the images its pod's containers use and
+nothing else of the host's store.
 """
 
 from __future__ import annotations

@@ -9,6 +9,15 @@ Layout under the local store's root:
     blobs/sha256/<hex>        verified blobs, read-only
     snapshots/<hex>/          one unpacked layer (keyed by its diff_id), shared by every image
     ingest/                   partial downloads and unpacks; emptied at start
+    shared-opaque             there once every snapshot's opaque directories carry the mark a
+                              guest reads through virtiofsd (SHARED_OPAQUE_XATTR)
+
+A snapshot is an overlayfs lower layer as the host's kernel reads it (whiteouts as 0:0 character
+devices, opaque directories marked ``trusted.overlay.opaque``) and as a vm pod's guest reads it
+through the pod's virtio-fs share: virtiofsd, which cannot read trusted.* xattrs (that takes
+CAP_SYS_ADMIN, not given to it), maps a guest's ``trusted.X`` to the host's
+``user.virtiofs.trusted.X`` (auraed.vms.qemu), so each opaque directory carries that too. A store
+from before the second mark gets it once, at start.
 
 Nothing becomes visible under blobs/ or snapshots/ before it is complete and verified (temp +
 rename), so a crash or kill mid-pull corrupts nothing, and a retry starts from what is there.
@@ -36,6 +45,13 @@ from auraed.images.errors import ImageError
 
 log = logging.getLogger(__name__)
 
+OPAQUE_XATTR = "trusted.overlay.opaque"
+SHARED_XATTR_PREFIX = "user.virtiofs."
+"""Where a snapshot keeps the trusted.* xattrs a guest reads through virtiofsd: its mapping
+(auraed.vms.qemu) turns a guest's ``trusted.X`` into the host's ``user.virtiofs.trusted.X``."""
+SHARED_OPAQUE_XATTR = SHARED_XATTR_PREFIX + OPAQUE_XATTR
+SHARED_MARKS = "shared-opaque"
+_UNMARKABLE_ERRNOS = {errno.ENOTSUP, errno.EPERM}  # a filesystem without user.* xattrs
 DIGEST_ALGORITHM = "sha256"
 HEX_LENGTH = 64
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -195,6 +211,9 @@ class LocalStore:
         # removed is logged and left (remove_tree): it must not keep the daemon from starting.
         for leftover in self.ingest_dir.iterdir():
             remove_tree(leftover)
+        if not (root / SHARED_MARKS).exists():
+            mark_shared_snapshots(self.snapshots_dir)
+            (root / SHARED_MARKS).touch()
 
     # -- blobs -----------------------------------------------------------------------------
 
@@ -284,6 +303,40 @@ class LocalStore:
                 if remove_tree(path):
                     freed += size
         return freed
+
+
+def mark_shared_opaque(directory: int) -> bool:
+    """The opaque directory open at ``directory`` marked as a guest reading it through virtiofsd
+    sees the mark (SHARED_OPAQUE_XATTR); False when the filesystem has no user.* xattrs."""
+    try:
+        os.setxattr(directory, SHARED_OPAQUE_XATTR, b"y")
+    except OSError as exc:
+        if exc.errno not in _UNMARKABLE_ERRNOS:
+            raise
+        return False
+    return True
+
+
+def mark_shared_snapshots(snapshots_dir: Path) -> None:
+    """Every opaque directory of every snapshot given SHARED_OPAQUE_XATTR (a store unpacked
+    before the mark existed); walked by descriptor, following no symlink. What cannot be read or
+    marked is logged: those guests then see what the directory hides."""
+    unmarked = 0
+    for snapshot in snapshots_dir.iterdir():
+        try:
+            for _, _, _, fd in os.fwalk(snapshot, follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    if os.getxattr(fd, OPAQUE_XATTR) and not mark_shared_opaque(fd):
+                        unmarked += 1
+        except OSError as exc:
+            log.warning("cannot mark the opaque directories of snapshot %s: %s", snapshot.name, exc)
+    if unmarked:
+        log.warning(
+            "%d opaque directories of layer snapshots cannot carry %s (no user.* xattrs here): "
+            "vm pods' guests see what they hide",
+            unmarked,
+            SHARED_OPAQUE_XATTR,
+        )
 
 
 def _remove_blob(path: Path) -> int:

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
@@ -196,8 +196,12 @@ class Images:
         self._layer_locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self.in_use: Callable[[str], bool] = lambda image_id: False  # set by the container service
+        # The diff_ids of layers containers read whether or not an image names them any more
+        # (a vm pod's guest reads them through its share): never collected. Set by their owner.
+        self.layers_in_use: Callable[[], set[str]] = set
         self._gate = _StoreGate()
         self._deferred_collection: asyncio.Task[None] | None = None
+        self._collect_again = False  # a collection was asked for while one ran
 
     @property
     def _registry(self) -> RegistryClient:
@@ -339,6 +343,13 @@ class Images:
             raise ImageError(
                 ErrorKind.FAILED_PRECONDITION,
                 f"layer {blob.digest} unpacks to {stats.diff_id}, but the image config says {diff_id}",
+            )
+        if stats.unshared_opaque:
+            log.warning(
+                "layer %s: %d opaque directories cannot carry the mark virtio-fs guests read (no "
+                "user.* xattrs on this filesystem): vm pods' guests would see what they hide",
+                blob.digest,
+                stats.unshared_opaque,
             )
         return work
 
@@ -578,7 +589,8 @@ class Images:
     # -- remove ----------------------------------------------------------------------------
 
     async def remove(self, name: str) -> tuple[int, bool]:
-        """Forget the image and collect what no image names any more: (bytes freed, deferred).
+        """Forget the image and collect what no image names nor a container reads any more
+        (layers_in_use): (bytes freed, deferred).
 
         The check and the record's removal run on the event loop, as a container's Create finds
         its image and records itself: one of them sees the other. The collection must not run
@@ -593,10 +605,19 @@ class Images:
             self._collect_later()
             return 0, True
         async with self._gate.collecting():
-            return await asyncio.to_thread(self._collect), False
+            return await asyncio.to_thread(self._collect, self.layers_in_use()), False
+
+    def layers_released(self, diff_ids: Iterable[str]) -> None:
+        """A container stopped reading these layers: those no image names are collected soon
+        (once no store is under way)."""
+        named = {layer.diff_id for image in self.all() for layer in image.layers}
+        if set(diff_ids) - named:
+            self._collect_later()
 
     def _collect_later(self) -> None:
-        """One collection, run once no store is under way; removals meanwhile share it."""
+        """One collection, run once no store is under way; removals meanwhile share it, and one
+        asked for while it runs runs again after it (it may have kept what is free now)."""
+        self._collect_again = True
         if self._deferred_collection is None or self._deferred_collection.done():
             self._deferred_collection = asyncio.get_running_loop().create_task(
                 self._collect_when_free(), name="image-collection"
@@ -604,16 +625,19 @@ class Images:
 
     async def _collect_when_free(self) -> None:
         try:
-            async with self._gate.collecting():
-                await asyncio.to_thread(self._collect)
+            while self._collect_again:
+                self._collect_again = False
+                async with self._gate.collecting():
+                    await asyncio.to_thread(self._collect, self.layers_in_use())
         except Exception:
             log.exception("the deferred garbage collection of images failed")
 
-    def _collect(self) -> int:
-        """Remove what no registered image names; only under the gate's collecting()."""
+    def _collect(self, layers_in_use: set[str]) -> int:
+        """Remove what no registered image names and no container reads (``layers_in_use``, read
+        on the event loop); only under the gate's collecting()."""
         images = self.all()
         keep_blobs = set().union(*(i.blobs for i in images)) if images else set()
-        keep_snapshots = {layer.diff_id for i in images for layer in i.layers}
+        keep_snapshots = {layer.diff_id for i in images for layer in i.layers} | layers_in_use
         freed = self.content.collect_blobs(keep_blobs) + self.snapshots.collect_snapshots(keep_snapshots)
         with self._locks_guard:  # no pull runs during a collection (_StoreGate): none is held
             self._layer_locks = {d: lock for d, lock in self._layer_locks.items() if d in keep_snapshots}

@@ -5,7 +5,9 @@ overlayfs with the snapshots as lowerdirs. OCI whiteouts therefore become overla
 here, as containerd's overlay snapshotter stores them:
 
 * ``dir/.wh.name`` -> a character device 0:0 ``dir/name``;
-* ``dir/.wh..wh..opq`` -> xattr ``trusted.overlay.opaque=y`` on ``dir``;
+* ``dir/.wh..wh..opq`` -> xattr ``trusted.overlay.opaque=y`` on ``dir``, and the same marker as a
+  guest reading the snapshot through virtiofsd sees it (``SHARED_OPAQUE_XATTR``: a vm pod's guest
+  mounts its container's overlay over the host's snapshots, auraed.cri.guest_containers);
 * other ``.wh..wh.*`` names (AUFS bookkeeping) are ignored.
 
 The layer is read as a stream (it may still be downloading) by our own tar reader, so that every
@@ -33,10 +35,11 @@ Rules for hostile input (a layer can never touch anything outside ``target``):
   replacing an earlier entry of their name); FIFOs always. Whiteout devices are ours and always
   made. Whiteouts never hide entries of their own layer (OCI spec), so a whiteout for a name the
   layer already has is ignored.
-* ``trusted.overlay.*`` / ``user.overlay.*`` xattrs from the tar are dropped: overlay metadata in
-  a snapshot comes only from whiteout conversion. xattrs the filesystem refuses (ENOTSUP, EPERM,
-  e.g. ``user.*`` on a symlink) are logged and skipped, as containerd does; one too large or
-  with too long a name for it (ENOSPC, E2BIG, ERANGE) makes the layer "invalid".
+* ``trusted.overlay.*`` / ``user.overlay.*`` / ``user.virtiofs.*`` xattrs from the tar are
+  dropped: overlay metadata in a snapshot comes only from whiteout conversion. xattrs the
+  filesystem refuses (ENOTSUP, EPERM, e.g. ``user.*`` on a symlink) are logged and skipped, as
+  containerd does; one too large or with too long a name for it (ENOSPC, E2BIG, ERANGE) makes the
+  layer "invalid".
 * The tar must end with its end-of-archive block, so a truncated stream is refused (zstd cannot
   tell a truncated frame from its end; gzip can). Callers still compare ``diff_id`` with the image
   config's ``rootfs.diff_ids``.
@@ -67,7 +70,12 @@ from typing import TYPE_CHECKING, BinaryIO, Literal, Protocol, TypeVar, cast
 import zstandard
 
 from auraed.errors import RESOURCE_ERRNOS
-from auraed.images.content import remove_at
+from auraed.images.content import (
+    OPAQUE_XATTR,
+    SHARED_XATTR_PREFIX,
+    mark_shared_opaque,
+    remove_at,
+)
 
 if TYPE_CHECKING:
     from _typeshed import WriteableBuffer
@@ -104,8 +112,7 @@ MAX_PAX_DIGITS = 20  # no PAX number in range has more (sizes below 2**62 have 1
 WHITEOUT = b".wh."
 WHITEOUT_META = b".wh..wh."
 OPAQUE = b".wh..wh..opq"
-OPAQUE_XATTR = "trusted.overlay.opaque"
-DROPPED_XATTRS = ("trusted.overlay.", "user.overlay.")
+DROPPED_XATTRS = ("trusted.overlay.", "user.overlay.", SHARED_XATTR_PREFIX)
 
 _ZERO_BLOCK = bytes(BLOCK)
 _LOW_BYTES = bytes(range(128))
@@ -145,6 +152,9 @@ class UnpackStats:
     bytes_written: int
     whiteouts: int
     skipped_devices: int
+    # Opaque directories whose SHARED_OPAQUE_XATTR the filesystem refused (no user.* xattrs): a
+    # guest reading the snapshot through virtiofsd would see what they hide.
+    unshared_opaque: int = 0
 
 
 # --- streams -------------------------------------------------------------------------------------
@@ -552,6 +562,7 @@ class _Writer:
         self._dir_times: dict[tuple[bytes, ...], int] = {}  # the last entry of a directory wins
         self._skipped: set[tuple[bytes, ...]] = set()
         self.entries = self.bytes_written = self.whiteouts = self.skipped_devices = 0
+        self.unshared_opaque = 0
 
     def apply(self, entry: _Entry) -> None:
         self.entries += 1
@@ -677,6 +688,8 @@ class _Writer:
         if base == OPAQUE:
             with _os_errors(entry.label, "mark the directory opaque"):
                 os.setxattr(parent, OPAQUE_XATTR, b"y")
+                if not mark_shared_opaque(parent):
+                    self.unshared_opaque += 1
             self.whiteouts += 1
             return
         if base.startswith(WHITEOUT_META):
@@ -788,4 +801,5 @@ def unpack_layer(
         bytes_written=writer.bytes_written,
         whiteouts=writer.whiteouts,
         skipped_devices=writer.skipped_devices,
+        unshared_opaque=writer.unshared_opaque,
     )

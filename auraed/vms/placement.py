@@ -1,6 +1,9 @@
 """The host placing its images in guests: only the blobs a guest lacks, sent over its ImportImage.
 
-For a Create in a guest, the host's store holds the image (pulled once per host); the guest is
+This is how a guest without a share gets an image (a VmService guest booted by ``aer vm``,
+orka's VM workloads); a vm pod's guest holds none: its containers read the host's snapshots
+through the pod's share (auraed.cri.guest_containers). For a Create in a guest, the host's store
+holds the image (pulled once per host); the guest is
 asked which of its blobs it lacks (MissingBlobs) and only those are streamed. Guests never reach a
 registry. The placer remembers what it placed in each boot of a guest, so later Creates with that
 image need no placing (two round trips to the guest fewer) until the VM boots again; a guest that

@@ -15,7 +15,8 @@
   over vhost-user: the guest's RAM is then a shared memfd (vhost-user needs to map it), and the
   device is vhost-user-fs with the tag auraed.bootargs.SHARE_TAG. virtiofsd runs in its own
   namespace sandbox and ends when QEMU disconnects; what the guest may write there is what the
-  mounts of the directory allow in that namespace (a vm pod's share: auraed.cri.pod_share);
+  mounts of the directory allow in that namespace (a vm pod's share: auraed.cri.pod_share), and
+  its xattrs are mapped (VIRTIOFS_XATTR_MAP: a guest's trusted.* is the host's user.virtiofs.*);
 - the machine type is the VM's own (``LaunchSpec.machine``: a vm pod's is cri_vm_machine) or the
   configured one (vm_machine);
 - on q35 a VM starts with room to grow (``-smp N,maxcpus=M``, ``-m SIZE,slots=S,maxmem=MAX``),
@@ -55,6 +56,7 @@ from pathlib import Path
 from auraed.bootargs import DEBUG_PORT, IDENTITY_PORT, SHARE_TAG
 from auraed.config import VM_MACHINES
 from auraed.errors import ErrorKind
+from auraed.images.content import SHARED_XATTR_PREFIX
 from auraed.system import processes
 from auraed.system.tasks import run_to_end
 from auraed.vms import backend as common
@@ -89,6 +91,20 @@ CLONE_MEMORY_FILE = "memory"
 SHARE_CHARDEV = "fs0"
 SHARE_DEVICE = "share0"
 HOTPLUG_PORT = "hotplug0"
+VIRTIOFS_XATTR_MAP = (
+    f"/prefix/all/trusted./{SHARED_XATTR_PREFIX}/"
+    f"/bad/client/{SHARED_XATTR_PREFIX}//"
+    "/ok/all/user./user./"
+    "/ok/all/security.capability/security.capability/"
+    "/unsupported/all///"
+)
+"""The xattrs virtiofsd lets a guest read and write (its -o xattrmap rules, the first matching a
+name applying). A guest's ``trusted.X`` is the host's ``user.virtiofs.trusted.X``: a guest's overlay
+reads the opaque mark of the host's layer snapshots there (auraed.images.content), and what a
+guest sets on a writable volume lands there, never in the host's own trusted.* (which virtiofsd,
+without CAP_SYS_ADMIN, could not read anyway). A guest naming user.virtiofs.* itself is refused;
+user.* and file capabilities pass as they are; anything else is unsupported, as on a filesystem
+without it."""
 """A q35 template's (and so its clones') free PCIe root port: a clone's virtio-fs is plugged there."""
 
 
@@ -521,6 +537,7 @@ class QemuBackend:
             "-o", f"source={spec.shared_dir}",
             "-o", "cache=none",  # what the host changes (a configMap update) the guest sees at once
             "-o", "sandbox=namespace",
+            "-o", f"xattrmap={VIRTIOFS_XATTR_MAP}",
         ]  # fmt: skip
         with (spec.run_dir / VIRTIOFSD_LOG).open("ab") as output:
             process = subprocess.Popen(

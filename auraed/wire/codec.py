@@ -16,8 +16,11 @@ wrapper types (which betterproto2 unwraps) and maps of messages; a test checks e
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
+import sys
+import typing
 from collections.abc import Callable
 from math import copysign
 from typing import Any, TypeVar
@@ -67,10 +70,11 @@ class _Unset(enum.Enum):
 
 
 def _left_out(value: Any, unset: _Unset) -> bool:
-    """Whether a field holding ``value`` is not written: unset, or at proto3's default."""
+    """Whether a field holding ``value`` is not written: unset, or at proto3's default. A field
+    with presence is never asked its truth (a message's would build betterproto2's metadata)."""
     if value is None:
         return True
-    if value:
+    if unset is _Unset.NONE or value:
         return False
     return unset is _Unset.FALSY or (unset is _Unset.POSITIVE_ZERO and copysign(1, value) > 0)
 
@@ -99,29 +103,62 @@ class _Plan:
 def _plan(cls: type[betterproto2.Message]) -> _Plan:
     descriptor = cls.DESCRIPTOR  # type: ignore[attr-defined]  # every generated class has it
     plan = _Plan(cls, message_factory.GetMessageClass(descriptor))
-    meta = cls._betterproto  # type: ignore[arg-type]  # betterproto2's classproperty confuses mypy
+    fields = _fields_by_number(cls)
+    hints: dict[str, Any] = {}  # the class's type hints, evaluated once when a field needs them
     for field in descriptor.fields:
-        name = meta.field_name_by_number[field.number]
-        read, write = _conversions(meta, name, field)
-        plan.readers[field.number] = (name, read)
-        plan.writers.append((name, field.name, write, _unset_values(field)))
+        meta = fields[field.number]
+        if meta.unwrap is not None:
+            raise TypeError(f"{field.full_name}: well-known wrapper types are not handled")
+        read, write = _conversions(cls, hints, meta, field)
+        plan.readers[field.number] = (meta.name, read)
+        plan.writers.append((meta.name, field.name, write, _unset_values(field)))
     return plan
 
 
-def _conversions(meta: Any, name: str, field: FieldDescriptor) -> tuple[Convert | None, Convert | None]:
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    name: str  # the dataclass field's
+    unwrap: Any  # betterproto2's wrapped well-known type, or None
+    is_map: bool
+
+
+def _fields_by_number(cls: type[betterproto2.Message]) -> dict[int, _Field]:
+    """Field number -> the field, from its own betterproto2 metadata. Not betterproto2's class
+    metadata (``cls._betterproto``): it evaluates every type hint of the class once per field,
+    ~0.3 s of a ContainerServiceCreateRequest's first use in a guest under TCG; nor protobuf's
+    descriptor options (``map_entry``), whose first read imports descriptor_pb2."""
+    found = {}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]  # generated dataclasses
+        meta = betterproto2.FieldMetadata.get(field)
+        found[meta.number] = _Field(field.name, meta.unwrap, meta.proto_type == betterproto2.TYPE_MAP)
+    return found
+
+
+def _field_class(cls: type[betterproto2.Message], hints: dict[str, Any], name: str, index: int = 0) -> Any:
+    """The class a field holds (a message's, an enum's; ``index`` 1: a map's values), from the
+    class's type hints (``Optional[X]``, ``list[X]``, ``dict[K, V]``), as betterproto2 finds it."""
+    if not hints:
+        hints.update(typing.get_type_hints(cls, vars(sys.modules[cls.__module__]), {}))
+    hint = hints[name]
+    args = getattr(hint, "__args__", None)
+    return args[index] if args else hint
+
+
+def _conversions(
+    cls: type[betterproto2.Message], hints: dict[str, Any], meta: _Field, field: FieldDescriptor
+) -> tuple[Convert | None, Convert | None]:
     """How one field's value is read from protobuf's message and written to it (None: as it is)."""
-    if meta.meta_by_field_name[name].unwrap is not None:
-        raise TypeError(f"{field.full_name}: well-known wrapper types are not handled")
-    if field.message_type is not None and field.message_type.GetOptions().map_entry:
+    name = meta.name
+    if meta.is_map and field.message_type is not None:  # a map is a repeated entry message
         value_field = field.message_type.fields_by_name["value"]
-        value_cls = meta.cls_by_field[f"{name}.value"]
+        value_cls = _field_class(cls, hints, name, index=1)
         if value_field.message_type is not None:
             raise TypeError(f"{field.full_name}: maps of messages are not handled")
         if value_field.enum_type is not None:
             return (lambda value: {k: value_cls(v) for k, v in value.items()}), None
         return dict, None
     if field.message_type is not None:
-        sub_cls = meta.cls_by_field[name]
+        sub_cls = _field_class(cls, hints, name)
         if field.is_repeated:
             return (
                 lambda value: [_from_message(sub_cls, v) for v in value],
@@ -129,7 +166,7 @@ def _conversions(meta: Any, name: str, field: FieldDescriptor) -> tuple[Convert 
             )
         return (lambda value: _from_message(sub_cls, value)), _to_message
     if field.enum_type is not None:
-        enum_cls = meta.cls_by_field[name]
+        enum_cls = _field_class(cls, hints, name)
         if field.is_repeated:
             return (lambda value: [enum_cls(v) for v in value]), None
         return enum_cls, None

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from auraed.api.aurae.containers import v0 as pb
+from auraed.bootargs import SHARE_MOUNT
 from auraed.client import AuraeClient, ClientError
 from auraed.containers.oci_cli import Runc
 from auraed.containers.oci_spec import (
@@ -77,6 +78,18 @@ async def test_an_image_create_refuses_is_still_listed_and_described(
     assert refused.code == "INVALID_ARGUMENT" and refused.message.startswith("image config.Env[1]: ")
     remove = pb.ContainerServiceRemoveImageRequest(image="localhost/odd:1")
     await loaded.call(CONTAINERS, "RemoveImage", remove)
+
+
+async def test_a_shared_rootfs_whose_layers_are_not_there_is_refused_and_leaves_nothing(
+    loaded: AuraeClient, daemon: DaemonProcess
+) -> None:
+    # A machine without its host's share mounted (this one): the container is not made.
+    shared = pb.SharedRootfs(image_id="sha256:" + "ab" * 32, layers=[f"{SHARE_MOUNT}/no-such-key/0"])
+    refused = await refusal(create(loaded, "unshared", "anything", command=["true"], shared_rootfs=shared))
+    assert refused.code == "FAILED_PRECONDITION" and f"{SHARE_MOUNT}/no-such-key/0" in refused.message
+    assert containers_left(daemon) == []
+    listed = (await loaded.call(CONTAINERS, "List", pb.ContainerServiceListRequest())).containers
+    assert [c.name for c in listed if c.name == "unshared"] == []
 
 
 async def test_a_name_shaped_like_an_id_is_refused(loaded: AuraeClient, daemon: DaemonProcess) -> None:

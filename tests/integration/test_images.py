@@ -17,13 +17,18 @@ import pytest
 
 from auraed.api.aurae.containers import v0 as pb
 from auraed.client import AuraeClient, ClientError
+from auraed.images.content import LocalStore
+from auraed.images.images import Images
+from auraed.state.store import Store
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
 from tests.integration.containers_helpers import CONTAINERS, delete, import_layout, logs, run
 from tests.support import workers
 from tests.support.images import (
     OCI_MANIFEST,
     BuiltImage,
+    build_busybox_layout,
     build_layout,
+    build_multilayer_layout,
     push_layout,
 )
 from tests.support.registry import PACE_CHUNK, FakeRegistry, FakeResponse, LocalRegistry
@@ -375,3 +380,29 @@ async def test_concurrent_containers(daemon: DaemonProcess, busybox_layout: Buil
         for name in names:
             assert await logs(client, name) == [name]
             await delete(client, name)
+
+
+async def test_layers_containers_read_stay_after_their_image_is_removed(tmp_path: Path) -> None:
+    """A vm pod's container reads its image's snapshots through its pod's share whether or not
+    the image is still named (Images.layers_in_use): RemoveImage forgets the image and its blobs,
+    its layers stay while they are read, and go once they are released."""
+    store = Store(tmp_path / "state.db")
+    local = LocalStore(tmp_path / "images")
+    images = Images(store, local, local, registry_factory=lambda: None)  # type: ignore[arg-type,return-value]
+    busybox = build_busybox_layout(tmp_path / "busybox").layout
+    await images.import_layout(busybox, "latest", "x/bb:1")
+    layout = build_multilayer_layout(tmp_path / "multilayer").layout
+    image = await images.import_layout(layout, "latest", "x/multi:1")
+    layers = [layer.diff_id for layer in image.layers]
+    read: set[str] = set(layers)
+    images.layers_in_use = lambda: set(read)
+
+    await images.remove("x/multi:1")
+    assert not local.has_blob(image.id) and not local.has_blob(image.layers[1].digest)
+    assert all(local.has_snapshot(layer) for layer in layers)
+
+    read.clear()
+    images.layers_released(layers)
+    await wait_until(lambda: not local.has_snapshot(layers[2]), timeout=30)
+    # The first is busybox's own layer, which its image still names.
+    assert [local.has_snapshot(layer) for layer in layers] == [True, False, False]

@@ -24,7 +24,11 @@ with every digest and the exact manifest/config bytes. Ready-made images:
   hides a directory (opaque) and rewrites a file; ``MULTILAYER_PRESENT``/``MULTILAYER_ABSENT``
   say what the unpacked rootfs must (not) contain;
 - ``build_large_layout``: busybox + ~50 MB in two more layers (half incompressible, half text),
-  seeded, reproducible; reused when ``dest`` already holds it.
+  seeded, reproducible; reused when ``dest`` already holds it;
+- ``build_debian_layout``: ~330 MB of Debian packages installed here (``DEBIAN_LAYERS``: libc,
+  dash and coreutils; Python; the C toolchain; QEMU and the CNI plugins, each package's files as
+  dpkg lists them), a real distribution's image for benchmarks; reused when ``dest`` holds it
+  built from the same package versions.
 
 Pushing: ``push_layout(image, "127.0.0.1:5000/team/app:1")`` runs ``skopeo copy`` (``format="v2s2"``
 converts to a Docker schema 2 manifest). ``push_index`` builds one small image per platform and
@@ -39,6 +43,7 @@ import io
 import json
 import os
 import random
+import shutil
 import subprocess
 import tarfile
 import tempfile
@@ -497,6 +502,68 @@ def build_large_layout(
         noise, text = _large_layers(total_bytes, seed, file_size)
         layers: list[LayerSpec] = [busybox_rootfs(Path(work)), noise, text]
         image = build_layout(dest, layers, ImageConfig(cmd=["/bin/sh"]), ref_name, compresslevel=1)
+    name_marker.write_text(stamp)
+    return image
+
+
+DEBIAN_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("libc6", "libgcc-s1", "dash", "coreutils", "libacl1", "libattr1", "libselinux1", "libpcre2-8-0",
+     "libgmp10", "libssl3"),
+    ("python3.11-minimal", "libpython3.11-minimal", "libpython3.11-stdlib", "libpython3.11-dev"),
+    ("gcc-12", "cpp-12", "g++-12", "libstdc++-12-dev", "libgcc-12-dev", "binutils-x86-64-linux-gnu"),
+    ("qemu-system-x86", "containernetworking-plugins"),
+)  # fmt: skip
+"""Installed by hack/setup (build-essential, python3-dev, qemu-system-x86, the CNI plugins) or
+essential: every machine that runs the tests has them."""
+
+
+def package_versions(packages: Sequence[str]) -> str:
+    """``package=version`` of each installed package, one a line (dpkg's status)."""
+    result = subprocess.run(
+        ["dpkg-query", "-W", "-f", "${Package}=${Version}\\n", *packages],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return result.stdout
+
+
+def debian_rootfs(root: Path, packages: Sequence[str]) -> Path:
+    """``root`` holding the files of the installed ``packages`` as dpkg lists them (regular files
+    and symlinks; directories made as needed), each where it really is on this merged-/usr system
+    (``/bin/sh`` in ``usr/bin``)."""
+    listed = subprocess.run(["dpkg", "-L", *packages], capture_output=True, text=True, check=True).stdout
+    for line in sorted(set(listed.splitlines())):
+        if not line.startswith("/"):
+            continue  # "diverted by ..." and the like
+        source = Path(os.path.realpath(Path(line).parent)) / Path(line).name
+        if not source.exists() and not source.is_symlink():
+            continue
+        if source.is_dir() and not source.is_symlink():
+            continue
+        target = root / source.relative_to("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.exists() or target.is_symlink():
+            continue
+        if source.is_symlink():
+            target.symlink_to(os.readlink(source))
+        else:
+            shutil.copy2(source, target)
+    return root
+
+
+def build_debian_layout(
+    dest: Path, layers: Sequence[Sequence[str]] = DEBIAN_LAYERS, ref_name: str = "latest"
+) -> BuiltImage:
+    """One layer per group of installed Debian packages (``DEBIAN_LAYERS``), Cmd ``sh``; reused
+    when ``dest`` already holds ``ref_name`` built from the same package versions."""
+    stamp = package_versions([package for group in layers for package in group])
+    name_marker = dest / f".{ref_name}.packages"
+    if name_marker.exists() and name_marker.read_text() == stamp:
+        return load_layout(dest, ref_name)
+    with tempfile.TemporaryDirectory(prefix="debian-") as work:
+        roots: list[LayerSpec] = [
+            debian_rootfs(Path(work) / str(index), group) for index, group in enumerate(layers)
+        ]
+        image = build_layout(dest, roots, ImageConfig(cmd=["sh"]), ref_name, compresslevel=1)
     name_marker.write_text(stamp)
     return image
 

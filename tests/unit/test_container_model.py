@@ -45,6 +45,7 @@ def test_a_record_from_before_sandboxes_is_a_container_on_its_own() -> None:
         "stdin_once": False,
         "input_fd": -1,
         "volume_images": (),
+        "shared_layers": [],  # the store's image, as for every record saved before shared ones
     }
 
 

@@ -15,7 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from auraed.images.content import LocalStore, remove_tree, tree_size
+from auraed.images.content import (
+    OPAQUE_XATTR,
+    SHARED_MARKS,
+    SHARED_OPAQUE_XATTR,
+    LocalStore,
+    remove_tree,
+    tree_size,
+)
 
 DEPTH = sys.getrecursionlimit() + 100  # more than a recursive walk can go through
 
@@ -163,3 +170,21 @@ def test_a_snapshot_is_on_disk_before_it_is_published(tmp_path: Path, sync_fs: b
         assert (flushed >= FLUSHED_AT_LEAST) is sync_fs, f"{flushed} bytes flushed"
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_store_from_before_the_shared_mark_gets_it_once(tmp_path: Path) -> None:
+    """Snapshots unpacked before virtio-fs guests read them carry only trusted.overlay.opaque:
+    the store marks each opaque directory for them at its first start (and only then)."""
+    root = tmp_path / "images"
+    opaque = root / "snapshots" / ("a" * 64) / "etc" / "hidden"
+    plain = root / "snapshots" / ("a" * 64) / "etc"
+    opaque.mkdir(parents=True)
+    os.setxattr(opaque, OPAQUE_XATTR, b"y")
+    os.symlink("/", root / "snapshots" / ("a" * 64) / "escape")  # never followed
+    LocalStore(root)
+    assert os.getxattr(opaque, SHARED_OPAQUE_XATTR) == b"y"
+    assert SHARED_OPAQUE_XATTR not in os.listxattr(plain)
+    assert (root / SHARED_MARKS).exists()
+    os.removexattr(opaque, SHARED_OPAQUE_XATTR)
+    LocalStore(root)  # marked once: a later start walks nothing
+    assert SHARED_OPAQUE_XATTR not in os.listxattr(opaque)

@@ -315,6 +315,9 @@ def test_opaque_directory_gets_the_overlay_xattr(tmp_path: Path) -> None:
     stats = unpack(data, tmp_path)
     assert stats.whiteouts == 1
     assert xattr(tmp_path / "d", "trusted.overlay.opaque") == b"y"
+    # And where a guest reading it through virtiofsd finds its trusted.overlay.opaque.
+    assert xattr(tmp_path / "d", "user.virtiofs.trusted.overlay.opaque") == b"y"
+    assert stats.unshared_opaque == 0
     assert os.listdir(tmp_path / "d") == ["new"]
 
 
@@ -325,8 +328,8 @@ def test_whiteout_never_hides_its_own_layer(tmp_path: Path) -> None:
 
 
 def test_overlay_xattrs_from_the_tar_are_dropped(tmp_path: Path) -> None:
-    data = layer(member("d/", tarfile.DIRTYPE, xattrs={"trusted.overlay.opaque": b"y", "user.keep": b"1"}))
-    unpack(data, tmp_path)
+    marks = {"trusted.overlay.opaque": b"y", "user.virtiofs.trusted.overlay.opaque": b"y", "user.keep": b"1"}
+    unpack(layer(member("d/", tarfile.DIRTYPE, xattrs=marks)), tmp_path)
     assert os.listxattr(tmp_path / "d") == ["user.keep"]
 
 
