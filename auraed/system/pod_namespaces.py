@@ -204,12 +204,11 @@ def _spawn_confined_init(program: Path, directory: Path) -> int:
     return os.posix_spawn(path, [POD_INIT_NAME, *POD_INIT_ARGS], {}, setsid=True)
 
 
-def _record_init(directory: Path, pid: int, ours: bool) -> None:
-    """The init's record; ``ours`` when this process is its parent (else 0 stands for it: the
-    helper that forked it has ended, and it was reparented)."""
-    parent = os.getpid() if ours else 0
-    parent_ticks = processes.start_ticks(parent) if ours else 0
-    fields = (pid, processes.start_ticks(pid), parent, parent_ticks)
+def _record_init(directory: Path, pid: int) -> None:
+    """The init's record: it and this process, its parent (the user namespace helper clones it
+    as this process's child too), which alone may reap it."""
+    parent = os.getpid()
+    fields = (pid, processes.start_ticks(pid), parent, processes.start_ticks(parent))
     (directory / INIT_RECORD).write_text(" ".join(map(str, fields)) + "\n")
 
 
@@ -237,7 +236,7 @@ def create_pod_namespaces(
         else:
             init = _made_in_user_namespace(directory, spec, kinds, init_program)
         if init is not None:
-            _record_init(directory, init, ours=spec.userns is None)
+            _record_init(directory, init)
             namespaces.pin_namespace(f"/proc/{init}/ns/pid", directory / PID)
     except BaseException:
         remove_pod_namespaces(directory)

@@ -10,8 +10,8 @@ auraed.system.userns``, unshares them all at once and waits while the daemon wri
 and pins its namespaces (auraed.system.pod_namespaces). Then it becomes the namespace's root (host
 ``uid``) and configures them: only that root may write a user namespace's IPC sysctls (the
 daemon would need CAP_SYS_RESOURCE, which these hosts withhold). For a pod that shares a PID
-namespace, it then forks that namespace's PID 1, which confines itself (auraed.system.confine)
-and becomes the pod's init; the helper ends.
+namespace, it then clones that namespace's PID 1 as the daemon's child (CLONE_PARENT), which
+confines itself (auraed.system.confine) and becomes the pod's init; the helper ends.
 
 The conversation on the helper's stdin and stdout, one line each way per step:
 
@@ -19,7 +19,7 @@ The conversation on the helper's stdin and stdout, one line each way per step:
   /proc/<helper>/ns/*, then says ``go``;
 - helper: ``configured``, or ``refused <JSON: field, message>`` for a sysctl the kernel refused
   (then it exits 1);
-- for a pod sharing a PID namespace, helper: ``init <pid>`` once the init is forked; the daemon
+- for a pod sharing a PID namespace, helper: ``init <pid>`` once the init is cloned; the daemon
   pins its PID namespace, then says ``done``; the helper exits 0.
 """
 

@@ -5,8 +5,10 @@ with the daemon: auraed.system.userns)."""
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -15,6 +17,11 @@ from auraed.system.pod_namespaces import IPC, NET, UTS, NamespaceError, configur
 from auraed.system.userns import CLONE_NEWUSER
 
 KIND_FLAGS = {NET: namespaces.CLONE_NEWNET, IPC: namespaces.CLONE_NEWIPC, UTS: namespaces.CLONE_NEWUTS}
+CLONE_PARENT = 0x00008000
+_SYS_CLONE = {"x86_64": 56, "aarch64": 220}  # raw clone(2): flags first on both
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
 
 
 def _say(line: str) -> None:
@@ -28,10 +35,29 @@ def _expect(word: str) -> None:
         raise SystemExit(f"userns helper: expected {word!r} from the daemon, got {line!r}")
 
 
+def _clone_as_sibling() -> int:
+    """fork(2), but the child's parent is this process's parent (CLONE_PARENT): the daemon, which
+    reaps it when the pod goes, as it reaps the init of a pod without a user namespace. A plain
+    fork would leave it to whatever adopts orphans once this helper ends (an init that may never
+    reap it). This process is single-threaded, so its raw clone is as safe as fork."""
+    pid = _syscall(
+        ctypes.c_long(_SYS_CLONE[os.uname().machine]),
+        ctypes.c_ulong(CLONE_PARENT | signal.SIGCHLD),
+        None,
+        None,
+        None,
+        None,
+    )
+    if pid < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"clone: {os.strerror(err)}")
+    return int(pid)
+
+
 def _start_init(init: list[str], name: str, init_id: int, mountpoint: Path) -> int:
-    """Fork the PID namespace's PID 1, which confines itself and becomes ``init`` (a program and
-    its arguments)."""
-    pid = os.fork()
+    """Clone the PID namespace's PID 1 (the daemon's child), which confines itself and becomes
+    ``init`` (a program and its arguments)."""
+    pid = _clone_as_sibling()
     if pid:
         return pid
     try:

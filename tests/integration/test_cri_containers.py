@@ -1269,6 +1269,17 @@ def userns_pod(
     )
 
 
+def processes_of_uid(uid: int) -> list[str]:
+    """The host's processes (zombies too) whose real uid is ``uid``, as "pid state"."""
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        with contextlib.suppress(OSError):
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+            if fields["Uid"].split()[0] == str(uid):
+                found.append(f"{status.parent.name} {fields['State']}")
+    return found
+
+
 def mapping(
     container_id: int = 0, host_id: int = USERNS_HOST_ID, length: int = USERNS_LENGTH
 ) -> cri.IdMapping:
@@ -1321,6 +1332,8 @@ async def test_a_pod_in_a_user_namespace_of_its_own(node: Node) -> None:
     assert (await shell("cat /proc/1/comm")) == "aurae-pod-init\n"
     await node.stop_pod(pod_id)
     await node.remove_pod(pod_id)
+    # Its init is gone, reaped by the daemon (not a zombie left to whatever adopts orphans).
+    assert processes_of_uid(USERNS_HOST_ID + 65535) == []
 
     host = await run_pod(
         node.client, userns_pod("host-users", cri.UserNamespace(mode=cri.NamespaceMode.NODE))
