@@ -1,5 +1,5 @@
 """``python -m auraed.system.userns_helper``: the child that makes a pod's user namespace and the
-namespaces it owns, configures them as their root, and forks the pod's init (the conversation
+namespaces it owns, configures them as their root, and clones the pod's init (the conversation
 with the daemon: auraed.system.userns)."""
 
 from __future__ import annotations
