@@ -156,13 +156,19 @@ class _Assembler:
         self.streams = streams
         self.pending: dict[str, _LineHead] = {}  # stream -> the line so far
 
-    def feed(self, raw: str) -> LogLine | None:
+    def _record(self, raw: str) -> tuple[float, str, bool, str] | None:
+        """The record's fields, None for a record that is not one or of another stream."""
         try:
-            timestamp, stream, partial, content = parse_cri_log_line(raw)
+            record = parse_cri_log_line(raw)
         except ValueError:
             return None
-        if stream not in self.streams:
+        return record if record[1] in self.streams else None
+
+    def feed(self, raw: str) -> LogLine | None:
+        record = self._record(raw)
+        if record is None:
             return None
+        timestamp, stream, partial, content = record
         head = (
             self.pending.setdefault(stream, _LineHead()) if partial else self.pending.pop(stream, _LineHead())
         )
@@ -171,12 +177,10 @@ class _Assembler:
 
     def part(self, raw: str) -> LogLine | None:
         """A record as it is, a part of a line when partial (its content cut as a line's)."""
-        try:
-            timestamp, stream, partial, content = parse_cri_log_line(raw)
-        except ValueError:
+        record = self._record(raw)
+        if record is None:
             return None
-        if stream not in self.streams:
-            return None
+        timestamp, stream, partial, content = record
         head = _LineHead()
         head.append_part(content)
         return LogLine(timestamp, stream, head.text(), partial)
