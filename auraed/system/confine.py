@@ -38,10 +38,15 @@ UNPRIVILEGED_ID = 65535
 
 # System call numbers of the calls glibc does not wrap (pivot_root) or wraps for the whole
 # process (setresuid, setresgid and setgroups signal every thread to change with the caller).
+# clone for its CLONE_PARENT (auraed.system.userns_helper), which fork(2) has no way to ask.
 _SYSCALLS = {
-    "x86_64": {"pivot_root": 155, "capset": 126, "setgroups": 116, "setresuid": 117, "setresgid": 119},
-    "aarch64": {"pivot_root": 41, "capset": 91, "setgroups": 159, "setresuid": 147, "setresgid": 149},
-}
+    "x86_64": {
+        "pivot_root": 155, "capset": 126, "setgroups": 116, "setresuid": 117, "setresgid": 119, "clone": 56,
+    },
+    "aarch64": {
+        "pivot_root": 41, "capset": 91, "setgroups": 159, "setresuid": 147, "setresgid": 149, "clone": 220,
+    },
+}  # fmt: skip
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
@@ -51,14 +56,18 @@ _prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
 _prctl.restype = ctypes.c_int
 
 
-def _call(name: str, *args: object) -> None:
+def raw_syscall(name: str, *args: object) -> int:
+    """The system call ``name`` (one of _SYSCALLS) made directly, for the calling thread alone;
+    its result, OSError when it failed."""
     machine = os.uname().machine
     numbers = _SYSCALLS.get(machine)
     if numbers is None:
         raise OSError(f"confine: no system call numbers for {machine}")
-    if _syscall(ctypes.c_long(numbers[name]), *args) != 0:
+    result = int(_syscall(ctypes.c_long(numbers[name]), *args))
+    if result < 0:
         err = ctypes.get_errno()
         raise OSError(err, f"{name}: {os.strerror(err)}")
+    return result
 
 
 def _prctl_checked(option: int, arg: int = 0, arg2: int = 0) -> None:
@@ -82,7 +91,7 @@ def _empty_root(program: Path, name: str, mountpoint: Path) -> None:
     namespaces.mount(None, target, None, namespaces.MS_BIND | namespaces.MS_REMOUNT | ro)
     namespaces.mount(None, mountpoint, None, namespaces.MS_REMOUNT | ro)
     os.chdir(mountpoint)
-    _call("pivot_root", b".", b".")  # the old root ends up stacked under the new one...
+    raw_syscall("pivot_root", b".", b".")  # the old root ends up stacked under the new one...
     namespaces.umount(".", namespaces.MNT_DETACH)  # ...and is let go of here
     os.chdir("/")
 
@@ -93,13 +102,13 @@ def _drop_privileges(last_cap: int, unprivileged_id: int) -> None:
         _prctl_checked(PR_CAPBSET_DROP, cap)
     _prctl_checked(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
     _prctl_checked(PR_SET_NO_NEW_PRIVS, 1)
-    _call("setgroups", ctypes.c_size_t(0), None)
+    raw_syscall("setgroups", ctypes.c_size_t(0), None)
     ids = [ctypes.c_uint(unprivileged_id)] * 3
-    _call("setresgid", *ids)
-    _call("setresuid", *ids)  # from root to another id: permitted and effective sets emptied
+    raw_syscall("setresgid", *ids)
+    raw_syscall("setresuid", *ids)  # from root to another id: permitted and effective sets emptied
     header = ctypes.create_string_buffer(struct.pack("Ii", _LINUX_CAPABILITY_VERSION_3, 0))
     data = ctypes.create_string_buffer(bytes(24))  # two {effective, permitted, inheritable}: none
-    _call("capset", header, data)
+    raw_syscall("capset", header, data)
 
 
 def confine_thread(program: Path, name: str, mountpoint: Path, unprivileged_id: int = UNPRIVILEGED_ID) -> str:

@@ -18,10 +18,6 @@ from auraed.system.userns import CLONE_NEWUSER
 
 KIND_FLAGS = {NET: namespaces.CLONE_NEWNET, IPC: namespaces.CLONE_NEWIPC, UTS: namespaces.CLONE_NEWUTS}
 CLONE_PARENT = 0x00008000
-_SYS_CLONE = {"x86_64": 56, "aarch64": 220}  # raw clone(2): flags first on both
-_libc = ctypes.CDLL(None, use_errno=True)
-_syscall = _libc.syscall
-_syscall.restype = ctypes.c_long
 
 
 def _say(line: str) -> None:
@@ -40,18 +36,7 @@ def _clone_as_sibling() -> int:
     reaps it when the pod goes, as it reaps the init of a pod without a user namespace. A plain
     fork would leave it to whatever adopts orphans once this helper ends (an init that may never
     reap it). This process is single-threaded, so its raw clone is as safe as fork."""
-    pid = _syscall(
-        ctypes.c_long(_SYS_CLONE[os.uname().machine]),
-        ctypes.c_ulong(CLONE_PARENT | signal.SIGCHLD),
-        None,
-        None,
-        None,
-        None,
-    )
-    if pid < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"clone: {os.strerror(err)}")
-    return int(pid)
+    return confine.raw_syscall("clone", ctypes.c_ulong(CLONE_PARENT | signal.SIGCHLD), None, None, None, None)
 
 
 def _start_init(init: list[str], name: str, init_id: int, mountpoint: Path) -> int:
