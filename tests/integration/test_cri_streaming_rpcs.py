@@ -57,6 +57,18 @@ async def attach_url(node: Node, container_id: str, **streams: Any) -> str:
     return url
 
 
+async def attach_all(node: Node, container_id: str, transport: str = "spdy") -> RemoteCommand:
+    """An attach to the container's stdin, stdout and stderr, open over ``transport``."""
+    url = await attach_url(node, container_id, stdin=True, stdout=True, stderr=True)
+    return await open_remote_command(
+        url,
+        transport=transport,  # type: ignore[arg-type]
+        stdin=True,
+        stdout=True,
+        stderr=True,
+    )
+
+
 async def forward_url(node: Node, pod_id: str, ports: list[int] | None = None) -> str:
     request = cri.PortForwardRequest(pod_sandbox_id=pod_id, port=ports or [])
     url: str = (await node.call("PortForward", request)).url
@@ -219,14 +231,7 @@ async def test_attach_to_a_shell(node: Node, transport: str) -> None:
     pod_id = await node.run_pod("attach")
     container_id = await shell(node, pod_id, "shell")
     for _ in range(2):  # a second attach finds the same shell
-        url = await attach_url(node, container_id, stdin=True, stdout=True, stderr=True)
-        command = await open_remote_command(
-            url,
-            transport=transport,  # type: ignore[arg-type]
-            stdin=True,
-            stdout=True,
-            stderr=True,
-        )
+        command = await attach_all(node, container_id, transport)
         try:
             await command.write_stdin(b"echo hello\n")
             assert await read_until(command, b"hello\n") == b"hello\n"
@@ -245,17 +250,8 @@ async def test_attach_relays_output_that_ends_without_a_newline(node: Node, tran
     that never came: critest timed out). The kubelet's log holds it as a P record, which the F
     record of what the shell writes next completes."""
     pod_id = await node.run_pod("attach-partial", log_directory=True)
-    config = node.config("partial", SHELL, stdin=True, stdin_once=True, log=True)
-    container_id = await node.run(pod_id, config)
-    await node.wait_state(container_id, RUNNING)
-    url = await attach_url(node, container_id, stdin=True, stdout=True, stderr=True)
-    command = await open_remote_command(
-        url,
-        transport=transport,  # type: ignore[arg-type]
-        stdin=True,
-        stdout=True,
-        stderr=True,
-    )
+    container_id = await shell(node, pod_id, "partial", stdin_once=True, log=True)
+    command = await attach_all(node, container_id, transport)
     try:
         await command.write_stdin(b"echo -n hello\n")
         assert await read_until(command, b"hello", PARTIAL_WAIT) == b"hello"
@@ -381,16 +377,14 @@ async def test_attach_for_output_only_and_to_a_terminal_without_one(node: Node) 
     pod_id = await node.run_pod("watch")
     looper = await node.run(pod_id, node.config("looper", container_tests.LOOP_LOG))
     await node.wait_state(looper, RUNNING)
-    url = await attach_url(node, looper, stdin=True, stdout=True, stderr=True)
-    command = await open_remote_command(url, stdin=True, stdout=True, stderr=True)
+    command = await attach_all(node, looper)
     try:
         await command.write_stdin(b"ignored\n")
         await read_until(command, b"hello World\nhello World\n")
     finally:
         await command.close()
     tty = await shell(node, pod_id, "tty", tty=True)
-    url = await attach_url(node, tty, stdin=True, stdout=True, stderr=True)
-    command = await open_remote_command(url, stdin=True, stdout=True, stderr=True)
+    command = await attach_all(node, tty)
     try:
         async with asyncio.timeout(TIMEOUT):
             assert await command.read_stderr() == b""

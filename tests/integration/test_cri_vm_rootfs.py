@@ -20,7 +20,6 @@ order:
 from __future__ import annotations
 
 import asyncio
-import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,16 +31,12 @@ from auraed.api.aurae.containers import v0 as containers_pb
 from auraed.api.runtime import v1 as cri
 from auraed.client import AuraeClient
 from auraed.pki import PkiPaths
-from tests.conftest import DaemonProcess, remove_daemon_leftovers
 from tests.integration.test_cri_containers import Node, eventually
-from tests.integration.test_vms import guest_host_args
-from tests.integration.vm_pods_helpers import VM_MEMORY_MIB, leftovers_of_pod, remove_every_pod
-from tests.support.cni import cni_network
+from tests.integration.vm_pods_helpers import leftovers_of_pod, module_vm_node, remove_every_pod
 from tests.support.cri import (
     BUSYBOX_IMAGE,
     cri_client,
     image_status,
-    mirrors_config,
     pod_config,
     publish,
     pull_image,
@@ -133,41 +128,27 @@ async def pods(
     the end they are removed and nothing of them or of the daemon is left."""
     work = tmp_path_factory.mktemp("vm-rootfs")
     image = build_multilayer_layout(work / "layout")
-    root = Path(tempfile.mkdtemp(prefix="aurae-rootfs-", dir="/tmp"))  # unix socket paths are short
-    with LocalRegistry() as registry, cni_network(work) as network:
+    with LocalRegistry() as registry:
         publish(busybox_layout, registry, BUSYBOX_IMAGE)
         publish(image, registry, IMAGE)
-        network.write(network.conflist())
-        args = [
-            "--cni-conf-dir", str(network.conf_dir), *guest_host_args(guest_image, pki.ca_key),
-            "--cri-vm-memory-mib", str(VM_MEMORY_MIB), "--vm-machine", "q35",
-        ]  # fmt: skip
-        daemon = DaemonProcess(root, pki, args, mirrors_config(registry))
-        try:
-            daemon.start()
-            node = Node(daemon, network, cri_client(daemon), "", work / "logs")
-            try:
-                node.image_id = await pull_image(node.client, BUSYBOX_IMAGE)
-                image_id = await pull_image(node.client, IMAGE)
-                first_config = pod_config("rootfs-a", namespace="vm-rootfs", linux=PRIVILEGED_POD)
-                second_config = pod_config("rootfs-b", namespace="vm-rootfs")
-                first, second = await asyncio.wait_for(
-                    asyncio.gather(
-                        run_pod(node.client, first_config, "vm"), run_pod(node.client, second_config, "vm")
-                    ),
-                    BOOT_TIMEOUT,
-                )
-                reader = await create(node, (first, first_config), image_id, "reader", AS_ROOT_PRIVILEGED)
-                other = await create(node, (second, second_config), image_id, "other")
-                yield RootfsPods(node, image, image_id, first, second, reader, other)
-                await remove_every_pod(node)
-                for pod_id in (first, second):
-                    assert leftovers_of_pod(daemon, network, pod_id) == {}
-            finally:
-                await node.client.close()
-        finally:
-            daemon.stop()
-            remove_daemon_leftovers(daemon)
+        async with module_vm_node(
+            work, "aurae-rootfs-", guest_image, pki, registry, "--vm-machine", "q35"
+        ) as node:
+            image_id = await pull_image(node.client, IMAGE)
+            first_config = pod_config("rootfs-a", namespace="vm-rootfs", linux=PRIVILEGED_POD)
+            second_config = pod_config("rootfs-b", namespace="vm-rootfs")
+            first, second = await asyncio.wait_for(
+                asyncio.gather(
+                    run_pod(node.client, first_config, "vm"), run_pod(node.client, second_config, "vm")
+                ),
+                BOOT_TIMEOUT,
+            )
+            reader = await create(node, (first, first_config), image_id, "reader", AS_ROOT_PRIVILEGED)
+            other = await create(node, (second, second_config), image_id, "other")
+            yield RootfsPods(node, image, image_id, first, second, reader, other)
+            await remove_every_pod(node)
+            for pod_id in (first, second):
+                assert leftovers_of_pod(node.daemon, node.network, pod_id) == {}
 
 
 async def test_a_container_runs_from_the_hosts_snapshots(pods: RootfsPods) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,13 +28,10 @@ import pytest_asyncio
 from auraed.api.runtime import v1 as cri
 from auraed.bootargs import SHARE_TAG
 from auraed.pki import PkiPaths
-from tests.conftest import DaemonProcess, remove_daemon_leftovers
 from tests.integration.test_cri_containers import Node, cri_error
 from tests.integration.test_cri_containers import mirror as busybox_mirror
-from tests.integration.test_vms import guest_host_args
-from tests.integration.vm_pods_helpers import VM_MEMORY_MIB, leftovers_of_pod, remove_every_pod
-from tests.support.cni import cni_network
-from tests.support.cri import BUSYBOX_IMAGE, cri_client, mirrors_config, pod_config, pull_image, run_pod
+from tests.integration.vm_pods_helpers import leftovers_of_pod, module_vm_node
+from tests.support.cri import pod_config, run_pod
 from tests.support.registry import LocalRegistry
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -119,37 +115,17 @@ async def shared_pod(
     work = tmp_path_factory.mktemp("vm-share")
     volumes = Volumes(work / "ro", work / "ro-file", work / "rro", work / "rw", work / "nrro")
     volumes.make()
-    root = Path(tempfile.mkdtemp(prefix="aurae-share-", dir="/tmp"))  # unix socket paths are short
     try:
-        with cni_network(work) as network:
-            network.write(network.conflist())
-            args = [
-                "--cni-conf-dir", str(network.conf_dir), *guest_host_args(guest_image, pki.ca_key),
-                "--cri-vm-memory-mib", str(VM_MEMORY_MIB),
-            ]  # fmt: skip
-            daemon = DaemonProcess(root, pki, args, mirrors_config(mirror))
-            try:
-                daemon.start()
-                node = Node(daemon, network, cri_client(daemon), "", work / "logs")
-                try:
-                    node.image_id = await pull_image(node.client, BUSYBOX_IMAGE)
-                    config = pod_config("share-attack", namespace="vm-share", linux=PRIVILEGED_POD)
-                    pod_id = await asyncio.wait_for(run_pod(node.client, config, "vm"), BOOT_TIMEOUT)
-                    container = node.config(
-                        "attacker", ["sleep", "3600"], linux=PRIVILEGED, mounts=volumes.mounts()
-                    )
-                    request = cri.CreateContainerRequest(
-                        pod_sandbox_id=pod_id, config=container, sandbox_config=config
-                    )
-                    attacker = (await node.call("CreateContainer", request, BOOT_TIMEOUT)).container_id
-                    await node.start(attacker)
-                    yield SharedPod(node, pod_id, attacker, volumes)
-                    await remove_every_pod(node)
-                finally:
-                    await node.client.close()
-            finally:
-                daemon.stop()
-                remove_daemon_leftovers(daemon)
+        async with module_vm_node(work, "aurae-share-", guest_image, pki, mirror) as node:
+            config = pod_config("share-attack", namespace="vm-share", linux=PRIVILEGED_POD)
+            pod_id = await asyncio.wait_for(run_pod(node.client, config, "vm"), BOOT_TIMEOUT)
+            container = node.config("attacker", ["sleep", "3600"], linux=PRIVILEGED, mounts=volumes.mounts())
+            request = cri.CreateContainerRequest(
+                pod_sandbox_id=pod_id, config=container, sandbox_config=config
+            )
+            attacker = (await node.call("CreateContainer", request, BOOT_TIMEOUT)).container_id
+            await node.start(attacker)
+            yield SharedPod(node, pod_id, attacker, volumes)
     finally:
         volumes.unmount()
 

@@ -27,7 +27,6 @@ import os
 import re
 import shutil
 import signal
-import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,27 +39,20 @@ from auraed.api.runtime import v1 as cri
 from auraed.pki import PkiPaths
 from auraed.vms.qemu import CLONE_MEMORY_FILE
 from auraed.vms.templates import AUTO_PREFIX
-from tests.conftest import DaemonProcess, remove_daemon_leftovers
 from tests.integration.test_cri_containers import Node
 from tests.integration.test_cri_containers import mirror as busybox_mirror
 from tests.integration.test_cri_vm_containers import BOOT_TIMEOUT, VmPod, eventually
-from tests.integration.test_vms import guest_host_args
 from tests.integration.vm_pods_helpers import (
     VM_MEMORY_MIB,
     VMS,
     leftovers_of_pod,
+    module_vm_node,
     qemu_of,
-    remove_every_pod,
     vm_node_fixture,
 )
-from tests.support.cni import cni_network
 from tests.support.cri import (
-    BUSYBOX_IMAGE,
-    cri_client,
-    mirrors_config,
     pod_config,
     pod_status,
-    pull_image,
     run_pod,
 )
 from tests.support.registry import LocalRegistry
@@ -101,26 +93,10 @@ async def template_node(
     image.mkdir()
     for name in ("vmlinuz", "initramfs.img", "rootfs.img"):
         shutil.copyfile(guest_image / name, image / name)
-    root = Path(tempfile.mkdtemp(prefix="aurae-tpl-", dir="/tmp"))  # unix socket paths are short
-    with cni_network(work) as network:
-        network.write(network.conflist())
-        args = [
-            "--cni-conf-dir", str(network.conf_dir), *guest_host_args(image, pki.ca_key),
-            "--cri-vm-memory-mib", str(VM_MEMORY_MIB), "--vm-max-vcpus", str(MAX_VCPUS),
-        ]  # fmt: skip
-        daemon = DaemonProcess(root, pki, args, mirrors_config(mirror))
-        try:
-            daemon.start()
-            node = Node(daemon, network, cri_client(daemon), "", work / "logs")
-            try:
-                node.image_id = await pull_image(node.client, BUSYBOX_IMAGE)
-                yield TemplateNode(node, image)
-                await remove_every_pod(node)
-            finally:
-                await node.client.close()
-        finally:
-            daemon.stop()
-            remove_daemon_leftovers(daemon)
+    async with module_vm_node(
+        work, "aurae-tpl-", image, pki, mirror, "--vm-max-vcpus", str(MAX_VCPUS)
+    ) as node:
+        yield TemplateNode(node, image)
 
 
 async def guest_of(node: Node, pod_id: str) -> vms.VmStatus:

@@ -3,8 +3,10 @@ a node fixture over one, and the check that nothing of a pod is left on the host
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
+import tempfile
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,7 @@ import pytest
 
 from auraed.api.aurae.vms import v0 as vms
 from auraed.pki import PkiPaths
-from tests.conftest import DaemonFactory, DaemonProcess
+from tests.conftest import DaemonFactory, DaemonProcess, remove_daemon_leftovers
 from tests.integration.test_cri_containers import Node
 from tests.integration.test_vms import guest_host_args
 from tests.support.cni import CniNetwork, cni_network
@@ -67,6 +69,36 @@ def vm_node_fixture(*extra_args: str, name: str = "vm_node") -> Callable[..., An
                 await node.client.close()
 
     return vm_node
+
+
+@contextlib.asynccontextmanager
+async def module_vm_node(
+    work: Path, prefix: str, guest_image: Path, pki: PkiPaths, mirror: LocalRegistry, *extra_args: str
+) -> AsyncIterator[Node]:
+    """:func:`vm_node_fixture`'s node for a module-scoped fixture (a booted guest held by the
+    module; ``daemon_factory`` is per test): its root under /tmp named ``prefix`` (unix socket
+    paths are short), its own CNI network in ``work``, busybox pulled; at the end every pod is
+    stopped and removed, and the daemon stopped with nothing of it left."""
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    with cni_network(work) as network:
+        network.write(network.conflist())
+        args = [
+            "--cni-conf-dir", str(network.conf_dir), *guest_host_args(guest_image, pki.ca_key),
+            "--cri-vm-memory-mib", str(VM_MEMORY_MIB), *extra_args,
+        ]  # fmt: skip
+        daemon = DaemonProcess(root, pki, args, mirrors_config(mirror))
+        try:
+            daemon.start()
+            node = Node(daemon, network, cri_client(daemon), "", work / "logs")
+            try:
+                node.image_id = await pull_image(node.client, BUSYBOX_IMAGE)
+                yield node
+                await remove_every_pod(node)
+            finally:
+                await node.client.close()
+        finally:
+            daemon.stop()
+            remove_daemon_leftovers(daemon)
 
 
 async def remove_every_pod(node: Node) -> None:
