@@ -144,6 +144,7 @@ class Containers:
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._changing: dict[str, str] = {}  # id -> the change under way: "created", "started", ...
         self._runtime_creates: dict[str, asyncio.Task[None]] = {}  # id -> its create_ahead
+        self._runtime_releases: dict[str, asyncio.Task[None]] = {}  # id -> its delete at exit
         self._runtime_created: dict[str, asyncio.Future[None]] = {}  # id -> create_ahead's outcome
         # id -> the Stop under way: its escalation to SIGKILL, which no caller's end may cut short
         self._stopping: dict[str, tuple[_Stopping, asyncio.Task[None]]] = {}
@@ -679,8 +680,7 @@ class Containers:
     async def _teardown(self, record: ContainerRecord, keep_logs: bool) -> None:
         """Remove every trace of a container; safe on half-made ones and repeatable."""
         await self._create_ahead_done(record)
-        with contextlib.suppress(OciRuntimeError):
-            await self._runtime.delete(record.id, force=True)
+        await self._runtime_released(record)
         if record.state == State.CREATED:
             await self._monitor_ended(record)  # a runtime-created init was killed just now
         watcher = self._watchers.pop(record.id, None)
@@ -755,9 +755,38 @@ class Containers:
         record.finished_at = record.finished_at or time.time()
         if record.id in self._records:
             self._save(record)
+        if exit_record is not None:
+            self._release_runtime(record)
         event = self._exited.get(record.id)
         if event is not None:
             event.set()
+
+    def _release_runtime(self, record: ContainerRecord) -> None:
+        """As containerd deletes a task when it exits: the runtime's delete runs now (its state,
+        its cgroup, what is left of a shared PID namespace's processes, its poststop hooks), so a
+        Remove, often long after, has only files left."""
+        if record.id in self._runtime_releases or self._closed:
+            return
+        self._runtime_releases[record.id] = asyncio.get_running_loop().create_task(
+            self._delete_in_runtime(record), name=f"release {record.id}"
+        )
+
+    async def _delete_in_runtime(self, record: ContainerRecord) -> None:
+        try:
+            await self._runtime.delete(record.id, force=True)
+        except OciRuntimeError as exc:  # a Remove tries again
+            log.warning("container %s: the runtime's delete after its exit failed: %s", record.name, exc)
+
+    async def _runtime_released(self, record: ContainerRecord) -> None:
+        """Until the runtime keeps nothing of the container: the delete begun at its exit, else
+        one now (a created container, one whose delete failed, one from before a restart)."""
+        released = self._runtime_releases.pop(record.id, None)
+        if released is not None:
+            await asyncio.shield(released)
+            if not self._runtime.knows(record.id):
+                return
+        with contextlib.suppress(OciRuntimeError):
+            await self._runtime.delete(record.id, force=True)
         log.info(
             "container %s exited: code=%s signal=%s oom=%s",
             record.name,
@@ -932,6 +961,7 @@ class Containers:
         self._closed = True
         # Not cancelled: a runtime create cut short would leave an init nothing knows of.
         await asyncio.gather(*self._runtime_creates.values(), return_exceptions=True)
+        await asyncio.gather(*self._runtime_releases.values(), return_exceptions=True)
         # Nor are Stops under way: one cut short leaves a container that got only its stop signal.
         # Their SIGKILL goes now rather than after a grace that may be minutes; the watchers,
         # which see the exits, are cancelled only after.

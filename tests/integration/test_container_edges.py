@@ -255,6 +255,30 @@ async def test_a_delete_whose_caller_gives_up_still_removes_everything(
     assert containers_left(daemon) == before
 
 
+async def test_an_exited_container_is_deleted_in_the_runtime_at_once(
+    loaded: AuraeClient, daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    # As containerd deletes a task when it exits: the runtime's delete (its state, its cgroup,
+    # the poststop hooks) runs at the exit, not at the Remove, which then has only files left.
+    marker = tmp_path / "poststop-ran"
+    hooks = pb.Hooks(poststop=[pb.Hook(path="/bin/sh", args=["-c", f"echo ran > {marker}"])])
+    await create(loaded, "brief", BUSYBOX, command=["sh", "-c", "exit 3"], hooks=hooks)
+    await start(loaded, "brief")
+    ended = await asyncio.wait_for(wait_exit(loaded, "brief"), 15)
+    runtime = Runc("runc", daemon.root / "run" / "runtime")
+
+    def released() -> bool:
+        return marker.exists() and not runtime.knows(ended.id)
+
+    await wait_until(released, timeout=10)
+    described = await status(loaded, "brief")
+    assert (described.state, described.exit_code) == (pb.ContainerState.EXITED, 3)
+    before = containers_left(daemon)
+    await delete(loaded, "brief", force=False)
+    assert len(containers_left(daemon)) == len(before) - 1
+    assert marker.read_text() == "ran\n"  # once: the Remove did not run the hooks again
+
+
 async def test_a_stop_under_way_when_auraed_stops_is_finished(
     daemon_factory: DaemonFactory, busybox_layout: BuiltImage
 ) -> None:
