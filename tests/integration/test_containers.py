@@ -186,7 +186,9 @@ async def test_attach_writes_stdin_and_stdin_once_ends_with_the_container(loaded
     await attached.read_until(lambda a: b"got one\n> " in a.stdout and b"err-one\n" in a.stderr)
     attached.send(close_stdin=True)  # stdin_once: the container reads EOF and exits
     await attached.read_until(lambda a: a.ended)
-    assert (attached.stdout, attached.stderr, attached.exit_code) == (b"got one\n> closed\n", b"err-one\n", 0)
+    # The first prompt is seen only when the attach began before the shell wrote it (a busy machine).
+    assert attached.stdout.removeprefix(b"> ") == b"got one\n> closed\n"
+    assert (attached.stderr, attached.exit_code) == (b"err-one\n", 0)
     assert (await wait_exit(loaded, "talker")).exit_code == 0
     await delete(loaded, "talker")
 
