@@ -316,6 +316,7 @@ async def test_an_image_volume_in_a_vm_pod_is_the_images_files_read_only(pods: R
         image_volume("/escape", "escape"),
         image_volume("/etc-link", "etc-link"),
         image_volume("/climb", "climb"),
+        image_volume("/busybox", image=BUSYBOX_IMAGE),  # one layer: a bind in the guest, not an overlay
     ]
     container = await create_in_second_pod(pods, "volumes", volumes)
     await node.start(container)
@@ -328,10 +329,14 @@ async def test_an_image_volume_in_a_vm_pod_is_the_images_files_read_only(pods: R
         + ["the volume image's etc"] * 2
     )
     assert await pods.run(container, "ls /etc-link; ls /climb") == ["marker", "marker"]
+    assert await pods.run(container, "test -x /busybox/bin/busybox && echo there") == ["there"]
     refused = await pods.run(container, "touch /volume/new 2>&1 || echo refused")
     assert refused[-1] == "refused" and "Read-only file system" in refused[0], refused
-    not_executable = await pods.run(container, "/volume/data/run.sh 2>&1 || echo refused")
-    assert not_executable[-1] == "refused" and "Permission denied" in not_executable[0], not_executable
+    for program in ("/volume/data/run.sh", "/busybox/bin/busybox true"):
+        not_executable = await pods.run(container, f"{program} 2>&1 || echo refused")
+        assert not_executable[-1] == "refused" and "Permission denied" in not_executable[0], not_executable
+    refused = await pods.run(container, "touch /busybox/new 2>&1 || echo refused")
+    assert refused[-1] == "refused" and "Read-only file system" in refused[0], refused
     # The guest's mount: an overlay of the share's layers (no upper), nosuid,nodev,noexec.
     [mount] = [
         line.split() for line in await pods.run(container, "cat /proc/self/mounts") if " /volume " in line
@@ -344,12 +349,12 @@ async def test_an_image_volume_in_a_vm_pod_is_the_images_files_read_only(pods: R
     assert len(lowers) == 2 and all(lower.startswith("/run/aurae/share/") for lower in lowers), mount
     # The share holds the volume image's layers too, bound for this container.
     bound = bound_snapshots(pods.shares, pods.second)
-    assert {p.name for p in volume_snapshots(pods)} <= set(bound), bound
+    assert {p.name for p in volume_snapshots(pods)} | {pods.layer_snapshots()[0].name} <= set(bound), bound
 
     status = await node.status(container)
     assert [
         (m.container_path, m.image.image if m.image else "", m.image_sub_path) for m in status.mounts
-    ] == [(v.container_path, VOLUME_IMAGE, v.image_sub_path) for v in volumes]
+    ] == [(v.container_path, v.image.image if v.image else "", v.image_sub_path) for v in volumes]
 
     for bad, field in (
         (image_volume("/x", "no/such/dir"), "sub_path"),
