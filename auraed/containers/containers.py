@@ -243,6 +243,7 @@ class Containers:
                 log_file=log_file,
                 created_at=time.time(),
                 volume_images=volume_images,
+                shared_volume_layers=[list(m.image_layers) for m in request.mounts if m.type == IMAGE_MOUNT],
             )
             self._changing[record.id] = "created"  # claimed before the record can be seen
             self._exited[record.id] = asyncio.Event()  # a Wait may begin as soon as it can be seen
@@ -347,20 +348,22 @@ class Containers:
             layers = self._snapshotter.layers(image or self._images.find(record.image_id))
         self._snapshotter.mount(layers, record.path, record.rootfs, userns)
         for index, image_id in enumerate(record.volume_images):
-            volume_layers = self._snapshotter.layers(self._images.find(image_id))
+            shared = record.shared_volume_layers[index] if index < len(record.shared_volume_layers) else []
+            if shared:
+                volume_layers = tuple(Path(layer) for layer in shared)
+                check_shared_layers(volume_layers)
+            else:
+                volume_layers = self._snapshotter.layers(self._images.find(image_id))
             self._snapshotter.mount_read_only(volume_layers, _image_volume(record, index))
 
     def _volume_images(self, request: ContainerRequest) -> tuple[str, ...]:
-        """The ids of the images ``request`` mounts as volumes, which must be here (pulled)."""
-        ids = []
-        for index, mount in enumerate(request.mounts):
-            if mount.type != IMAGE_MOUNT:
-                continue
-            try:
-                ids.append(self._images.find(mount.source).id)
-            except ImageError as exc:
-                raise ContainerError(exc.kind, f"mounts[{index}].source: {exc.message}") from None
-        return tuple(ids)
+        """The ids of the images ``request`` mounts as volumes: a shared one's as its mount
+        names it, a stored one's found in the store (it must be pulled)."""
+        return tuple(
+            mount.source if mount.image_layers else volume_image(self._images, mount, index).id
+            for index, mount in enumerate(request.mounts)
+            if mount.type == IMAGE_MOUNT
+        )
 
     def _image_volumes_bound(self, record: ContainerRecord, request: ContainerRequest) -> ContainerRequest:
         """``request`` with each image volume a read-only bind of the image mounted for it (its
@@ -1041,6 +1044,15 @@ def _create_log_file(path: Path) -> os.stat_result:
         return os.fstat(fd)
     finally:
         os.close(fd)
+
+
+def volume_image(images: Images, mount: Mount, index: int) -> ImageRecord:
+    """The stored image the image volume ``mount`` (the request's ``index``-th mount) names:
+    pulled, or the store's error (NOT_FOUND, ...) naming the mount. Every handler's check."""
+    try:
+        return images.find(mount.source)
+    except ImageError as exc:
+        raise ContainerError(exc.kind, f"mounts[{index}].source: {exc.message}") from None
 
 
 def _image_volume(record: ContainerRecord, index: int) -> Path:

@@ -77,6 +77,9 @@ class ContainerRecord:
     # The layers' directories (bottom first) of an image this machine does not store but reads
     # where another machine shares it (auraed.containers.rootfs.SharedImage); none: the store's.
     shared_layers: list[str] = dataclasses.field(default_factory=list)
+    # For each of volume_images, its shared layers' directories as shared_layers are (the
+    # request's Mount.image_layers); an empty list: the store's image.
+    shared_volume_layers: list[list[str]] = dataclasses.field(default_factory=list)
 
     @property
     def path(self) -> Path:

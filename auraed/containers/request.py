@@ -83,6 +83,10 @@ class Mount:
     options: tuple[str, ...] = ()
     read_only: bool = False
     sub_path: str = ""
+    # IMAGE_MOUNT of an image this machine does not store but reads where another machine shares
+    # it (a vm pod's guest: its host's snapshots): its layers' directories, the bottom one first,
+    # ``source`` its id. Empty: the store's image.
+    image_layers: tuple[str, ...] = ()
 
 
 IMAGE_MOUNT = "image"

@@ -26,6 +26,7 @@ from auraed.containers.model import ContainerRecord, ProcessUser, State
 from auraed.containers.oci_spec import exec_process, image_runtime_config, process_user, resolve_user
 from auraed.containers.pid_groups import PidGroups
 from auraed.containers.request import (
+    IMAGE_MOUNT,
     ContainerRequest,
     Hook,
     Hooks,
@@ -104,9 +105,7 @@ def container_request(config: pb.ContainerConfig) -> ContainerRequest:
         env=tuple(config.env),
         working_dir=config.working_dir,
         hostname=config.hostname,
-        mounts=tuple(
-            Mount(m.destination, m.source, m.type, tuple(m.options), m.read_only) for m in config.mounts
-        ),
+        mounts=tuple(_mount_value(m, f"config.mounts[{index}]") for index, m in enumerate(config.mounts)),
         resources=resources_value(resources),
         security=Security(
             capabilities_add=tuple(security.capabilities_add),
@@ -141,6 +140,23 @@ def container_request(config: pb.ContainerConfig) -> ContainerRequest:
     )
 
 
+def _mount_value(mount: pb.Mount, field: str) -> Mount:
+    """A request's mount; an image volume's shared layers checked as a shared rootfs's are (its
+    ``source`` then the image id)."""
+    if mount.type != IMAGE_MOUNT:
+        if mount.sub_path or mount.shared_image is not None:
+            raise ContainerError.invalid(field, "sub_path and shared_image go with type image only")
+        return Mount(mount.destination, mount.source, mount.type, tuple(mount.options), mount.read_only)
+    layers: tuple[str, ...] = ()
+    source = mount.source
+    if mount.shared_image is not None:
+        shared = shared_image(mount.shared_image, f"{field}.shared_image")
+        source, layers = shared.id, tuple(str(layer) for layer in shared.layers)
+    return Mount(
+        mount.destination, source, mount.type, tuple(mount.options), mount.read_only, mount.sub_path, layers
+    )
+
+
 def _seccomp_section(text: str) -> dict[str, Any] | None:
     """``seccomp_json`` as the OCI seccomp section it must be (the runtime checks its rules)."""
     if not text:
@@ -154,10 +170,9 @@ def _seccomp_section(text: str) -> dict[str, Any] | None:
     return section
 
 
-def shared_image(shared: pb.SharedRootfs) -> SharedImage:
-    """``config.shared_rootfs`` as the image it describes: a sha256 id, one layer or more, each a
-    directory below the shared directory's mount, and a config that is a JSON object."""
-    field = "config.shared_rootfs"
+def shared_image(shared: pb.SharedRootfs, field: str = "config.shared_rootfs") -> SharedImage:
+    """``shared`` (the request's ``field``) as the image it describes: a sha256 id, one layer or
+    more, each a directory below the shared directory's mount, and a config that is a JSON object."""
     algorithm, _, digest = shared.image_id.partition(":")
     if algorithm != "sha256" or len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
         raise ContainerError.invalid(f"{field}.image_id", f"{shared.image_id[:100]!r} is not a sha256 digest")

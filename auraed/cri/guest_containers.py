@@ -4,9 +4,12 @@ ContainerService), with the host keeping what the kubelet reads.
 The guest has no CRI or pod concept, and holds nothing of the image: its root filesystem is the
 host's layer snapshots (pulled and unpacked once per host), bound read-only in the pod's share
 (auraed.cri.pod_share, under the container's own key with its volumes), over which the guest
-mounts the container's overlay with its writable layer in the guest (``shared_rootfs``). The
-container's layers are in use while its record exists (Images.layers_in_use): a RemoveImage
-forgets the image, but its layers stay until no container reads them. The guest creates the
+mounts the container's overlay with its writable layer in the guest (``shared_rootfs``). An
+image volume's image is checked as a cell's is (pulled: containers.volume_image) and its layers
+are shared so too, after the rootfs's (the Mount's ``shared_image``): the guest mounts them
+read-only, resolving the sub path inside them. The container's layers, its volumes' too, are in
+use while its record exists (Images.layers_in_use): a RemoveImage forgets the image, but its
+layers stay until no container reads them. The guest creates the
 container with its network (the pod network: the guest's eth0 has the pod IP), and its IPC
 namespace (the pod's); PID as the pod asks (the pod's in the guest, one of the container's own,
 or another container's that it targets). For each container
@@ -46,6 +49,7 @@ from typing import Any
 import grpc
 
 from auraed.api.aurae.containers import v0 as pb
+from auraed.containers.containers import volume_image
 from auraed.containers.errors import ContainerError
 from auraed.containers.model import ContainerRecord, State
 from auraed.containers.oci_spec import process_user
@@ -185,12 +189,6 @@ def _refuse_what_crosses_the_vm(mounts: tuple[Mount, ...]) -> None:
     sees it. Host to container (``rslave``) is given: virtiofsd announces the host's later
     submounts to the guest."""
     for index, mount in enumerate(mounts):
-        if mount.type == IMAGE_MOUNT:
-            raise VmError(
-                ErrorKind.UNIMPLEMENTED,
-                f"config.mounts[{index}].image: image volumes are not given to vm pods yet (cell pods "
-                "have them)",
-            )
         if "rshared" in mount.options:
             raise VmError.invalid(
                 f"config.mounts[{index}].propagation",
@@ -229,7 +227,9 @@ def _layer_mount(snapshot: Path) -> Mount:
 
 
 def _mount_message(mount: Mount) -> pb.Mount:
-    return pb.Mount(mount.source, mount.destination, mount.type, list(mount.options), mount.read_only)
+    return pb.Mount(
+        mount.source, mount.destination, mount.type, list(mount.options), mount.read_only, mount.sub_path
+    )
 
 
 def _resources_message(resources: Resources) -> pb.Resources:
@@ -466,10 +466,16 @@ class GuestContainers:
         vm = self._vm_of(sandbox.sandbox_id)
         _refuse_what_crosses_the_vm(request.mounts)
         host_image = self._images.find(image)
+        volume_images = {
+            index: volume_image(self._images, mount, index)
+            for index, mount in enumerate(request.mounts)
+            if mount.type == IMAGE_MOUNT
+        }
         share = secrets.token_hex(8)
-        # In use from here on (no await since the image was found): a RemoveImage meanwhile
-        # forgets the image but leaves its layers.
-        self._creating[share] = tuple(layer.diff_id for layer in host_image.layers)
+        # In use from here on (no await since the images were found): a RemoveImage meanwhile
+        # forgets an image but leaves its layers. The rootfs's first, then each volume's.
+        images = (host_image, *volume_images.values())
+        self._creating[share] = tuple(layer.diff_id for each in images for layer in each.layers)
         try:
             config = config_message(request, image, labels, share_pid=sandbox.namespaces.pid is not None)
             config.pid_of = pid_of.id if pid_of is not None else ""
@@ -482,11 +488,17 @@ class GuestContainers:
                 asyncio.to_thread(self._shares.bind, sandbox.sandbox_id, share, (*volumes, *layers))
             )
             config.mounts = [_mount_message(m) for m in shared[: len(volumes)]]
+            layer_dirs = iter(m.source for m in shared[len(volumes) :])
             config.shared_rootfs = pb.SharedRootfs(
                 image_id=host_image.id,
-                layers=[m.source for m in shared[len(volumes) :]],
+                layers=[next(layer_dirs) for _ in host_image.layers],
                 image_config=json.dumps(host_image.config),
             )
+            for index, volume in volume_images.items():
+                config.mounts[index].source = volume.id
+                config.mounts[index].shared_image = pb.SharedRootfs(
+                    image_id=volume.id, layers=[next(layer_dirs) for _ in volume.layers]
+                )
             try:
                 return await self._create(
                     request, image, labels=labels, sandbox=sandbox, log_path=log_path, vm=vm, config=config,

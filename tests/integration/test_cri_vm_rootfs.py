@@ -14,7 +14,10 @@ order:
 - a ``kill -9`` of the host auraed changes nothing of it: what the container wrote and read is
   there after the restart, and so is the layers' use;
 - the image removed while both pods use it: the image is gone, its layers stay while a container
-  reads them and are collected once the last is removed.
+  reads them and are collected once the last is removed;
+- an image volume (KEP-4639) in a vm pod: another image's layers, shared as the rootfs's are,
+  mounted read-only by the guest, its sub path resolved inside the image; removed while mounted,
+  the image's layers stay until the container is gone.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from auraed.api.aurae.containers import v0 as containers_pb
 from auraed.api.runtime import v1 as cri
 from auraed.client import AuraeClient
 from auraed.pki import PkiPaths
-from tests.integration.test_cri_containers import Node, eventually
+from tests.integration.test_cri_containers import Node, cri_error, eventually
 from tests.integration.vm_pods_helpers import leftovers_of_pod, module_vm_node, remove_every_pod
 from tests.support.cri import (
     BUSYBOX_IMAGE,
@@ -47,6 +50,10 @@ from tests.support.images import (
     MULTILAYER_ABSENT,
     MULTILAYER_PRESENT,
     BuiltImage,
+    Entry,
+    File,
+    Symlink,
+    build_layout,
     build_multilayer_layout,
 )
 from tests.support.registry import LocalRegistry
@@ -63,6 +70,16 @@ AS_ROOT_PRIVILEGED = cri.LinuxContainerConfig(
 )
 SHARE_COPY = "/tmp/share"
 """Where the privileged container mounts its pod's share again, from its virtio-fs tag."""
+VOLUME_IMAGE = "registry.k8s.io/e2e-test-images/aurae-volume:1"
+VOLUME_FILES: dict[str, Entry] = {
+    "data/hello.txt": b"hello from the volume image\n",
+    "data/run.sh": File(b"#!/bin/sh\necho ran\n", 0o755),
+    "data/sub/inner.txt": b"inner\n",
+    "escape": Symlink("/"),  # absolute: resolved inside the image, never the guest's /
+    "etc-link": Symlink("/etc"),
+    "climb": Symlink("../../../../etc"),  # up past the image's root: stays at it
+}
+VOLUME_CHANGES: dict[str, Entry] = {"etc/marker": b"the volume image's etc\n"}
 
 
 @dataclass
@@ -74,6 +91,7 @@ class RootfsPods:
     second: str  # pod B: a container as the image's user
     reader: str  # pod A's container
     other: str  # pod B's container
+    volume: BuiltImage  # an image that pod B's last container mounts as a volume
 
     @property
     def shares(self) -> Path:
@@ -128,9 +146,11 @@ async def pods(
     the end they are removed and nothing of them or of the daemon is left."""
     work = tmp_path_factory.mktemp("vm-rootfs")
     image = build_multilayer_layout(work / "layout")
+    volume = build_layout(work / "volume-layout", [VOLUME_FILES, VOLUME_CHANGES])
     with LocalRegistry() as registry:
         publish(busybox_layout, registry, BUSYBOX_IMAGE)
         publish(image, registry, IMAGE)
+        publish(volume, registry, VOLUME_IMAGE)
         async with module_vm_node(
             work, "aurae-rootfs-", guest_image, pki, registry, "--vm-machine", "q35"
         ) as node:
@@ -145,7 +165,7 @@ async def pods(
             )
             reader = await create(node, (first, first_config), image_id, "reader", AS_ROOT_PRIVILEGED)
             other = await create(node, (second, second_config), image_id, "other")
-            yield RootfsPods(node, image, image_id, first, second, reader, other)
+            yield RootfsPods(node, image, image_id, first, second, reader, other, volume)
             await remove_every_pod(node)
             for pod_id in (first, second):
                 assert leftovers_of_pod(node.daemon, node.network, pod_id) == {}
@@ -259,3 +279,109 @@ async def test_an_image_removed_while_pods_use_it_keeps_its_layers_until_their_c
     await eventually(collected, 60)
     assert busybox_layer.is_dir()
     assert bound_snapshots(pods.shares, pods.first) == bound_snapshots(pods.shares, pods.second) == []
+
+
+# -- image volumes (KEP-4639) -------------------------------------------------------------------
+
+
+def image_volume(path: str, sub_path: str = "", image: str = VOLUME_IMAGE) -> cri.Mount:
+    return cri.Mount(
+        container_path=path, image=cri.ImageSpec(image=image), image_sub_path=sub_path, readonly=True
+    )
+
+
+async def create_in_second_pod(pods: RootfsPods, name: str, mounts: list[cri.Mount]) -> str:
+    """A busybox container running ``sleep`` in pod B with ``mounts`` (not started)."""
+    config = pods.node.config(name, ["sleep", "3600"], mounts=mounts)
+    request = cri.CreateContainerRequest(pod_sandbox_id=pods.second, config=config)
+    return str((await pods.node.call("CreateContainer", request, BOOT_TIMEOUT)).container_id)
+
+
+def volume_snapshots(pods: RootfsPods) -> list[Path]:
+    return [pods.snapshots / layer.diff_id.removeprefix("sha256:") for layer in pods.volume.layers]
+
+
+async def test_an_image_volume_in_a_vm_pod_is_the_images_files_read_only(pods: RootfsPods) -> None:
+    """As on a cell (test_cri_containers.test_image_volumes): the image's files, read-only and
+    not executable, a sub path resolved inside the image (an absolute symlink, or one climbing
+    past its root, lands in the image); an image not pulled or a sub path out of it refused."""
+    node = pods.node
+    not_pulled = await cri_error(create_in_second_pod(pods, "not-pulled", [image_volume("/v")]))
+    assert not_pulled.code == "NOT_FOUND" and "source" in not_pulled.message, not_pulled
+
+    await pull_image(node.client, VOLUME_IMAGE)
+    volumes = [
+        image_volume("/volume"),
+        image_volume("/sub", "data/sub"),
+        image_volume("/escape", "escape"),
+        image_volume("/etc-link", "etc-link"),
+        image_volume("/climb", "climb"),
+        image_volume("/busybox", image=BUSYBOX_IMAGE),  # one layer: a bind in the guest, not an overlay
+    ]
+    container = await create_in_second_pod(pods, "volumes", volumes)
+    await node.start(container)
+    assert (
+        await pods.run(
+            container,
+            "cat /volume/data/hello.txt /sub/inner.txt /escape/data/hello.txt /etc-link/marker /climb/marker",
+        )
+        == ["hello from the volume image", "inner", "hello from the volume image"]
+        + ["the volume image's etc"] * 2
+    )
+    assert await pods.run(container, "ls /etc-link; ls /climb") == ["marker", "marker"]
+    assert await pods.run(container, "test -x /busybox/bin/busybox && echo there") == ["there"]
+    refused = await pods.run(container, "touch /volume/new 2>&1 || echo refused")
+    assert refused[-1] == "refused" and "Read-only file system" in refused[0], refused
+    for program in ("/volume/data/run.sh", "/busybox/bin/busybox true"):
+        not_executable = await pods.run(container, f"{program} 2>&1 || echo refused")
+        assert not_executable[-1] == "refused" and "Permission denied" in not_executable[0], not_executable
+    refused = await pods.run(container, "touch /busybox/new 2>&1 || echo refused")
+    assert refused[-1] == "refused" and "Read-only file system" in refused[0], refused
+    # The guest's mount: an overlay of the share's layers (no upper), nosuid,nodev,noexec.
+    [mount] = [
+        line.split() for line in await pods.run(container, "cat /proc/self/mounts") if " /volume " in line
+    ]
+    options = mount[3].split(",")
+    assert {"ro", "nosuid", "nodev", "noexec"} <= set(options) and not [
+        o for o in options if "upperdir" in o
+    ], mount
+    lowers = next(o for o in options if o.startswith("lowerdir=")).removeprefix("lowerdir=").split(":")
+    assert len(lowers) == 2 and all(lower.startswith("/run/aurae/share/") for lower in lowers), mount
+    # The share holds the volume image's layers too, bound for this container.
+    bound = bound_snapshots(pods.shares, pods.second)
+    assert {p.name for p in volume_snapshots(pods)} | {pods.layer_snapshots()[0].name} <= set(bound), bound
+
+    status = await node.status(container)
+    assert [
+        (m.container_path, m.image.image if m.image else "", m.image_sub_path) for m in status.mounts
+    ] == [(v.container_path, v.image.image if v.image else "", v.image_sub_path) for v in volumes]
+
+    for bad, field in (
+        (image_volume("/x", "no/such/dir"), "sub_path"),
+        (image_volume("/x", "../.."), "image_sub_path"),
+    ):
+        error = await cri_error(create_in_second_pod(pods, f"bad-{field}", [bad]))
+        assert error.code == "INVALID_ARGUMENT" and field in error.message, error
+    assert sorted(bound_snapshots(pods.shares, pods.second)) == sorted(bound)  # nothing left of those
+
+
+async def test_an_image_volume_removed_while_mounted_keeps_its_layers_until_the_container_is_gone(
+    pods: RootfsPods,
+) -> None:
+    node = pods.node
+    [container] = [c.id for c in await node.containers() if c.metadata.name == "volumes"]
+    await remove_image(node.client, VOLUME_IMAGE)
+    assert await image_status(node.client, VOLUME_IMAGE) is None
+    assert all(layer.is_dir() for layer in volume_snapshots(pods))
+    assert await pods.run(container, "cat /volume/data/hello.txt /etc-link/marker") == [
+        "hello from the volume image",
+        "the volume image's etc",
+    ]
+    await node.stop(container)
+    await node.remove(container)
+
+    async def collected() -> bool:
+        return not any(layer.exists() for layer in volume_snapshots(pods))
+
+    await eventually(collected, 60)
+    assert bound_snapshots(pods.shares, pods.second) == []

@@ -46,6 +46,7 @@ def test_a_record_from_before_sandboxes_is_a_container_on_its_own() -> None:
         "input_fd": -1,
         "volume_images": (),
         "shared_layers": [],  # the store's image, as for every record saved before shared ones
+        "shared_volume_layers": [],  # likewise for its image volumes
     }
 
 
