@@ -136,8 +136,9 @@ class DaemonConfig:
         default=DEFAULT_USERNS_ROOTFS_DIR,
         metadata=_help(
             "where a container of a pod with its own user namespace (hostUsers: false) has its root "
-            "filesystem bound, made 0711: that namespace's root, another host uid, must be able to "
-            "pass every directory above it (the state directory is owner-only)"
+            "filesystem bound and its idmapped volumes staged, made 0711: that namespace's root, "
+            "another host uid, must be able to pass every directory above it (the state directory "
+            "is owner-only)"
         ),
     )
     pod_init: Path = field(

@@ -43,6 +43,7 @@ from auraed.system import mount_api, namespaces, processes
 from auraed.system.cgroupfs import CgroupError, Cgroupfs
 from auraed.system.cri_log import LOG_MODE
 from auraed.system.fs_usage import FsUsage, measure
+from auraed.system.idmapped_mounts import IdmapRefused, attach_idmapped_clone
 from auraed.system.monitor_protocol import ExitRecord, MonitorSpec, holds_open, read_exit_record
 from auraed.system.pod_namespaces import IPC, NET, NamespaceError, sysctl_namespace, write_sysctls
 from auraed.system.processes import ProcessInfo
@@ -55,9 +56,11 @@ log = logging.getLogger(__name__)
 
 KIND = "container"
 PID_GROUPS_DIR = "pid-groups"
+"""Beside the consoles' directory (in the runtime dir): the shared PID namespaces' pins."""
 IMAGE_VOLUMES_DIR = "image-volumes"
 """In a container's directory: where its image volumes are mounted, one directory each."""
-"""Beside the consoles' directory (in the runtime dir): the shared PID namespaces' pins."""
+USERNS_ROOTFS, USERNS_MOUNTS = "rootfs", "mounts"
+"""In a container's directory below ``userns_rootfs_dir``: its rootfs's bind, its idmapped binds."""
 KILL_WAIT = 30.0  # seconds to wait for a SIGKILLed container to be reaped
 ENDED_BEFORE_START = "its process ended before it was started"
 ID_BYTES = 16  # a container id is this many random bytes in hex: 32 lowercase hex digits
@@ -331,6 +334,8 @@ class Containers:
             )
         except SpecError as exc:
             raise spec_error(exc) from None
+        if sandbox.namespaces.user is not None:
+            spec["mounts"] = self._idmapped_binds(record, spec["mounts"], sandbox.namespaces.user)
         record.process = spec["process"]
         record.bundle.mkdir(mode=0o700)
         (record.bundle / "config.json").write_text(json.dumps(spec))  # compact: the C encoder, 6x faster
@@ -354,7 +359,7 @@ class Containers:
                 check_shared_layers(volume_layers)
             else:
                 volume_layers = self._snapshotter.layers(self._images.find(image_id))
-            self._snapshotter.mount_read_only(volume_layers, _image_volume(record, index))
+            self._snapshotter.mount_read_only(volume_layers, _image_volume(record, index), userns)
 
     def _volume_images(self, request: ContainerRequest) -> tuple[str, ...]:
         """The ids of the images ``request`` mounts as volumes: a shared one's as its mount
@@ -387,23 +392,85 @@ class Containers:
             mounts.append(Mount(mount.destination, source, "bind", options, read_only=True))
         return dataclasses.replace(request, mounts=tuple(mounts))
 
+    def _userns_directory(self, record: ContainerRecord) -> Path:
+        """The container's directory below ``userns_rootfs_dir`` (a container in its own user
+        namespace): its ``rootfs`` and its idmapped ``mounts``."""
+        return self._userns_rootfs_dir / record.id
+
     def _reachable_rootfs(self, record: ContainerRecord) -> Path:
         """The rootfs bound below ``userns_rootfs_dir``, for a container in its own user
         namespace: runc mounts the rootfs by its path once in that namespace, whose root (another
         host uid) cannot pass the owner-only state directory; containerd keeps its rootfs under
         /run/containerd (0711) for the same reason."""
         self._userns_rootfs_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
-        reachable = self._userns_rootfs_dir / record.id
+        directory = self._userns_directory(record)
+        directory.mkdir(mode=0o711, exist_ok=True)
+        reachable = directory / USERNS_ROOTFS
         reachable.mkdir(mode=0o755, exist_ok=True)
         namespaces.mount(record.rootfs, reachable, None, namespaces.MS_BIND)
         return reachable
 
-    def _unbind_reachable_rootfs(self, record: ContainerRecord) -> None:
-        reachable = self._userns_rootfs_dir / record.id
-        if os.path.ismount(reachable):
-            namespaces.umount(reachable, namespaces.MNT_DETACH)
-        with contextlib.suppress(FileNotFoundError):
-            reachable.rmdir()
+    def _idmapped_binds(
+        self, record: ContainerRecord, mounts: list[dict[str, Any]], userns: UserNamespace
+    ) -> list[dict[str, Any]]:
+        """The spec's ``mounts`` with each bind's source (the request's host paths, the pod's
+        /etc files and /dev/shm) replaced by an idmapped clone of it for the container's user
+        namespace (containerd 2 with runc 1.2 idmaps every bind of such a pod; runc 1.1 cannot),
+        attached at ``mounts/<n>`` in its directory below ``userns_rootfs_dir``: a file of the
+        host's root is the container root's, and what it writes there is stored as the host
+        root's. The clone is read-only where the bind is; runc still applies every option on its
+        bind of it. Image volumes are left as they are: their layers are mapped already."""
+        staging = self._userns_directory(record) / USERNS_MOUNTS
+        staging.mkdir(mode=0o711)
+        image_volumes = f"{record.path / IMAGE_VOLUMES_DIR}/"
+        userns_fd = os.open(userns.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            mapped = []
+            for mount in mounts:
+                source = mount["source"]
+                if mount["type"] != "bind" or f"{source}/".startswith(image_volumes):
+                    mapped.append(mount)
+                    continue
+                target = staging / str(len(mapped))
+                options = mount["options"]
+                read_only = "ro" in options or "rro" in options
+                try:
+                    attach_idmapped_clone(
+                        source,
+                        target,
+                        userns_fd,
+                        recursive="rbind" in options,
+                        attributes=mount_api.MOUNT_ATTR_RDONLY if read_only else 0,
+                        mode=0o755,
+                    )
+                except IdmapRefused as exc:
+                    raise ContainerError.precondition(
+                        f"the mount at {mount['destination']} (host path {source}) cannot be idmapped for "
+                        f"the pod's user namespace: its filesystem, {exc.fs_type}, takes no idmapped mount"
+                    ) from None
+                except OSError as exc:
+                    raise ContainerError(
+                        ErrorKind.INTERNAL,
+                        f"cannot idmap the mount at {mount['destination']} (host path {source}): {exc}",
+                    ) from None
+                mapped.append({**mount, "source": str(target)})
+            return mapped
+        finally:
+            os.close(userns_fd)
+
+    def _remove_userns_directory(self, record: ContainerRecord) -> None:
+        """Detach the container's mounts below ``userns_rootfs_dir`` (its rootfs's bind, its
+        idmapped binds), found in the mount table rather than from its spec (a daemon killed
+        mid-create leaves some), then remove their mount points."""
+        try:
+            top = os.open(self._userns_rootfs_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        try:
+            if mount_api.detach_all(top, self._userns_rootfs_dir, record.id):
+                remove_tree(self._userns_directory(record))
+        finally:
+            os.close(top)
 
     def _console_socket(self, record: ContainerRecord) -> Path:
         # Unix socket paths are limited to 107 bytes: keep them in the (short) runtime dir.
@@ -697,7 +764,7 @@ class Containers:
             exited.set()  # a Wait on a container deleted before it ran ends too
 
     def _remove_files(self, record: ContainerRecord, keep_logs: bool) -> None:
-        self._unbind_reachable_rootfs(record)
+        self._remove_userns_directory(record)
         self._snapshotter.unmount(record.rootfs)
         for index in range(len(record.volume_images)):
             unmount_image_volume(_image_volume(record, index))

@@ -15,7 +15,7 @@ import dataclasses
 import errno
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -26,10 +26,21 @@ from auraed.errors import ErrorKind
 from auraed.images.content import LayerSnapshots
 from auraed.images.model import ImageRecord
 from auraed.system import mount_api, namespaces
+from auraed.system.idmapped_mounts import IdmapRefused, attach_idmapped_clone
 
 # The kernel takes mount options in one page; each lower layer costs its path length.
 MAX_MOUNT_DATA = 4095
 
+
+_IMAGE_VOLUME_FLAGS = namespaces.MS_RDONLY | namespaces.MS_NOSUID | namespaces.MS_NODEV | namespaces.MS_NOEXEC
+"""An image volume's mount: read-only, nothing executable or set-id (mount(2)'s flags)."""
+_IMAGE_VOLUME_ATTRIBUTES = (
+    mount_api.MOUNT_ATTR_RDONLY
+    | mount_api.MOUNT_ATTR_NOSUID
+    | mount_api.MOUNT_ATTR_NODEV
+    | mount_api.MOUNT_ATTR_NOEXEC
+)
+"""The same, as mount_setattr(2) takes them."""
 
 MAX_SHARED_LAYERS = 500
 """Layers a shared root filesystem may name: more than one overlay mount takes anyway."""
@@ -85,9 +96,12 @@ class Snapshotter(Protocol):
         it does); for a container in ``userns``, its root owning the image's files."""
         ...
 
-    def mount_read_only(self, layers: Sequence[Path], target: Path) -> None:
+    def mount_read_only(
+        self, layers: Sequence[Path], target: Path, userns: UserNamespace | None = None
+    ) -> None:
         """Mount at ``target`` an image's files (its ``layers``, bottom first), read-only, nothing
-        executable or set-id (an image volume)."""
+        executable or set-id (an image volume); for a container in ``userns``, owned as its
+        root filesystem's are."""
         ...
 
     def unmount(self, target: Path) -> None:
@@ -120,21 +134,22 @@ class OverlaySnapshotter:
         else:
             mount_mapped_rootfs(lowers, self.written(writable), writable / "work", target, userns)
 
-    def mount_read_only(self, layers: Sequence[Path], target: Path) -> None:
+    def mount_read_only(
+        self, layers: Sequence[Path], target: Path, userns: UserNamespace | None = None
+    ) -> None:
         lowers = list(reversed(layers))  # overlayfs takes the topmost first
+        if userns is not None:
+            mount_mapped_read_only(lowers, target, userns)
+            return
         target.mkdir(mode=0o755, parents=True, exist_ok=True)
-        flags = namespaces.MS_RDONLY | namespaces.MS_NOSUID | namespaces.MS_NODEV | namespaces.MS_NOEXEC
         try:
             if len(lowers) == 1:  # overlayfs needs two layers to stack none writable
                 namespaces.mount(lowers[0], target, None, namespaces.MS_BIND)
-                namespaces.mount(None, target, None, namespaces.MS_BIND | namespaces.MS_REMOUNT | flags)
+                namespaces.mount(
+                    None, target, None, namespaces.MS_BIND | namespaces.MS_REMOUNT | _IMAGE_VOLUME_FLAGS
+                )
             elif lowers:
-                data = f"lowerdir={':'.join(map(os.fspath, lowers))}"
-                if len(data) > MAX_MOUNT_DATA:
-                    raise ContainerError(
-                        ErrorKind.FAILED_PRECONDITION, f"the image has too many layers ({len(lowers)})"
-                    )
-                namespaces.mount("overlay", target, "overlay", flags, data)
+                _mount_read_only_overlay(lowers, target)
         except OSError as exc:
             raise ContainerError(ErrorKind.INTERNAL, f"cannot mount the image at {target}: {exc}") from exc
 
@@ -146,6 +161,18 @@ class OverlaySnapshotter:
 
     def is_mounted(self, target: Path) -> bool:
         return is_mounted(target)
+
+
+def _mount_read_only_overlay(lowers: list[Path], target: Path) -> None:
+    """A read-only overlay of ``lowers`` (topmost first, two at least) at ``target`` (made)."""
+    data = f"lowerdir={':'.join(map(os.fspath, lowers))}"
+    if len(data) > MAX_MOUNT_DATA:
+        raise ContainerError(ErrorKind.FAILED_PRECONDITION, f"the image has too many layers ({len(lowers)})")
+    target.mkdir(mode=0o755, parents=True, exist_ok=True)
+    try:
+        namespaces.mount("overlay", target, "overlay", _IMAGE_VOLUME_FLAGS, data)
+    except OSError as exc:
+        raise ContainerError(ErrorKind.INTERNAL, f"cannot mount the image at {target}: {exc}") from exc
 
 
 def is_mounted(target: Path) -> bool:
@@ -183,17 +210,43 @@ def mount_mapped_rootfs(
     host, so that what it writes is its own. overlayfs itself takes no idmap (EINVAL), its layers
     do. The mapped layers are attached under ``work``'s sibling ``mapped/`` only for the overlay
     mount to name them, then detached: the overlay keeps them."""
-    staging = work.parent / "mapped"
+    with _mapped_layers(lowers, work.parent / "mapped", userns) as mapped:
+        for directory in (upper, work):
+            directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+        os.chown(upper, userns.idmap.uid, userns.idmap.gid)
+        mount_rootfs(mapped, upper, work, target)
+
+
+def mount_mapped_read_only(lowers: list[Path], target: Path, userns: UserNamespace) -> None:
+    """:meth:`OverlaySnapshotter.mount_read_only` for a container in its pod's user namespace:
+    the image's files owned as :func:`mount_mapped_rootfs` shows its rootfs's (each layer idmapped,
+    the read-only overlay over them; one layer mapped straight at ``target``)."""
+    if not lowers:  # an image of no layer: an empty directory, as unmapped
+        target.mkdir(mode=0o755, parents=True, exist_ok=True)
+        return
+    if len(lowers) == 1:  # overlayfs needs two layers to stack none writable
+        target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        userns_fd = os.open(userns.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _attach_mapped(lowers[0], target, userns_fd, _IMAGE_VOLUME_ATTRIBUTES, mode=0o755)
+        finally:
+            os.close(userns_fd)
+        return
+    with _mapped_layers(lowers, target.parent / f"{target.name}.mapped", userns) as mapped:
+        _mount_read_only_overlay(mapped, target)
+
+
+@contextlib.contextmanager
+def _mapped_layers(lowers: list[Path], staging: Path, userns: UserNamespace) -> Iterator[list[Path]]:
+    """Each of ``lowers`` idmapped for ``userns``, attached below ``staging`` (made, and removed
+    after with the mounts: an overlay mounted over them meanwhile keeps them)."""
     staging.mkdir(mode=0o700, parents=True, exist_ok=True)
     userns_fd = os.open(userns.path, os.O_RDONLY | os.O_CLOEXEC)
     mapped: list[Path] = []
     try:
         for index, lower in enumerate(lowers):
             mapped.append(_attach_mapped(lower, staging / str(index), userns_fd))
-        for directory in (upper, work):
-            directory.mkdir(mode=0o755, parents=True, exist_ok=True)
-        os.chown(upper, userns.idmap.uid, userns.idmap.gid)
-        mount_rootfs(mapped, upper, work, target)
+        yield mapped
     finally:
         os.close(userns_fd)
         for path in mapped:
@@ -202,25 +255,18 @@ def mount_mapped_rootfs(
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _attach_mapped(source: Path, target: Path, userns_fd: int) -> Path:
+def _attach_mapped(
+    source: Path, target: Path, userns_fd: int, attributes: int = 0, mode: int = 0o700
+) -> Path:
     """A detached copy of ``source`` mapped by the user namespace ``userns_fd``, attached at
     ``target`` (made)."""
-    target.mkdir(mode=0o700)
-    tree = mount_api.clone_tree(source, recursive=False)
     try:
-        mount_api.set_mount_attributes(tree, set_flags=mount_api.MOUNT_ATTR_IDMAP, userns_fd=userns_fd)
-        place = os.open(target, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            mount_api.attach(tree, place)
-        finally:
-            os.close(place)
-    except OSError as exc:
+        attach_idmapped_clone(source, target, userns_fd, attributes=attributes, mode=mode)
+    except (OSError, IdmapRefused) as exc:
         raise ContainerError(
             ErrorKind.FAILED_PRECONDITION,
             f"cannot map the image's layer {source} for the pod's user namespace: {exc}",
         ) from exc
-    finally:
-        os.close(tree)
     return target
 
 

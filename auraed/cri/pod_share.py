@@ -63,7 +63,7 @@ from auraed.system.mount_api import (
     MS_SLAVE,
     attach,
     clone_tree,
-    detach,
+    detach_all,
     fd_path,
     open_beneath,
     set_mount_attributes,
@@ -184,7 +184,7 @@ class PodShares:
         with self._opened(pod_id) as share:
             if share is None:
                 return
-            if _detach_all(share.served, self.served(pod_id), key):
+            if detach_all(share.served, self.served(pod_id), key):
                 _remove_tree(share.points, key)
 
     def remove(self, pod_id: str) -> None:
@@ -195,7 +195,7 @@ class PodShares:
         except FileNotFoundError:
             return
         try:
-            if _detach_all(root, self._root, pod_id):
+            if detach_all(root, self._root, pod_id):
                 _remove_tree(root, pod_id)
         finally:
             os.close(root)
@@ -300,40 +300,6 @@ def _holds_mount(dir_fd: int, name: str) -> bool:
             return True
         raise
     return False
-
-
-def _mounts_below(top: Path) -> list[str]:
-    """The mount points at ``top`` and below it, shallowest first, each as often as something
-    is mounted there."""
-    prefix = f"{top}/"
-    found = [
-        e.mount_point for e in read_mounts() if e.mount_point == str(top) or e.mount_point.startswith(prefix)
-    ]
-    return sorted(found, key=lambda point: point.count("/"))
-
-
-def _detach_all(dir_fd: int, directory: Path, name: str) -> bool:
-    """Detach every mount at ``name`` in ``directory`` and below it, each reached from
-    ``dir_fd`` without following a link; the shallowest first (its submounts go with it).
-    False, logged, when some could not be: then nothing there may be deleted."""
-    for point in _mounts_below(directory / name):
-        try:
-            fd = open_beneath(dir_fd, os.path.relpath(point, directory))
-        except FileNotFoundError:
-            continue  # gone with a shallower one
-        except OSError as exc:
-            log.warning("cannot reach the mount at %s: %s", point, exc.strerror or exc)
-            continue
-        try:
-            detach(fd)
-        finally:
-            os.close(fd)
-    left = _mounts_below(directory / name)
-    if left:
-        log.warning(
-            "%s still holds mounts (%s): its mount points are left", directory / name, ", ".join(left)
-        )
-    return not left
 
 
 def _remove_tree(dir_fd: int, name: str) -> None:

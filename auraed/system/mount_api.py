@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import struct
+from pathlib import Path
 
+from auraed.system.mounts import read_mounts
 from auraed.system.namespaces import MNT_DETACH, umount
+
+log = logging.getLogger(__name__)
 
 # The syscall numbers from 424 on are the same on every architecture (one table).
 _SYS_OPEN_TREE = 428
@@ -157,3 +162,37 @@ def detach(fd: int) -> bool:
             return False
         raise
     return True
+
+
+def mounts_below(top: Path) -> list[str]:
+    """The mount points at ``top`` and below it, shallowest first, each as often as something
+    is mounted there."""
+    prefix = f"{top}/"
+    found = [
+        e.mount_point for e in read_mounts() if e.mount_point == str(top) or e.mount_point.startswith(prefix)
+    ]
+    return sorted(found, key=lambda point: point.count("/"))
+
+
+def detach_all(dir_fd: int, directory: Path, name: str) -> bool:
+    """Detach every mount at ``name`` in ``directory`` and below it, each reached from
+    ``dir_fd`` without following a link; the shallowest first (its submounts go with it).
+    False, logged, when some could not be: then nothing there may be deleted."""
+    for point in mounts_below(directory / name):
+        try:
+            fd = open_beneath(dir_fd, os.path.relpath(point, directory))
+        except FileNotFoundError:
+            continue  # gone with a shallower one
+        except OSError as exc:
+            log.warning("cannot reach the mount at %s: %s", point, exc.strerror or exc)
+            continue
+        try:
+            detach(fd)
+        finally:
+            os.close(fd)
+    left = mounts_below(directory / name)
+    if left:
+        log.warning(
+            "%s still holds mounts (%s): its mount points are left", directory / name, ", ".join(left)
+        )
+    return not left

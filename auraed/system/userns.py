@@ -35,8 +35,9 @@ from auraed.system import confine
 
 CLONE_NEWUSER = 0x10000000
 DEFAULT_USERNS_ROOTFS_DIR = Path("/run/aurae-userns")
-"""Where a container in its pod's user namespace has its rootfs bound (the container domain's
-``_reachable_rootfs``): every directory above it must let others pass (x)."""
+"""Where a container in its pod's user namespace has its rootfs bound and its idmapped binds
+staged (``<id>/rootfs``, ``<id>/mounts/<n>``: the container domain's ``_reachable_rootfs`` and
+``_idmapped_binds``): every directory above it must let others pass (x)."""
 HELPER_MODULE = "auraed.system.userns_helper"
 
 

@@ -18,6 +18,7 @@ import itertools
 import json
 import os
 import socket
+import sqlite3
 import subprocess
 import threading
 import time
@@ -36,6 +37,8 @@ from auraed.cri.containers import EXEC_OUTPUT_MAX
 from auraed.cri.streaming.client import open_port_forward
 from auraed.system import processes
 from auraed.system.cri_log import parse_rfc3339_ns
+from auraed.system.mount_api import mounts_below
+from auraed.system.userns import DEFAULT_USERNS_ROOTFS_DIR
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
 from tests.support.cni import CniNetwork, cni_network, free_port
 from tests.support.cri import (
@@ -44,6 +47,7 @@ from tests.support.cri import (
     IMAGE_SERVICE,
     PREDEFINED_GROUP_IMAGE,
     RUNTIME_SERVICE,
+    TEST_IMAGES,
     cri_client,
     list_pods,
     mirrors_config,
@@ -58,7 +62,7 @@ from tests.support.cri import (
     stop_pod,
     supplemental_groups_cases,
 )
-from tests.support.images import BuiltImage
+from tests.support.images import BuiltImage, build_multilayer_layout
 from tests.support.registry import LocalRegistry
 
 CREATED = cri.ContainerState.CONTAINER_CREATED
@@ -1364,6 +1368,152 @@ async def test_user_namespaces_it_cannot_give_are_refused(node: Node) -> None:
     error = await cri_error(run_pod(node.client, userns_pod("refused", userns, pid=cri.NamespaceMode.NODE)))
     assert error.code == "INVALID_ARGUMENT", error
     assert await node.pod_ids() == []
+
+
+LAYERED_IMAGE = f"{TEST_IMAGES}/aurae-layered:1"
+"""tests.support.images' multilayer image, as an image volume of several layers."""
+
+
+def in_user_namespace(userns: cri.UserNamespace) -> cri.LinuxContainerConfig:
+    """A container's Linux config joining its pod's user namespace (as the kubelet asks)."""
+    options = cri.NamespaceOption(userns_options=userns)
+    return cri.LinuxContainerConfig(
+        security_context=cri.LinuxContainerSecurityContext(namespace_options=options)
+    )
+
+
+def staged_mounts(container_id: str) -> list[str]:
+    """The container's mounts below the default userns_rootfs_dir: its rootfs's bind and its
+    idmapped binds."""
+    return mounts_below(DEFAULT_USERNS_ROOTFS_DIR / container_id)
+
+
+def host_volume(tmp_path: Path) -> Path:
+    """A host directory as the kubelet makes an emptyDir: host root's, 0755, a root-owned file in it."""
+    volume = tmp_path / "volume"
+    volume.mkdir(mode=0o755)
+    volume.chmod(0o755)
+    (volume / "owned").write_text("host\n")
+    os.chown(volume, 0, 0)
+    os.chown(volume / "owned", 0, 0)
+    return volume
+
+
+async def test_a_user_namespaced_pods_volumes_are_idmapped(
+    node: Node, mirror: LocalRegistry, tmp_path: Path
+) -> None:
+    """KEP-127: in a pod with its own user namespace, a host path volume is idmapped (its host
+    root's files are the pod root's, what the pod's root writes is the host root's), read-only
+    where asked; the pod's /etc files and /dev/shm too; an image volume's files are root's as
+    in its rootfs, one layer or several. The staged mounts go with the container."""
+    volume = host_volume(tmp_path)
+    publish(build_multilayer_layout(tmp_path / "layered"), mirror, LAYERED_IMAGE)
+    await pull_image(node.client, LAYERED_IMAGE)
+    userns = cri.UserNamespace(mode=cri.NamespaceMode.POD, uids=[mapping()], gids=[mapping()])
+    pod_id = await run_pod(node.client, userns_pod("userns-volumes", userns))
+    mounts = [
+        cri.Mount(container_path="/data", host_path=str(volume)),
+        cri.Mount(container_path="/ro", host_path=str(volume), readonly=True),
+        cri.Mount(container_path="/image", image=cri.ImageSpec(image=BUSYBOX_IMAGE), readonly=True),
+        cri.Mount(container_path="/layered", image=cri.ImageSpec(image=LAYERED_IMAGE), readonly=True),
+    ]
+    container = await node.run(pod_id, node.config("c", TOP, mounts=mounts, linux=in_user_namespace(userns)))
+    await node.wait_state(container, RUNNING)
+
+    async def shell(script: str) -> cri.ExecSyncResponse:
+        return await node.exec_sync(container, ["sh", "-c", script])
+
+    seen = [
+        "/data",
+        "/data/owned",
+        "/ro/owned",
+        "/etc/hosts",
+        "/etc/resolv.conf",
+        "/dev/shm",
+        "/image/bin/busybox",
+        "/layered/etc/app.conf",
+    ]
+    owners = await shell(f"stat -c %u:%g {' '.join(seen)}")
+    assert owners.stdout.decode().split() == ["0:0"] * len(seen), owners
+    written = await shell("echo pod > /data/new && stat -c %u:%g /data/new")
+    assert (written.exit_code, written.stdout) == (0, b"0:0\n"), written
+    assert ((volume / "new").stat().st_uid, (volume / "new").stat().st_gid) == (0, 0)  # host root's
+    refused = await shell("touch /ro/x")
+    assert refused.exit_code != 0 and b"Read-only file system" in refused.stderr, refused
+    assert (await shell("cat /layered/etc/app.conf")).stdout == b"mode=final\n"  # the top layer's
+    staged = staged_mounts(container)
+    assert any("/mounts/" in point for point in staged), staged
+    await node.stop(container)
+    await node.remove(container)
+    assert staged_mounts(container) == []
+    assert not (DEFAULT_USERNS_ROOTFS_DIR / container).exists()
+    await node.stop_pod(pod_id)
+    await node.remove_pod(pod_id)
+
+
+@pytest.fixture
+def ramfs_volume(tmp_path: Path) -> Iterator[Path]:
+    """A host directory on ramfs, a filesystem that takes no idmapped mount (unmounted at the end)."""
+    volume = tmp_path / "ramfs"
+    volume.mkdir()
+    subprocess.run(["mount", "-t", "ramfs", "ramfs", str(volume)], check=True)
+    try:
+        yield volume
+    finally:
+        subprocess.run(["umount", "--lazy", str(volume)], check=True)
+
+
+async def test_a_volume_that_cannot_be_idmapped_is_refused(node: Node, ramfs_volume: Path) -> None:
+    """A user-namespaced pod's volume on a filesystem that refuses idmapping: CreateContainer
+    fails naming the mount and the filesystem (as containerd's does), rather than a plain bind
+    whose files the pod's root would see as nobody's; nothing of the attempt is left mounted."""
+    userns = cri.UserNamespace(mode=cri.NamespaceMode.POD, uids=[mapping()], gids=[mapping()])
+    pod_id = await run_pod(node.client, userns_pod("userns-ramfs", userns))
+    mounts = [cri.Mount(container_path="/refused", host_path=str(ramfs_volume))]
+    config = node.config("c", TOP, mounts=mounts, linux=in_user_namespace(userns))
+    error = await cri_error(node.create(pod_id, config))
+    assert error.code == "FAILED_PRECONDITION", error
+    assert "/refused" in error.message and "ramfs" in error.message, error
+    assert await node.ids() == []
+    # Ours: the staged rootfs bind names this daemon's state directory in its overlay options.
+    ours = [
+        line
+        for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        if str(node.daemon.root) in line
+    ]
+    assert not [line for line in ours if f" {DEFAULT_USERNS_ROOTFS_DIR}/" in line]
+    await node.stop_pod(pod_id)
+    await node.remove_pod(pod_id)
+
+
+async def test_staged_mounts_left_by_a_daemon_killed_mid_create_are_removed_at_start(
+    node: Node, tmp_path: Path
+) -> None:
+    """A daemon killed with -9 while it made a user-namespaced container (its record still
+    "creating"): at restart its rootfs bind and idmapped binds are found in the mount table
+    and removed with it. Made by marking a created container's record so."""
+    volume = host_volume(tmp_path)
+    userns = cri.UserNamespace(mode=cri.NamespaceMode.POD, uids=[mapping()], gids=[mapping()])
+    pod_id = await run_pod(node.client, userns_pod("userns-killed", userns))
+    mounts = [cri.Mount(container_path="/data", host_path=str(volume))]
+    container = await node.create(
+        pod_id, node.config("c", TOP, mounts=mounts, linux=in_user_namespace(userns))
+    )
+    staged = staged_mounts(container)
+    assert any("/mounts/" in point for point in staged), staged
+    node.daemon.kill9()
+    with contextlib.closing(sqlite3.connect(node.daemon.root / "state" / "auraed.db")) as db, db:
+        (doc,) = db.execute("SELECT doc FROM records WHERE key = ?", (container,)).fetchone()
+        record = json.loads(doc) | {"state": "creating"}
+        db.execute("UPDATE records SET doc = ? WHERE key = ?", (json.dumps(record), container))
+    node.daemon.start()
+    await node.client.close()
+    node.client = cri_client(node.daemon)
+    assert await node.ids() == []
+    assert staged_mounts(container) == []
+    assert not (DEFAULT_USERNS_ROOTFS_DIR / container).exists()
+    await node.stop_pod(pod_id)
+    await node.remove_pod(pod_id)
 
 
 # -- image volumes (KEP-4639) -------------------------------------------------------------------
