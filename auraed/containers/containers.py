@@ -344,7 +344,10 @@ class Containers:
             check_shared_layers(layers)
         else:
             layers = self._snapshotter.layers(image or self._images.find(record.image_id))
-        self._snapshotter.mount(layers, record.path, record.rootfs, userns)
+        # Shared layers are mapped where they are shared from (a vm pod's host: the guest cannot
+        # map a virtio-fs mount), as the container's user namespace says.
+        layers_mapped = bool(record.shared_layers)
+        self._snapshotter.mount(layers, record.path, record.rootfs, userns, layers_mapped=layers_mapped)
         for index, image_id in enumerate(record.volume_images):
             volume_layers = self._snapshotter.layers(self._images.find(image_id))
             self._snapshotter.mount_read_only(volume_layers, _image_volume(record, index))

@@ -31,8 +31,15 @@ from auraed.api.aurae.containers import v0 as containers_pb
 from auraed.api.runtime import v1 as cri
 from auraed.client import AuraeClient
 from auraed.pki import PkiPaths
-from tests.integration.test_cri_containers import Node, eventually
-from tests.integration.vm_pods_helpers import leftovers_of_pod, module_vm_node, remove_every_pod
+from tests.integration.test_cri_containers import (
+    USERNS_HOST_ID,
+    USERNS_LENGTH,
+    Node,
+    eventually,
+    mapping,
+    userns_pod,
+)
+from tests.integration.vm_pods_helpers import leftovers_of_pod, module_vm_node, remove_every_pod, veths_on
 from tests.support.cri import (
     BUSYBOX_IMAGE,
     cri_client,
@@ -218,6 +225,64 @@ async def test_two_pods_of_one_image_read_the_same_snapshots(pods: RootfsPods) -
     assert sorted(bound_snapshots(pods.shares, pods.second)) == layers
     # One snapshot per layer on the host, whatever the pods: busybox's layer is the image's first.
     assert sorted(p.name for p in pods.snapshots.iterdir()) == layers
+
+
+async def test_a_pod_with_hostusers_false_runs_in_a_user_namespace_in_its_guest(
+    pods: RootfsPods, tmp_path: Path
+) -> None:
+    """A vm pod with a user namespace of its own (issue 34): the share's binds are idmapped on the
+    host by the pod's mappings, the guest runs the container in a user namespace of the same
+    mappings. Inside it is root and owns its image's files; the guest sees it run as the mapped
+    id; a writable volume takes its files as the host's root's (the idmap's way back)."""
+    node = pods.node
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    (volume / "host.txt").write_text("the host's\n")
+    userns = cri.UserNamespace(mode=cri.NamespaceMode.POD, uids=[mapping()], gids=[mapping()])
+    config = userns_pod("userns-vm", userns)
+    veths = veths_on(node.network.bridge)
+    pod_id = await asyncio.wait_for(run_pod(node.client, config, "vm"), BOOT_TIMEOUT)
+    context = cri.LinuxContainerSecurityContext(
+        namespace_options=cri.NamespaceOption(userns_options=userns), run_as_user=cri.Int64Value(0)
+    )
+    container = node.config(
+        "mapped", ["sleep", "3600"], linux=cri.LinuxContainerConfig(security_context=context),
+        mounts=[cri.Mount(container_path="/vol", host_path=str(volume))],
+    )  # fmt: skip
+    container.image = cri.ImageSpec(image=pods.image_id, user_specified_image=IMAGE)
+    request = cri.CreateContainerRequest(pod_sandbox_id=pod_id, config=container, sandbox_config=config)
+    mapped = str((await node.call("CreateContainer", request, BOOT_TIMEOUT)).container_id)
+    await node.start(mapped)
+
+    maps = await pods.run(mapped, "cat /proc/self/uid_map /proc/self/gid_map")
+    assert [line.split() for line in maps] == [["0", str(USERNS_HOST_ID), str(USERNS_LENGTH)]] * 2, maps
+    # Root inside, owning the image's files (the app user's stay the app user's); it writes its
+    # rootfs (new files, and copies up of the image's).
+    assert await pods.run(
+        mapped,
+        "id -u; stat -c %u /bin/busybox /home/app/owned.txt; touch /written && stat -c %u /written; "
+        "echo mine > /etc/app.conf && cat /etc/app.conf",
+    ) == ["0", "0", "1000", "0", "mine"]
+    # The volume: the host's root's file is root's inside, and what root writes is the host's root's.
+    assert await pods.run(mapped, "stat -c %u /vol/host.txt; echo guest > /vol/from-guest && echo ok") == [
+        "0",
+        "ok",
+    ]
+    assert (volume / "from-guest").read_text() == "guest\n" and (volume / "from-guest").stat().st_uid == 0
+    # The guest's view: the container's processes run as the mapped id, not as its root.
+    async with node.daemon.client() as aurae:
+        in_guest = AuraeClient(aurae.channel, vm=f"pod-{pod_id[:16]}")
+        listed = await in_guest.call(
+            CONTAINERS,
+            "ListProcesses",
+            containers_pb.ContainerServiceListProcessesRequest(container_id=mapped),
+        )
+    assert listed.processes and {p.uid for p in listed.processes} == {USERNS_HOST_ID}, listed
+    await node.stop_pod(pod_id)
+    await node.remove_pod(pod_id)
+    # Nothing of it left (the module's pods keep their veths on the bridge).
+    left = leftovers_of_pod(node.daemon, node.network, pod_id)
+    assert left.pop("veths", veths) == veths and left == {}, left
 
 
 async def test_the_rootfs_survives_a_kill_9_of_the_host_auraed(pods: RootfsPods) -> None:
