@@ -35,6 +35,7 @@ from tests.integration.test_cri_containers import (
     USERNS_HOST_ID,
     USERNS_LENGTH,
     Node,
+    cri_error,
     eventually,
     mapping,
     userns_pod,
@@ -278,6 +279,15 @@ async def test_a_pod_with_hostusers_false_runs_in_a_user_namespace_in_its_guest(
             containers_pb.ContainerServiceListProcessesRequest(container_id=mapped),
         )
     assert listed.processes and {p.uid for p in listed.processes} == {USERNS_HOST_ID}, listed
+    # A volume of a filesystem the kernel cannot idmap (sysfs) is refused saying so; nothing of
+    # it is left in the share.
+    bound = bound_snapshots(pods.shares, pod_id)
+    sysfs = cri.Mount(container_path="/k", host_path="/sys/kernel/mm", readonly=True)
+    container.metadata = cri.ContainerMetadata(name="unmappable")
+    container.mounts = [sysfs]
+    error = await cri_error(node.call("CreateContainer", request, BOOT_TIMEOUT))
+    assert error.code == "FAILED_PRECONDITION" and "cannot be idmapped" in error.message, error
+    assert bound_snapshots(pods.shares, pod_id) == bound
     await node.stop_pod(pod_id)
     await node.remove_pod(pod_id)
     # Nothing of it left (the module's pods keep their veths on the bridge).
