@@ -33,6 +33,11 @@ A container's image layers (the host's snapshots its root filesystem is made of 
 auraed.cri.guest_containers) are bound as its volumes are, after them under its key, each
 read-only with ``rro``: the share holds the layers of the images its pod's containers use and
 nothing else of the host's store.
+
+For a pod with a user namespace of its own (``hostUsers: false``) every bind is also idmapped
+while detached by that namespace (the pod's, on the host): the guest cannot idmap virtio-fs, so
+virtiofsd serves the host's root's files as the mapping's first id, and stores what that id
+writes as the host's root's; a filesystem the kernel cannot idmap is refused.
 """
 
 from __future__ import annotations

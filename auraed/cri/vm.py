@@ -14,7 +14,10 @@ default. Pods that ask for a host namespace cannot be a guest: refused before an
 
 Containers of a ``vm`` pod run in its guest (auraed.cri.guest_containers): they share the
 guest's network and IPC namespaces (the pod's) and, when the pod shares its PID namespace, one
-the guest makes for the pod (never the guest auraed's own).
+the guest makes for the pod (never the guest auraed's own). A pod with a user namespace of its
+own (``hostUsers: false``) has it on the host, as a cell pod (its share's binds are idmapped by
+it), and one of the same mappings in its guest, which owns the pod's IPC namespace there instead
+of the guest's, and its PID namespace.
 """
 
 from __future__ import annotations
