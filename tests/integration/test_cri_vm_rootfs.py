@@ -234,15 +234,41 @@ async def test_a_pod_with_hostusers_false_runs_in_a_user_namespace_in_its_guest(
     """A vm pod with a user namespace of its own (issue 34): the share's binds are idmapped on the
     host by the pod's mappings, the guest runs the container in a user namespace of the same
     mappings. Inside it is root and owns its image's files; the guest sees it run as the mapped
-    id; a writable volume takes its files as the host's root's (the idmap's way back)."""
+    id; a writable volume takes its files as the host's root's (the idmap's way back). A second
+    pod, with other mappings and no shared PID namespace, has its container's own PID namespace
+    made inside its user namespace."""
     node = pods.node
     volume = tmp_path / "volume"
     volume.mkdir()
     (volume / "host.txt").write_text("the host's\n")
     userns = cri.UserNamespace(mode=cri.NamespaceMode.POD, uids=[mapping()], gids=[mapping()])
     config = userns_pod("userns-vm", userns)
+    other_id = 2 * USERNS_HOST_ID
+    other_userns = cri.UserNamespace(
+        mode=cri.NamespaceMode.POD, uids=[mapping(host_id=other_id)], gids=[mapping(host_id=other_id)]
+    )
+    other_config = userns_pod("userns-vm-own-pid", other_userns, pid=cri.NamespaceMode.CONTAINER)
     veths = veths_on(node.network.bridge)
-    pod_id = await asyncio.wait_for(run_pod(node.client, config, "vm"), BOOT_TIMEOUT)
+    pod_id, other_pod = await asyncio.wait_for(
+        asyncio.gather(run_pod(node.client, config, "vm"), run_pod(node.client, other_config, "vm")),
+        BOOT_TIMEOUT,
+    )
+    own_pid = cri.NamespaceOption(pid=cri.NamespaceMode.CONTAINER, userns_options=other_userns)
+    alone = await node.run(
+        other_pod,
+        node.config(
+            "own-pid", ["sleep", "3600"],
+            linux=cri.LinuxContainerConfig(security_context=cri.LinuxContainerSecurityContext(
+                namespace_options=own_pid, run_as_user=cri.Int64Value(0)
+            )),
+        ),
+    )  # fmt: skip
+    seen = await pods.run(alone, "id -u; cat /proc/self/uid_map; cat /proc/1/cmdline | tr '\\0' ' '")
+    assert [line.split() for line in seen] == [
+        ["0"],
+        ["0", str(other_id), str(USERNS_LENGTH)],
+        ["sleep", "3600"],
+    ]
     context = cri.LinuxContainerSecurityContext(
         namespace_options=cri.NamespaceOption(userns_options=userns), run_as_user=cri.Int64Value(0)
     )
@@ -288,11 +314,12 @@ async def test_a_pod_with_hostusers_false_runs_in_a_user_namespace_in_its_guest(
     error = await cri_error(node.call("CreateContainer", request, BOOT_TIMEOUT))
     assert error.code == "FAILED_PRECONDITION" and "cannot be idmapped" in error.message, error
     assert bound_snapshots(pods.shares, pod_id) == bound
-    await node.stop_pod(pod_id)
-    await node.remove_pod(pod_id)
-    # Nothing of it left (the module's pods keep their veths on the bridge).
-    left = leftovers_of_pod(node.daemon, node.network, pod_id)
-    assert left.pop("veths", veths) == veths and left == {}, left
+    for pod in (pod_id, other_pod):
+        await node.stop_pod(pod)
+        await node.remove_pod(pod)
+    for pod in (pod_id, other_pod):  # nothing of them left (the module's pods keep their veths)
+        left = leftovers_of_pod(node.daemon, node.network, pod)
+        assert left.pop("veths", veths) == veths and left == {}, left
 
 
 async def test_the_rootfs_survives_a_kill_9_of_the_host_auraed(pods: RootfsPods) -> None:
