@@ -236,7 +236,7 @@ async def test_a_pod_with_hostusers_false_runs_in_a_user_namespace_in_its_guest(
     mappings. Inside it is root and owns its image's files; the guest sees it run as the mapped
     id; a writable volume takes its files as the host's root's (the idmap's way back). A second
     pod, with other mappings and no shared PID namespace, has its container's own PID namespace
-    made inside its user namespace."""
+    made inside its user namespace, and its sysctls set."""
     node = pods.node
     volume = tmp_path / "volume"
     volume.mkdir()
@@ -248,6 +248,8 @@ async def test_a_pod_with_hostusers_false_runs_in_a_user_namespace_in_its_guest(
         mode=cri.NamespaceMode.POD, uids=[mapping(host_id=other_id)], gids=[mapping(host_id=other_id)]
     )
     other_config = userns_pod("userns-vm-own-pid", other_userns, pid=cri.NamespaceMode.CONTAINER)
+    assert other_config.linux is not None
+    other_config.linux.sysctls = {"kernel.shm_rmid_forced": "1", "net.ipv4.ip_unprivileged_port_start": "80"}
     veths = veths_on(node.network.bridge)
     pod_id, other_pod = await asyncio.wait_for(
         asyncio.gather(run_pod(node.client, config, "vm"), run_pod(node.client, other_config, "vm")),
@@ -264,6 +266,9 @@ async def test_a_pod_with_hostusers_false_runs_in_a_user_namespace_in_its_guest(
         ),
     )  # fmt: skip
     seen = await pods.run(alone, "id -u; cat /proc/self/uid_map; cat /proc/1/cmdline | tr '\\0' ' '")
+    # The pod's sysctls: an IPC one in its user namespace's IPC namespace, a network one in the guest's.
+    sysctls = "/proc/sys/kernel/shm_rmid_forced /proc/sys/net/ipv4/ip_unprivileged_port_start"
+    assert await pods.run(alone, f"cat {sysctls}") == ["1", "80"]
     assert [line.split() for line in seen] == [
         ["0"],
         ["0", str(other_id), str(USERNS_LENGTH)],
