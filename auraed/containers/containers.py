@@ -351,15 +351,19 @@ class Containers:
             check_shared_layers(layers)
         else:
             layers = self._snapshotter.layers(image or self._images.find(record.image_id))
-        self._snapshotter.mount(layers, record.path, record.rootfs, userns)
+        # Shared layers are mapped where they are shared from (a vm pod's host: the guest cannot
+        # map a virtio-fs mount), as the container's user namespace says.
+        layers_mapped = bool(record.shared_layers)
+        self._snapshotter.mount(layers, record.path, record.rootfs, userns, layers_mapped=layers_mapped)
         for index, image_id in enumerate(record.volume_images):
             shared = record.shared_volume_layers[index] if index < len(record.shared_volume_layers) else []
-            if shared:
+            if shared:  # mapped where they are shared from, as the rootfs's
                 volume_layers = tuple(Path(layer) for layer in shared)
                 check_shared_layers(volume_layers)
+                self._snapshotter.mount_read_only(volume_layers, _image_volume(record, index))
             else:
                 volume_layers = self._snapshotter.layers(self._images.find(image_id))
-            self._snapshotter.mount_read_only(volume_layers, _image_volume(record, index), userns)
+                self._snapshotter.mount_read_only(volume_layers, _image_volume(record, index), userns)
 
     def _volume_images(self, request: ContainerRequest) -> tuple[str, ...]:
         """The ids of the images ``request`` mounts as volumes: a shared one's as its mount

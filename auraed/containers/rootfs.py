@@ -27,6 +27,7 @@ from auraed.images.content import LayerSnapshots
 from auraed.images.model import ImageRecord
 from auraed.system import mount_api, namespaces
 from auraed.system.idmapped_mounts import IdmapRefused, attach_idmapped_clone
+from auraed.system.userns import IdMap
 
 # The kernel takes mount options in one page; each lower layer costs its path length.
 MAX_MOUNT_DATA = 4095
@@ -89,11 +90,18 @@ class Snapshotter(Protocol):
         ...
 
     def mount(
-        self, layers: Sequence[Path], writable: Path, target: Path, userns: UserNamespace | None = None
+        self,
+        layers: Sequence[Path],
+        writable: Path,
+        target: Path,
+        userns: UserNamespace | None = None,
+        *,
+        layers_mapped: bool = False,
     ) -> None:
         """Mount at ``target`` the ``layers`` (bottom first) under a writable layer kept in
         ``writable`` (the container's own directory: what the container writes lasts as long as
-        it does); for a container in ``userns``, its root owning the image's files."""
+        it does); for a container in ``userns``, its root owning the image's files: the layers
+        mapped here, or, ``layers_mapped``, as they are (mapped where they are shared from)."""
         ...
 
     def mount_read_only(
@@ -126,13 +134,23 @@ class OverlaySnapshotter:
         return tuple(self._layers.snapshot_path(layer.diff_id) for layer in image.layers)
 
     def mount(
-        self, layers: Sequence[Path], writable: Path, target: Path, userns: UserNamespace | None = None
+        self,
+        layers: Sequence[Path],
+        writable: Path,
+        target: Path,
+        userns: UserNamespace | None = None,
+        *,
+        layers_mapped: bool = False,
     ) -> None:
         lowers = list(reversed(layers))  # overlayfs takes the topmost first
+        upper, work = self.written(writable), writable / "work"
         if userns is None:
-            mount_rootfs(lowers, self.written(writable), writable / "work", target)
+            mount_rootfs(lowers, upper, work, target)
+        elif layers_mapped:
+            _make_owned(upper, userns.idmap)
+            mount_rootfs(lowers, upper, work, target)
         else:
-            mount_mapped_rootfs(lowers, self.written(writable), writable / "work", target, userns)
+            mount_mapped_rootfs(lowers, upper, work, target, userns)
 
     def mount_read_only(
         self, layers: Sequence[Path], target: Path, userns: UserNamespace | None = None
@@ -211,9 +229,7 @@ def mount_mapped_rootfs(
     do. The mapped layers are attached under ``work``'s sibling ``mapped/`` only for the overlay
     mount to name them, then detached: the overlay keeps them."""
     with _mapped_layers(lowers, work.parent / "mapped", userns) as mapped:
-        for directory in (upper, work):
-            directory.mkdir(mode=0o755, parents=True, exist_ok=True)
-        os.chown(upper, userns.idmap.uid, userns.idmap.gid)
+        _make_owned(upper, userns.idmap)
         mount_rootfs(mapped, upper, work, target)
 
 
@@ -253,6 +269,13 @@ def _mapped_layers(lowers: list[Path], staging: Path, userns: UserNamespace) -> 
             with contextlib.suppress(OSError):
                 namespaces.umount(path, namespaces.MNT_DETACH)
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _make_owned(upper: Path, idmap: IdMap) -> None:
+    """The upper layer (its directory is the root's), owned by the user namespace's root: what
+    the container writes is its own."""
+    upper.mkdir(mode=0o755, parents=True, exist_ok=True)
+    os.chown(upper, idmap.uid, idmap.gid)
 
 
 def _attach_mapped(

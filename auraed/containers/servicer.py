@@ -27,6 +27,7 @@ from auraed.containers.oci_spec import exec_process, image_runtime_config, proce
 from auraed.containers.pid_groups import PidGroups
 from auraed.containers.request import (
     IMAGE_MOUNT,
+    MAX_ID,
     ContainerRequest,
     Hook,
     Hooks,
@@ -43,6 +44,7 @@ from auraed.images.images import Images, PullProgress
 from auraed.images.model import MAX_CONFIG_BYTES, ImageRecord
 from auraed.names import seconds_from_ms, validate_label
 from auraed.observe.logfile import end_position
+from auraed.system.userns import IdMap
 from auraed.wire.handlers import Context
 
 log = logging.getLogger(__name__)
@@ -195,13 +197,41 @@ def shared_image(shared: pb.SharedRootfs, field: str = "config.shared_rootfs") -
     return SharedImage(shared.image_id, config, tuple(layers))
 
 
+def id_mapping(mapping: pb.IdMapping) -> IdMap:
+    """``config.user_namespace`` as the mappings it must be: each range non-empty, within the
+    32-bit ids, and never of this machine's root."""
+    field = "config.user_namespace"
+    for kind, start, length in (
+        ("uid", mapping.uid, mapping.uid_length),
+        ("gid", mapping.gid, mapping.gid_length),
+    ):
+        if length < 1 or start + length > MAX_ID + 1:
+            raise ContainerError.invalid(
+                f"{field}.{kind}_length", f"{length} ids from {start} are out of range"
+            )
+        if start == 0:
+            raise ContainerError.invalid(f"{field}.{kind}", "must not map this machine's root (id 0)")
+    return IdMap(mapping.uid, mapping.uid_length, mapping.gid, mapping.gid_length)
+
+
 def container_sandbox(
     config: pb.ContainerConfig, groups: PidGroups, pid_of: ContainerRecord | None
 ) -> SandboxContext:
     """A container on its own, but for the machine's IPC namespace and a group's or another
     container's PID namespace where asked: in a pod's guest VM, the pod's, shared by its
     containers, or that of the container a container targets."""
-    sandbox = groups.sandbox(config.shared_pid) if config.shared_pid else HOST_LOCAL
+    idmap = id_mapping(config.user_namespace) if config.user_namespace is not None else None
+    if idmap is not None:
+        if config.host_ipc:
+            raise ContainerError.invalid(
+                "config.host_ipc",
+                "goes with no user_namespace (the pod's IPC namespace is its user namespace's)",
+            )
+        sandbox = groups.user_sandbox(idmap, share_pid=bool(config.shared_pid))
+    elif config.shared_pid:
+        sandbox = groups.sandbox(config.shared_pid)
+    else:
+        sandbox = HOST_LOCAL
     if pid_of is not None:
         sandbox = in_pid_namespace_of(sandbox, pid_of.pid)
     if config.host_ipc:  # the runtime's own, auraed's: left out of the spec (SharedNamespaces.host)
@@ -598,7 +628,9 @@ class ContainerServicer:
     ) -> pb.ContainerServiceListProcessesResponse:
         found = await asyncio.to_thread(self._containers.processes, self._find(request.container_id))
         return pb.ContainerServiceListProcessesResponse(
-            processes=[pb.Process(pid=p.pid, ppid=p.ppid, args=list(p.args), state=p.state) for p in found]
+            processes=[
+                pb.Process(pid=p.pid, ppid=p.ppid, args=list(p.args), state=p.state, uid=p.uid) for p in found
+            ]
         )
 
     async def copy_file(

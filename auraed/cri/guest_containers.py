@@ -64,6 +64,7 @@ from auraed.system.cri_log import LOG_MODE, format_cri_timestamp
 from auraed.system.fs_usage import FsUsage
 from auraed.system.request_files import NotRegularFile, open_regular
 from auraed.system.tasks import run_to_end
+from auraed.system.userns import IdMap
 from auraed.vms.errors import VmError
 from auraed.vms.guest_calls import call_guest, channel_closed, guest_error, stream_guest
 from auraed.vms.guests import Guests
@@ -126,11 +127,13 @@ class _Resume:
 
 
 def config_message(
-    request: ContainerRequest, image: str, labels: dict[str, str], share_pid: bool
+    request: ContainerRequest, image: str, labels: dict[str, str], share_pid: bool, idmap: IdMap | None = None
 ) -> pb.ContainerConfig:
     """The guest's ContainerConfig of a CRI container: the guest's network and IPC (the pod's),
     its PID namespace with ``share_pid``; privileged means the guest's devices and capabilities
-    (a vm pod's privilege ends at its VM, as with Kata)."""
+    (a vm pod's privilege ends at its VM, as with Kata). With ``idmap`` (a pod with hostUsers:
+    false), the pod's user namespace in the guest, which owns the pod's IPC namespace there
+    (and PID namespace, shared)."""
     security = request.security
     resources = request.resources
     return pb.ContainerConfig(
@@ -168,8 +171,15 @@ def config_message(
         labels=labels,
         stop_signal=request.stop_signal,
         host_network=True,
-        host_ipc=True,
+        host_ipc=idmap is None,
         shared_pid=POD_PID_GROUP if share_pid else "",
+        user_namespace=_id_mapping_message(idmap) if idmap is not None else None,
+    )
+
+
+def _id_mapping_message(idmap: IdMap) -> pb.IdMapping:
+    return pb.IdMapping(
+        uid=idmap.uid, uid_length=idmap.uid_length, gid=idmap.gid, gid_length=idmap.gid_length
     )
 
 
@@ -477,7 +487,12 @@ class GuestContainers:
         images = (host_image, *volume_images.values())
         self._creating[share] = tuple(layer.diff_id for each in images for layer in each.layers)
         try:
-            config = config_message(request, image, labels, share_pid=sandbox.namespaces.pid is not None)
+            # A pod with hostUsers: false: its user namespace on the host (the pod's, pinned)
+            # idmaps what the share binds, its mappings make the same one in the guest.
+            userns = sandbox.namespaces.user
+            idmap = userns.idmap if userns is not None else None
+            share_pid = sandbox.namespaces.pid is not None
+            config = config_message(request, image, labels, share_pid=share_pid, idmap=idmap)
             config.pid_of = pid_of.id if pid_of is not None else ""
             config.image = host_image.id
             volumes = (*request.mounts, *pod_file_mounts(request, sandbox))
@@ -485,8 +500,11 @@ class GuestContainers:
                 _layer_mount(self._images.snapshots.snapshot_path(d)) for d in self._creating[share]
             )
             shared = await run_to_end(
-                asyncio.to_thread(self._shares.bind, sandbox.sandbox_id, share, (*volumes, *layers))
-            )
+                asyncio.to_thread(
+                    self._shares.bind, sandbox.sandbox_id, share, (*volumes, *layers),
+                    idmap_by=userns.path if userns is not None else None,
+                )
+            )  # fmt: skip
             config.mounts = [_mount_message(m) for m in shared[: len(volumes)]]
             layer_dirs = iter(m.source for m in shared[len(volumes) :])
             config.shared_rootfs = pb.SharedRootfs(

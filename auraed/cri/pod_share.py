@@ -33,6 +33,11 @@ A container's image layers (the host's snapshots its root filesystem is made of 
 auraed.cri.guest_containers) are bound as its volumes are, after them under its key, each
 read-only with ``rro``: the share holds the layers of the images its pod's containers use and
 nothing else of the host's store.
+
+For a pod with a user namespace of its own (``hostUsers: false``) every bind is also idmapped
+while detached by that namespace (the pod's, on the host): the guest cannot idmap virtio-fs, so
+virtiofsd serves the host's root's files as the mapping's first id, and stores what that id
+writes as the host's root's; a filesystem the kernel cannot idmap is refused.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from auraed.cri.errors import CriError
 from auraed.errors import ErrorKind
 from auraed.system import namespaces
 from auraed.system.mount_api import (
+    MOUNT_ATTR_IDMAP,
     MOUNT_ATTR_NODEV,
     MOUNT_ATTR_NOEXEC,
     MOUNT_ATTR_NOSUID,
@@ -156,22 +162,29 @@ class PodShares:
             set_mount_attributes(_keep(stack, open_beneath(pod, SERVED, _DIRECTORY)), propagation=MS_SHARED)
         return self.served(pod_id)
 
-    def bind(self, pod_id: str, key: str, mounts: tuple[Mount, ...]) -> tuple[Mount, ...]:
+    def bind(
+        self, pod_id: str, key: str, mounts: tuple[Mount, ...], *, idmap_by: Path | None = None
+    ) -> tuple[Mount, ...]:
         """The container's mounts as the guest makes them: each host path bound in the pod's
-        share at ``<key>/<n>``; mounts of no host path (tmpfs, ...) as they are. On failure
-        what was bound for ``key`` is released."""
+        share at ``<key>/<n>``; mounts of no host path (tmpfs, ...) as they are. With
+        ``idmap_by`` (a user namespace, the pod's), each bind is idmapped by its mappings: the
+        guest sees a file of the host's root as the mapping's first id. On failure what was
+        bound for ``key`` is released."""
         _check_name(key)
         guest = []
         try:
-            with self._opened(pod_id) as share:
+            with self._opened(pod_id) as share, contextlib.ExitStack() as stack:
                 if share is None:
                     raise CriError.precondition(f"pod sandbox {pod_id[:13]} has no shared directory")
+                userns_fd = None
+                if idmap_by is not None:
+                    userns_fd = _keep(stack, os.open(idmap_by, os.O_RDONLY | os.O_CLOEXEC))
                 _make_directory(share.points, key)
                 for index, mount in enumerate(mounts):
                     if mount.type not in BIND_TYPES:
                         guest.append(mount)
                         continue
-                    _bind_one(share, key, str(index), mount)
+                    _bind_one(share, key, str(index), mount, userns_fd)
                     guest.append(_guest_mount(mount, f"{SHARE_MOUNT}/{key}/{index}"))
         except BaseException:
             self.release(pod_id, key)
@@ -218,14 +231,17 @@ class PodShares:
             yield _Opened(points, _keep(stack, open_beneath(pod, SERVED, _DIRECTORY)))
 
 
-def _bind_one(share: _Opened, key: str, name: str, mount: Mount) -> None:
-    """``mount``'s host path bound on ``<key>/<name>`` in the share, set up while detached."""
+def _bind_one(share: _Opened, key: str, name: str, mount: Mount, userns_fd: int | None = None) -> None:
+    """``mount``'s host path bound on ``<key>/<name>`` in the share, set up while detached;
+    idmapped by the user namespace ``userns_fd`` when given."""
     binding = Binding.of(mount)
     try:
         with contextlib.ExitStack() as stack:
             tree = _keep(stack, clone_tree(mount.source, recursive=binding.recursive))
             propagation = MS_SLAVE if binding.follows_host else MS_PRIVATE
             set_mount_attributes(tree, propagation=propagation, recursive=True)
+            if userns_fd is not None:
+                _idmap(tree, mount, userns_fd, binding.recursive)
             if binding.read_only or binding.recursive_read_only:
                 set_mount_attributes(tree, set_flags=MOUNT_ATTR_RDONLY, recursive=binding.recursive_read_only)
             points = _keep(stack, open_beneath(share.points, key, _DIRECTORY, into_mounts=False))
@@ -238,6 +254,20 @@ def _bind_one(share: _Opened, key: str, name: str, mount: Mount) -> None:
         raise CriError(
             ErrorKind.FAILED_PRECONDITION,
             f"cannot share {mount.source} with the pod's guest: {exc.strerror or exc}",
+        ) from None
+
+
+def _idmap(tree: int, mount: Mount, userns_fd: int, recursive: bool) -> None:
+    """The detached ``tree`` (every mount of it with ``recursive``) idmapped by ``userns_fd``;
+    FAILED_PRECONDITION when a filesystem of it cannot be (the kernel's EINVAL)."""
+    try:
+        set_mount_attributes(tree, set_flags=MOUNT_ATTR_IDMAP, userns_fd=userns_fd, recursive=recursive)
+    except OSError as exc:
+        why = "its filesystem cannot be idmapped" if exc.errno == errno.EINVAL else exc.strerror or str(exc)
+        raise CriError(
+            ErrorKind.FAILED_PRECONDITION,
+            f"cannot map {mount.source} for the pod's user namespace ({why}): a pod with hostUsers: "
+            "false mounts only what this host can idmap",
         ) from None
 
 

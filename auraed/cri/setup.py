@@ -78,13 +78,12 @@ class Cri:
 
 def default_handler(setting: str, guests: Guests | None) -> Callable[[PodSpec], str]:
     """The handler of a pod that names none: the setting's, or with ``auto`` a guest unless the
-    pod asks for a host namespace (system pods: kube-proxy, a CNI daemon) or a user namespace of
-    its own (which guests do not give), which runs as a cell, as does every pod on a node with no
-    guest image to boot."""
+    pod asks for a host namespace (system pods: kube-proxy, a CNI daemon), which runs as a cell,
+    as does every pod on a node with no guest image to boot."""
     if setting == "auto":
 
         def choose(spec: PodSpec) -> str:
-            if host_namespaces_asked(spec) or spec.userns or guests is None or not guests.has_image():
+            if host_namespaces_asked(spec) or guests is None or not guests.has_image():
                 return "cell"
             return "vm"
 

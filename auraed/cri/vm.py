@@ -14,7 +14,10 @@ default. Pods that ask for a host namespace cannot be a guest: refused before an
 
 Containers of a ``vm`` pod run in its guest (auraed.cri.guest_containers): they share the
 guest's network and IPC namespaces (the pod's) and, when the pod shares its PID namespace, one
-the guest makes for the pod (never the guest auraed's own).
+the guest makes for the pod (never the guest auraed's own). A pod with a user namespace of its
+own (``hostUsers: false``) has it on the host, as a cell pod (its share's binds are idmapped by
+it), and one of the same mappings in its guest, which owns the pod's IPC namespace there instead
+of the guest's, and its PID namespace.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any
 from auraed.cni.cni import Cni
 from auraed.cni.model import DEFAULT_IFNAME
 from auraed.cni.result import CniResult
-from auraed.containers.sandbox import SandboxContext, SharedNamespaces
+from auraed.containers.sandbox import SandboxContext, SharedNamespaces, UserNamespace
 from auraed.cri.cell import CellSandbox
 from auraed.cri.errors import CriError
 from auraed.cri.model import PodRecord, PodResources, PodSpec, PodState
@@ -151,8 +154,9 @@ class VmSandbox:
 
     name = HANDLER
     # Recursive read-only mounts: the pod's share makes every mount of such a volume read-only
-    # where virtiofsd serves it (auraed.cri.pod_share).
-    features = HandlerFeatures(recursive_read_only_mounts=True)
+    # where virtiofsd serves it (auraed.cri.pod_share). User namespaces: the share's binds are
+    # idmapped on the host, the guest runs the containers in one of the same mappings.
+    features = HandlerFeatures(recursive_read_only_mounts=True, user_namespaces=True)
     stop_ends_containers = True
 
     def __init__(
@@ -179,13 +183,6 @@ class VmSandbox:
                 asked[0],
                 "a pod of the vm handler has its own network, PID and IPC namespaces (its guest's); "
                 "run a pod that shares the host's with the cell handler",
-            )
-        if spec.userns is not None:
-            raise CriError.invalid(
-                "config.linux.security_context.namespace_options.userns_options",
-                "the vm handler runs a pod's containers in its own guest, which has no user namespaces "
-                "for them (Status does not offer them for vm); run a pod with hostUsers: false with "
-                "the cell handler",
             )
 
     def _warn_of_overhead(self, pod: PodRecord, overhead: PodResources, resources: PodResources) -> None:
@@ -378,10 +375,13 @@ class VmSandbox:
             raise CriError.precondition(f"pod sandbox {pod.id[:13]} has no guest VM")
         join = self._cell.container_join(pod)
         pid = POD_PID if pod.spec.shared_pid else None
+        # The pod's user namespace on the host (the cell's pin) with its mappings: the share's
+        # binds are idmapped by it, the guest makes one of the same mappings.
+        user = None if join.userns is None else UserNamespace(Path(join.namespaces["user"]), join.userns)
         return SandboxContext(
             sandbox_id=pod.id,
             cgroup_parent=join.cgroup_parent,
-            namespaces=SharedNamespaces(pid=pid),
+            namespaces=SharedNamespaces(pid=pid, user=user),
             hostname=pod.spec.hostname or None,
             resolv_conf=join.resolv_conf,
             hosts=join.hosts,

@@ -162,9 +162,12 @@ def sysctl_namespace(name: str) -> str:
 
 
 def _check(spec: PodNamespaceSpec) -> None:
-    if spec.userns is not None and not (spec.network and spec.ipc and spec.uts):
+    # Its IPC namespace at least is the user namespace's; its network and UTS may be the
+    # machine's where the machine is the pod's (a vm pod's guest). A pod on a host with the
+    # host's namespaces and a user namespace is refused before (auraed.cri.model).
+    if spec.userns is not None and not spec.ipc:
         raise NamespaceError.invalid(
-            "userns", "a pod with a user namespace of its own has its own network, IPC and UTS namespaces"
+            "userns", "a pod with a user namespace of its own has its own IPC namespace"
         )
     if not (spec.network or spec.ipc or spec.uts or spec.pid):
         raise NamespaceError.invalid("namespaces", "a pod sandbox needs at least one namespace of its own")

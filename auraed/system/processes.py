@@ -35,6 +35,7 @@ class ProcessInfo:
     ppid: int
     state: str  # the one letter of /proc/<pid>/stat: R, S, D, Z, T, ...
     args: tuple[str, ...]  # its command line; empty for a zombie
+    uid: int = 0  # its real uid, as this machine's (the reader's) user namespace sees it
 
 
 def process_info(pid: int) -> ProcessInfo | None:
@@ -42,11 +43,13 @@ def process_info(pid: int) -> ProcessInfo | None:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        status = Path(f"/proc/{pid}/status").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
     fields = stat[stat.rindex(")") + 2 :].split()  # after comm, which may hold spaces
     args = tuple(arg.decode(errors="replace") for arg in cmdline.split(b"\0")[:-1])
-    return ProcessInfo(pid, int(fields[1]), fields[0], args)
+    uids = next((line.split()[1:] for line in status.splitlines() if line.startswith("Uid:")), ["0"])
+    return ProcessInfo(pid, int(fields[1]), fields[0], args, int(uids[0]))
 
 
 def is_alive(pid: int, ticks: int | None) -> bool:

@@ -67,10 +67,11 @@ async def test_ready_with_a_cni_network_and_the_handlers_listed(
     found = conditions(reply)
     assert found["RuntimeReady"].status and found["NetworkReady"].status
     # critest and kubelets look features up by the handler a pod names: "" when it names none
-    # (the default, cell); vm pods' recursive read-only mounts are made so by their share.
+    # (the default, cell); vm pods' recursive read-only mounts are made so by their share, and
+    # their user namespaces idmapped by it.
     assert [h.name for h in reply.runtime_handlers] == ["", "cell", "vm"]
     vm = reply.runtime_handlers[2].features
-    assert vm is not None and vm.recursive_read_only_mounts and not vm.user_namespaces
+    assert vm is not None and vm.recursive_read_only_mounts and vm.user_namespaces
 
 
 async def test_runtime_config_is_cgroupfs(daemon_factory: DaemonFactory) -> None:

@@ -34,8 +34,16 @@ from auraed.api.aurae.containers import v0 as containers_pb
 from auraed.api.runtime import v1 as cri
 from auraed.client import AuraeClient
 from auraed.pki import PkiPaths
-from tests.integration.test_cri_containers import Node, cri_error, eventually
-from tests.integration.vm_pods_helpers import leftovers_of_pod, module_vm_node, remove_every_pod
+from tests.integration.test_cri_containers import (
+    USERNS_HOST_ID,
+    USERNS_LENGTH,
+    Node,
+    cri_error,
+    eventually,
+    mapping,
+    userns_pod,
+)
+from tests.integration.vm_pods_helpers import leftovers_of_pod, module_vm_node, remove_every_pod, veths_on
 from tests.support.cri import (
     BUSYBOX_IMAGE,
     cri_client,
@@ -238,6 +246,110 @@ async def test_two_pods_of_one_image_read_the_same_snapshots(pods: RootfsPods) -
     assert sorted(bound_snapshots(pods.shares, pods.second)) == layers
     # One snapshot per layer on the host, whatever the pods: busybox's layer is the image's first.
     assert sorted(p.name for p in pods.snapshots.iterdir()) == layers
+
+
+async def test_a_pod_with_hostusers_false_runs_in_a_user_namespace_in_its_guest(
+    pods: RootfsPods, tmp_path: Path
+) -> None:
+    """A vm pod with a user namespace of its own (issue 34): the share's binds are idmapped on the
+    host by the pod's mappings, the guest runs the container in a user namespace of the same
+    mappings. Inside it is root and owns its image's files; the guest sees it run as the mapped
+    id; a writable volume takes its files as the host's root's (the idmap's way back). A second
+    pod, with other mappings and no shared PID namespace, has its container's own PID namespace
+    made inside its user namespace, and its sysctls set."""
+    node = pods.node
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    (volume / "host.txt").write_text("the host's\n")
+    userns = cri.UserNamespace(mode=cri.NamespaceMode.POD, uids=[mapping()], gids=[mapping()])
+    config = userns_pod("userns-vm", userns)
+    other_id = 2 * USERNS_HOST_ID
+    other_userns = cri.UserNamespace(
+        mode=cri.NamespaceMode.POD, uids=[mapping(host_id=other_id)], gids=[mapping(host_id=other_id)]
+    )
+    other_config = userns_pod("userns-vm-own-pid", other_userns, pid=cri.NamespaceMode.CONTAINER)
+    assert other_config.linux is not None
+    other_config.linux.sysctls = {"kernel.shm_rmid_forced": "1", "net.ipv4.ip_unprivileged_port_start": "80"}
+    veths = veths_on(node.network.bridge)
+    pod_id, other_pod = await asyncio.wait_for(
+        asyncio.gather(run_pod(node.client, config, "vm"), run_pod(node.client, other_config, "vm")),
+        BOOT_TIMEOUT,
+    )
+    own_pid = cri.NamespaceOption(pid=cri.NamespaceMode.CONTAINER, userns_options=other_userns)
+    alone = await node.run(
+        other_pod,
+        node.config(
+            "own-pid", ["sleep", "3600"],
+            linux=cri.LinuxContainerConfig(security_context=cri.LinuxContainerSecurityContext(
+                namespace_options=own_pid, run_as_user=cri.Int64Value(0)
+            )),
+        ),
+    )  # fmt: skip
+    seen = await pods.run(alone, "id -u; cat /proc/self/uid_map; cat /proc/1/cmdline | tr '\\0' ' '")
+    # The pod's sysctls: an IPC one in its user namespace's IPC namespace, a network one in the guest's.
+    sysctls = "/proc/sys/kernel/shm_rmid_forced /proc/sys/net/ipv4/ip_unprivileged_port_start"
+    assert await pods.run(alone, f"cat {sysctls}") == ["1", "80"]
+    assert [line.split() for line in seen] == [
+        ["0"],
+        ["0", str(other_id), str(USERNS_LENGTH)],
+        ["sleep", "3600"],
+    ]
+    context = cri.LinuxContainerSecurityContext(
+        namespace_options=cri.NamespaceOption(userns_options=userns), run_as_user=cri.Int64Value(0)
+    )
+    container = node.config(
+        "mapped", ["sleep", "3600"], linux=cri.LinuxContainerConfig(security_context=context),
+        mounts=[
+            cri.Mount(container_path="/vol", host_path=str(volume)),
+            cri.Mount(container_path="/img", image=cri.ImageSpec(image=IMAGE), readonly=True),
+        ],
+    )  # fmt: skip
+    container.image = cri.ImageSpec(image=pods.image_id, user_specified_image=IMAGE)
+    request = cri.CreateContainerRequest(pod_sandbox_id=pod_id, config=container, sandbox_config=config)
+    mapped = str((await node.call("CreateContainer", request, BOOT_TIMEOUT)).container_id)
+    await node.start(mapped)
+
+    maps = await pods.run(mapped, "cat /proc/self/uid_map /proc/self/gid_map")
+    assert [line.split() for line in maps] == [["0", str(USERNS_HOST_ID), str(USERNS_LENGTH)]] * 2, maps
+    # Root inside, owning the image's files (the app user's stay the app user's); it writes its
+    # rootfs (new files, and copies up of the image's).
+    assert await pods.run(
+        mapped,
+        "id -u; stat -c %u /bin/busybox /home/app/owned.txt; touch /written && stat -c %u /written; "
+        "echo mine > /etc/app.conf && cat /etc/app.conf",
+    ) == ["0", "0", "1000", "0", "mine"]
+    # An image volume's layers are mapped by the host as the rootfs's.
+    assert await pods.run(mapped, "stat -c %u /img/bin/busybox /img/home/app/owned.txt") == ["0", "1000"]
+    # The volume: the host's root's file is root's inside, and what root writes is the host's root's.
+    assert await pods.run(mapped, "stat -c %u /vol/host.txt; echo guest > /vol/from-guest && echo ok") == [
+        "0",
+        "ok",
+    ]
+    assert (volume / "from-guest").read_text() == "guest\n" and (volume / "from-guest").stat().st_uid == 0
+    # The guest's view: the container's processes run as the mapped id, not as its root.
+    async with node.daemon.client() as aurae:
+        in_guest = AuraeClient(aurae.channel, vm=f"pod-{pod_id[:16]}")
+        listed = await in_guest.call(
+            CONTAINERS,
+            "ListProcesses",
+            containers_pb.ContainerServiceListProcessesRequest(container_id=mapped),
+        )
+    assert listed.processes and {p.uid for p in listed.processes} == {USERNS_HOST_ID}, listed
+    # A volume of a filesystem the kernel cannot idmap (sysfs) is refused saying so; nothing of
+    # it is left in the share.
+    bound = bound_snapshots(pods.shares, pod_id)
+    sysfs = cri.Mount(container_path="/k", host_path="/sys/kernel/mm", readonly=True)
+    container.metadata = cri.ContainerMetadata(name="unmappable")
+    container.mounts = [sysfs]
+    error = await cri_error(node.call("CreateContainer", request, BOOT_TIMEOUT))
+    assert error.code == "FAILED_PRECONDITION" and "cannot be idmapped" in error.message, error
+    assert bound_snapshots(pods.shares, pod_id) == bound
+    for pod in (pod_id, other_pod):
+        await node.stop_pod(pod)
+        await node.remove_pod(pod)
+    for pod in (pod_id, other_pod):  # nothing of them left (the module's pods keep their veths)
+        left = leftovers_of_pod(node.daemon, node.network, pod)
+        assert left.pop("veths", veths) == veths and left == {}, left
 
 
 async def test_the_rootfs_survives_a_kill_9_of_the_host_auraed(pods: RootfsPods) -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from auraed.containers.errors import ContainerError
+from auraed.containers.pid_groups import GROUP_PREFIX, USERNS_GROUP, PidGroups
 from auraed.errors import ErrorKind
 from auraed.system.pod_namespaces import (
     INIT_RECORD,
@@ -28,6 +30,7 @@ from auraed.system.pod_namespaces import (
     create_pod_namespaces,
     remove_pod_namespaces,
 )
+from auraed.system.userns import IdMap
 from tests.support.cni import pod_namespaces
 
 SYSCTLS = {
@@ -215,3 +218,37 @@ def test_another_pods_pins_are_never_touched(pod_dir: Path) -> None:
             create_pod_namespaces(pod_dir, PodNamespaceSpec())
         assert caught.value.kind is ErrorKind.ALREADY_EXISTS
         assert pinned.net and str(pinned.net) in Path("/proc/self/mounts").read_text()
+
+
+def test_a_user_namespace_group_owns_its_ipc_and_pid_namespaces_and_agrees_with_its_containers(
+    tmp_path: Path,
+) -> None:
+    """A guest's group of a pod's user namespace (auraed.containers.pid_groups, a vm pod with
+    hostUsers: false): the user namespace, with the pod's mappings, owns the IPC and PID
+    namespaces made with it; a container asking for other mappings, or for no shared PID
+    namespace, is refused; the last one's release removes it all, its init reaped."""
+    groups = PidGroups(tmp_path / "groups")
+    idmap = IdMap(1_000_000, 65536, 1_000_000, 65536)
+    try:
+        sandbox = groups.user_sandbox(idmap, share_pid=True)
+        shared = sandbox.namespaces
+        assert shared.user is not None and shared.pid is not None and shared.ipc is not None
+        assert shared.user.idmap == idmap
+        [init] = members(str(shared.pid), "pid")
+        assert Path(f"/proc/{init}/uid_map").read_text().split() == ["0", "1000000", "65536"]
+        user = os.stat(shared.user.path).st_ino
+        assert os.stat(f"/proc/{init}/ns/user").st_ino == user
+        assert os.stat(f"/proc/{init}/ns/ipc").st_ino == os.stat(shared.ipc).st_ino
+        assert groups.user_sandbox(idmap, share_pid=True) == sandbox  # the next container's
+        for other, share_pid, field in (
+            (IdMap(2_000_000, 65536, 2_000_000, 65536), True, "config.user_namespace"),
+            (idmap, False, "config.shared_pid"),
+        ):
+            with pytest.raises(ContainerError) as error:
+                groups.user_sandbox(other, share_pid=share_pid)
+            assert error.value.kind is ErrorKind.FAILED_PRECONDITION
+            assert error.value.message.startswith(f"{field}:"), error.value.message
+    finally:
+        groups.release(GROUP_PREFIX + USERNS_GROUP, in_use=False)
+    assert not (tmp_path / "groups" / USERNS_GROUP).exists()
+    assert not Path(f"/proc/{init}").exists()
