@@ -334,7 +334,9 @@ class Containers:
             )
         except SpecError as exc:
             raise spec_error(exc) from None
-        if sandbox.namespaces.user is not None:
+        # A shared rootfs's container (a vm pod's, in its guest) has its binds from the share,
+        # mapped where they are shared from, as its layers are: the guest cannot map virtio-fs.
+        if sandbox.namespaces.user is not None and not record.shared_layers:
             spec["mounts"] = self._idmapped_binds(record, spec["mounts"], sandbox.namespaces.user)
         record.process = spec["process"]
         record.bundle.mkdir(mode=0o700)
