@@ -172,7 +172,7 @@ from auraed.cri.runtime import SERVICE_NAME as RUNTIME_SERVICE
 from auraed.images.content import tree_size
 from auraed.system.cri_log import parse_cri_log_line
 from auraed.system.monitor_launcher import MONITOR_NAME
-from auraed.system.node import read_memory
+from auraed.system.node import USER_HZ, load_percent, read_cpu_times, read_memory
 from auraed.vms import network
 from auraed.vms.backend import CONSOLE_LOG, processes_referencing
 
@@ -607,6 +607,23 @@ def host_mem_available_mib() -> float:
     return round(read_memory().available / MIB, 1)
 
 
+def cpu_seconds(pid: int, children: bool = False) -> float:
+    """The CPU time (user + system) process ``pid`` has used, with its waited-for children's when
+    ``children`` (the daemon's CNI plugins, runtimes); 0 when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state is fields[0], utime [11]
+    ticks = sum(int(f) for f in fields[11 : 15 if children else 13])
+    return ticks / USER_HZ
+
+
+def pod_cpu_seconds(run_dir: Path) -> float:
+    """The CPU time every process naming the VM's run directory (QEMU, virtiofsd) has used."""
+    return sum(cpu_seconds(pid) for pid in processes_referencing(run_dir))
+
+
 async def all_at_once(
     pods: list[Pod], step: Callable[[Pod], Awaitable[None]], failures: list[str]
 ) -> tuple[list[Pod], float]:
@@ -617,6 +634,34 @@ async def all_at_once(
     wall = time.monotonic() - start
     failures += [str(o) for o in outcomes if isinstance(o, BaseException)]
     return [pod for pod, o in zip(pods, outcomes, strict=True) if not isinstance(o, BaseException)], wall
+
+
+def daemon_cpu_seconds(runtime: VmAuraed) -> float:
+    """The daemon's CPU time, its children's (CNI plugins, runtimes) included."""
+    process = runtime.daemon.process
+    return cpu_seconds(process.pid, children=True) if process is not None else 0.0
+
+
+def peak_figures(
+    runtime: VmAuraed, up: list[Pod], host_cpu_busy: float, daemon_cpu_before: float
+) -> dict[str, Any]:
+    """The concurrent pods' peak: the host's memory, the PSS of the pods' VMMs, and where the CPU
+    went from the first RunPodSandbox to here (the pods' VMMs all started after it): the host's
+    busy share during the RunPodSandbox calls (every process's, other sessions' too), the pods'
+    QEMU and virtiofsd, the daemon and its children; the load average."""
+    pss = [round(pod_pss_mib(runtime.vms_dir / pod_vm_name(pod)), 1) for pod in up]
+    vmm_cpu = [pod_cpu_seconds(runtime.vms_dir / pod_vm_name(pod)) for pod in up]
+    return {
+        "host_mem_available_mib": host_mem_available_mib(),
+        "host_pss_mib_total": round(sum(pss), 1),
+        "host_pss_mib_mean": round(sum(pss) / len(pss), 1) if pss else 0.0,
+        "host_pss_mib_per_pod": pss,
+        "host_cpu_busy_percent_during_run_pod": round(host_cpu_busy, 1),
+        "pods_vmm_cpu_s_total": round(sum(vmm_cpu), 1),
+        "pods_vmm_cpu_s_mean": round(sum(vmm_cpu) / len(vmm_cpu), 1) if vmm_cpu else 0.0,
+        "daemon_cpu_s": round(daemon_cpu_seconds(runtime) - daemon_cpu_before, 1),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 async def concurrent_pods(runtime: VmAuraed, setup: Setup, count: int) -> dict[str, Any]:
@@ -633,6 +678,7 @@ async def concurrent_pods(runtime: VmAuraed, setup: Setup, count: int) -> dict[s
     failures: list[str] = []
     peak: dict[str, Any] = {}
     available_before = host_mem_available_mib()
+    daemon_cpu_before, host_cpu_before = daemon_cpu_seconds(runtime), read_cpu_times()
     for pod in pods:
         await asyncio.to_thread(pod.prepare)
 
@@ -682,6 +728,7 @@ async def concurrent_pods(runtime: VmAuraed, setup: Setup, count: int) -> dict[s
 
     try:
         up, run_wall = await all_at_once(pods, run_pod, failures)
+        host_cpu_busy_run_pod = load_percent(host_cpu_before, read_cpu_times())
         running, containers_wall = await all_at_once(up, start_container, failures)
         ours = {pod.pod_id for pod in up}
         listed = (await call(client, "ListPodSandbox", cri.ListPodSandboxRequest())).items
@@ -692,14 +739,7 @@ async def concurrent_pods(runtime: VmAuraed, setup: Setup, count: int) -> dict[s
             if c.pod_sandbox_id in ours and c.state == cri.ContainerState.CONTAINER_RUNNING
         ]  # fmt: skip
         answered, exec_wall = await all_at_once(running, exec_answers, failures)
-        pss = [round(pod_pss_mib(runtime.vms_dir / pod_vm_name(pod)), 1) for pod in up]
-        peak = {
-            "host_mem_available_mib": host_mem_available_mib(),
-            "host_pss_mib_total": round(sum(pss), 1),
-            "host_pss_mib_mean": round(sum(pss) / len(pss), 1) if pss else 0.0,
-            "host_pss_mib_per_pod": pss,
-            "loadavg": [round(x, 2) for x in os.getloadavg()],
-        }
+        peak = peak_figures(runtime, up, host_cpu_busy_run_pod, daemon_cpu_before)
     finally:
         made = [pod for pod in pods if pod.pod_id]
         done, down_wall = await all_at_once(made, down, failures)
@@ -1268,6 +1308,15 @@ def print_concurrent(concurrent: dict[str, Any]) -> None:
             f"{concurrent['exec_answered']} ExecSync answered: {verdict(concurrent['all_succeeded'])}",
             f"RunPodSandbox wall / the bare boots' wall: {concurrent['ratio_run_pod_wall_over_bare_wall']}x",
             f"{memory}; {pss}",
+            f"CPU: the host {peak.get('host_cpu_busy_percent_during_run_pod', '-')}% busy during the "
+            f"RunPodSandbox calls; the pods' QEMU and virtiofsd {peak.get('pods_vmm_cpu_s_total', '-')} s "
+            f"({peak.get('pods_vmm_cpu_s_mean', '-')} s per pod), the daemon "
+            f"{peak.get('daemon_cpu_s', '-')} s until the peak",
+            "their clones' steps, p50 (max) ms: "
+            + ", ".join(
+                f"{step} {stats['p50_ms']:.0f} ({stats['max_ms']:.0f})"
+                for step, stats in concurrent["clone_phases"].items()
+            ),
             *(f"failure: {failure}" for failure in concurrent["failures"]),
         ]
     )
