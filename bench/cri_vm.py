@@ -3,7 +3,8 @@ the lifecycle of a pod with one container, ``vm`` pods against ``cell`` pods, bu
 ~330 MB Debian image in ``vm`` pods; all in one run.
 
     .venv/bin/python bench/cri_vm.py [--iterations 5] [--warmup 1] [--gap-ms 500]
-        [--memory-mib 768] [--guest-image DIR] [--boot default|cold] [--density N] [--json-only]
+        [--memory-mib 768] [--guest-image DIR] [--boot default|cold] [--density N]
+        [--concurrent [N]] [--json-only]
 
 A sibling of bench/cri.py, not a mode of it: it shares cri.py's pieces (the Auraed runtime, the
 pods' and the container's requests, the busybox image and its registry mirror, the CNI network,
@@ -89,12 +90,28 @@ With ``--density N``, after the rounds: N vm pods of the Debian image made one a
 each running its container, all left idle 30 s, then per pod the PSS of its processes on the host
 (QEMU and virtiofsd) and its guest's MemAvailable, with the load average; removed after.
 
+With ``--concurrent [N]`` (N 20 when not given), then: N vm pods (busybox) at once, as a kubelet
+given that many pods drives them, with the default configuration's clones: every RunPodSandbox
+sent at once; then, in every pod that came up, its container (COMMAND) created and started, all
+at once; ListPodSandbox must list all N READY and ListContainers their containers RUNNING, and an
+ExecSync (``echo hello``) in each must answer; then every container and pod stopped and removed
+at once. Reported: succeeded/total at each step, the wall time of each step (up: RunPodSandbox,
+then the containers; down), each pod's RunPodSandbox (and other steps) p50/p90/max, every failure
+with its pod, its RPC and how long it took to fail; at the peak the host's MemAvailable (before,
+then, after), the PSS of the pods' QEMU and virtiofsd (as the density part reads it), where the
+CPU went (the host's busy share during the RunPodSandbox calls, the CPU seconds of the pods'
+VMMs and of the daemon), and the clones' steps off the daemon's log. The peer: N bare boots
+(the ``bare`` series' VM) started at once through the VmService; the ratio of the wall times
+until all were up (every RunPodSandbox's reply; every bare boot's marker). The target is that
+all N are READY and nothing leaks (the leak check below runs after this part).
+
 Targets (issues #20, #35): RunPodSandbox of a vm pod at most 1.0x the bare boot (p50) *with the
 default configuration* (``--boot default``: the bare VM boots on q35 too, the clones' machine); a
 cold run's ratio is reported against that target as what it is; the vm pod's lifecycle (with its
 container) is reported against the cell pod's (no target); nothing leaks. Issue #35 also: a vm
 pod's CreateContainer at most 2x its StartContainer (p50); the Debian image's CreateContainer at
-most 1.2x busybox's; its guest's MemAvailable at most 32 MiB lower than busybox's guest's.
+most 1.2x busybox's; its guest's MemAvailable at most 32 MiB lower than busybox's guest's;
+20 concurrent vm pods on 2 cores all READY, nothing leaked.
 """
 
 from __future__ import annotations
