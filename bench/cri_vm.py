@@ -536,8 +536,10 @@ async def bare_boot(
         await asyncio.sleep(BARE_TAIL_S)
     finally:
         await console.stop()
-    reason = await wait_ended(aurae, name)
-    await free_vm(aurae, name, runtime.made)
+    try:
+        reason = await wait_ended(aurae, name)
+    finally:  # freed (stopped first, if it never powered off) whatever happened: nothing is left
+        await free_vm(aurae, name, runtime.made)
     if "powered off" not in reason:
         raise RuntimeError(f"bare VM {name} ended with {reason!r}")
     phases = host_side_split(bare_phases(booted(name, total, console, t0)), console, t0)
