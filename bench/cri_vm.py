@@ -145,6 +145,8 @@ from common import (
 )
 from container_start import source_state, tests_support
 from cri import (
+    EXEC,
+    EXEC_OUTPUT,
     STOP_TIMEOUT_S,
     Auraed,
     Pod,
@@ -238,8 +240,7 @@ START_TIMEOUT_S = 300
 BARE_TAIL_S = 0.2  # the bare guest powers off right after its marker: let the console catch up
 DENSITY_SETTLE_S = 30.0  # idle time of the density pods before their memory is read
 CONCURRENT_PODS = 20  # --concurrent without a number: issue 35's "20 concurrent vm pods on 2 cores"
-CONCURRENT_EXEC = ["echo", "hello"]  # cri.py's ExecSync, in each of the concurrent pods
-CONCURRENT_EXEC_TIMEOUT_S = 60  # ExecSync's own timeout: N guests share the host's cores under TCG
+CONCURRENT_EXEC_TIMEOUT_S = 60  # cri.py's ExecSync's own timeout here: N guests share the cores, TCG
 # Each concurrent pod's steps, and two sums: ``containers`` (create + start), ``down`` (the last four).
 CONCURRENT_PHASES = (
     *("run_pod", "create", "start", "containers", "exec_sync"),
@@ -731,16 +732,14 @@ async def concurrent_pods(runtime: VmAuraed, setup: Setup, count: int) -> dict[s
 
     async def exec_answers(pod: Pod) -> None:
         request = cri.ExecSyncRequest(
-            container_id=pod.container_id, cmd=CONCURRENT_EXEC, timeout=CONCURRENT_EXEC_TIMEOUT_S
+            container_id=pod.container_id, cmd=EXEC, timeout=CONCURRENT_EXEC_TIMEOUT_S
         )
         reply = await attempt(
             steps[pod.name], "exec_sync", pod,
             client.call(RUNTIME_SERVICE, "ExecSync", request, CONCURRENT_EXEC_TIMEOUT_S + 30),
         )  # fmt: skip
-        if reply.exit_code != 0 or reply.stdout != b"hello\n":
-            raise RuntimeError(
-                f"{pod.name}: ExecSync {CONCURRENT_EXEC}: exit {reply.exit_code}, {reply.stdout[:100]!r}"
-            )
+        if reply.exit_code != 0 or reply.stdout != EXEC_OUTPUT:
+            raise RuntimeError(f"{pod.name}: ExecSync {EXEC}: exit {reply.exit_code}, {reply.stdout[:100]!r}")
 
     async def down(pod: Pod) -> None:
         calls = teardown(pod.container_id, pod.pod_id)
