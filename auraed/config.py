@@ -266,7 +266,11 @@ class DaemonConfig:
         metadata=_help("directory with vmlinuz, initramfs.img and rootfs.img for guests (guest-image/build)"),
     )
     guest_ready_timeout: float = field(
-        default=120.0, metadata=_help("seconds a booting guest has to answer health SERVING")
+        default=120.0,
+        metadata=_help(
+            "seconds a booting guest has to answer health SERVING; a clone has as long to take its "
+            "identity, then as long again to serve"
+        ),
     )
     guest_keepalive_time: float = field(
         default=30.0,

@@ -3,7 +3,8 @@ the lifecycle of a pod with one container, ``vm`` pods against ``cell`` pods, bu
 ~330 MB Debian image in ``vm`` pods; all in one run.
 
     .venv/bin/python bench/cri_vm.py [--iterations 5] [--warmup 1] [--gap-ms 500]
-        [--memory-mib 768] [--guest-image DIR] [--boot default|cold] [--density N] [--json-only]
+        [--memory-mib 768] [--guest-image DIR] [--boot default|cold] [--density N]
+        [--concurrent [N]] [--json-only]
 
 A sibling of bench/cri.py, not a mode of it: it shares cri.py's pieces (the Auraed runtime, the
 pods' and the container's requests, the busybox image and its registry mirror, the CNI network,
@@ -89,12 +90,28 @@ With ``--density N``, after the rounds: N vm pods of the Debian image made one a
 each running its container, all left idle 30 s, then per pod the PSS of its processes on the host
 (QEMU and virtiofsd) and its guest's MemAvailable, with the load average; removed after.
 
+With ``--concurrent [N]`` (N 20 when not given), then: N vm pods (busybox) at once, as a kubelet
+given that many pods drives them, with the default configuration's clones: every RunPodSandbox
+sent at once; then, in every pod that came up, its container (COMMAND) created and started, all
+at once; ListPodSandbox must list all N READY and ListContainers their containers RUNNING, and an
+ExecSync (``echo hello``) in each must answer; then every container and pod stopped and removed
+at once. Reported: succeeded/total at each step, the wall time of each step (up: RunPodSandbox,
+then the containers; down), each pod's RunPodSandbox (and other steps) p50/p90/max, every failure
+with its pod, its RPC and how long it took to fail; at the peak the host's MemAvailable (before,
+then, after), the PSS of the pods' QEMU and virtiofsd (as the density part reads it), where the
+CPU went (the host's busy share during the RunPodSandbox calls, the CPU seconds of the pods'
+VMMs and of the daemon), and the clones' steps off the daemon's log. The peer: N bare boots
+(the ``bare`` series' VM) started at once through the VmService; the ratio of the wall times
+until all were up (every RunPodSandbox's reply; every bare boot's marker). The target is that
+all N are READY and nothing leaks (the leak check below runs after this part).
+
 Targets (issues #20, #35): RunPodSandbox of a vm pod at most 1.0x the bare boot (p50) *with the
 default configuration* (``--boot default``: the bare VM boots on q35 too, the clones' machine); a
 cold run's ratio is reported against that target as what it is; the vm pod's lifecycle (with its
 container) is reported against the cell pod's (no target); nothing leaks. Issue #35 also: a vm
 pod's CreateContainer at most 2x its StartContainer (p50); the Debian image's CreateContainer at
-most 1.2x busybox's; its guest's MemAvailable at most 32 MiB lower than busybox's guest's.
+most 1.2x busybox's; its guest's MemAvailable at most 32 MiB lower than busybox's guest's;
+20 concurrent vm pods on 2 cores all READY, nothing leaked.
 """
 
 from __future__ import annotations
@@ -128,6 +145,8 @@ from common import (
 )
 from container_start import source_state, tests_support
 from cri import (
+    EXEC,
+    EXEC_OUTPUT,
     STOP_TIMEOUT_S,
     Auraed,
     Pod,
@@ -172,6 +191,7 @@ from auraed.cri.runtime import SERVICE_NAME as RUNTIME_SERVICE
 from auraed.images.content import tree_size
 from auraed.system.cri_log import parse_cri_log_line
 from auraed.system.monitor_launcher import MONITOR_NAME
+from auraed.system.node import USER_HZ, load_percent, read_cpu_times, read_memory
 from auraed.vms import network
 from auraed.vms.backend import CONSOLE_LOG, processes_referencing
 
@@ -219,6 +239,13 @@ RUN_POD_TIMEOUT = 300.0  # a cold guest boot under TCG on a loaded machine
 START_TIMEOUT_S = 300
 BARE_TAIL_S = 0.2  # the bare guest powers off right after its marker: let the console catch up
 DENSITY_SETTLE_S = 30.0  # idle time of the density pods before their memory is read
+CONCURRENT_PODS = 20  # --concurrent without a number: issue 35's "20 concurrent vm pods on 2 cores"
+CONCURRENT_EXEC_TIMEOUT_S = 60  # cri.py's ExecSync's own timeout here: N guests share the cores, TCG
+# Each concurrent pod's steps, and two sums: ``containers`` (create + start), ``down`` (the last four).
+CONCURRENT_PHASES = (
+    *("run_pod", "create", "start", "containers", "exec_sync"),
+    *("stop", "remove", "stop_pod", "remove_pod", "down"),
+)
 QEMU = "qemu-system-x86_64"
 
 
@@ -510,8 +537,13 @@ async def bare_boot(
         await asyncio.sleep(BARE_TAIL_S)
     finally:
         await console.stop()
-    reason = await wait_ended(aurae, name)
-    await free_vm(aurae, name, runtime.made)
+    try:
+        reason = await wait_ended(aurae, name)
+    except RuntimeError as error:  # seen 1 bare boot in ~25 (q35, idle or not): say what it printed
+        tail = read_console(console.path).splitlines()[-5:] if console.appeared is not None else []
+        raise RuntimeError(f"{error}; its console's last lines: {tail}") from None
+    finally:  # freed (stopped first, if it never powered off) whatever happened: nothing is left
+        await free_vm(aurae, name, runtime.made)
     if "powered off" not in reason:
         raise RuntimeError(f"bare VM {name} ended with {reason!r}")
     phases = host_side_split(bare_phases(booted(name, total, console, t0)), console, t0)
@@ -577,6 +609,218 @@ def pod_pss_mib(run_dir: Path) -> float:
     return total_kib / 1024
 
 
+def pod_vm_name(pod: Pod) -> str:
+    """The name of a vm pod's guest (auraed.cri.vm's ``pod-<the pod id's first 16>``)."""
+    return f"pod-{pod.pod_id[:16]}"
+
+
+async def attempt(durations: dict[str, float], phase: str, pod: Pod, step: Awaitable[T]) -> T:
+    """``timed``, and a failure said with its pod, its RPC and how long it took to fail."""
+    start = time.monotonic()
+    try:
+        return await timed(durations, phase, step)
+    except Exception as error:
+        took = time.monotonic() - start
+        raise RuntimeError(
+            f"{pod.name}: {STEP_NAMES.get(phase, phase)} failed after {took:.1f} s: {error}"
+        ) from error
+
+
+def host_mem_available_mib() -> float:
+    return round(read_memory().available / MIB, 1)
+
+
+def cpu_seconds(pid: int, children: bool = False) -> float:
+    """The CPU time (user + system) process ``pid`` has used, with its waited-for children's when
+    ``children`` (the daemon's CNI plugins, runtimes); 0 when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state is fields[0], utime [11]
+    ticks = sum(int(f) for f in fields[11 : 15 if children else 13])
+    return ticks / USER_HZ
+
+
+def pod_cpu_seconds(run_dir: Path) -> float:
+    """The CPU time every process naming the VM's run directory (QEMU, virtiofsd) has used."""
+    return sum(cpu_seconds(pid) for pid in processes_referencing(run_dir))
+
+
+async def all_at_once(
+    pods: list[Pod], step: Callable[[Pod], Awaitable[None]], failures: list[str]
+) -> tuple[list[Pod], float]:
+    """``step`` of every pod at once: the pods it succeeded for (each failure's text appended to
+    ``failures``) and the wall seconds until the last ended."""
+    start = time.monotonic()
+    outcomes = await asyncio.gather(*(step(pod) for pod in pods), return_exceptions=True)
+    wall = time.monotonic() - start
+    failures += [str(o) for o in outcomes if isinstance(o, BaseException)]
+    return [pod for pod, o in zip(pods, outcomes, strict=True) if not isinstance(o, BaseException)], wall
+
+
+def daemon_cpu_seconds(runtime: VmAuraed) -> float:
+    """The daemon's CPU time, its children's (CNI plugins, runtimes) included."""
+    process = runtime.daemon.process
+    return cpu_seconds(process.pid, children=True) if process is not None else 0.0
+
+
+def peak_figures(
+    runtime: VmAuraed, up: list[Pod], host_cpu_busy: float, daemon_cpu_before: float
+) -> dict[str, Any]:
+    """The concurrent pods' peak: the host's memory, the PSS of the pods' VMMs, and where the CPU
+    went from the first RunPodSandbox to here (the pods' VMMs all started after it): the host's
+    busy share during the RunPodSandbox calls (every process's, other sessions' too), the pods'
+    QEMU and virtiofsd, the daemon and its children; the load average."""
+    pss = [round(pod_pss_mib(runtime.vms_dir / pod_vm_name(pod)), 1) for pod in up]
+    vmm_cpu = [pod_cpu_seconds(runtime.vms_dir / pod_vm_name(pod)) for pod in up]
+    return {
+        "host_mem_available_mib": host_mem_available_mib(),
+        "host_pss_mib_total": round(sum(pss), 1),
+        "host_pss_mib_mean": round(sum(pss) / len(pss), 1) if pss else 0.0,
+        "host_pss_mib_per_pod": pss,
+        "host_cpu_busy_percent_during_run_pod": round(host_cpu_busy, 1),
+        "pods_vmm_cpu_s_total": round(sum(vmm_cpu), 1),
+        "pods_vmm_cpu_s_mean": round(sum(vmm_cpu) / len(vmm_cpu), 1) if vmm_cpu else 0.0,
+        "daemon_cpu_s": round(daemon_cpu_seconds(runtime) - daemon_cpu_before, 1),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+async def concurrent_pods(runtime: VmAuraed, setup: Setup, count: int) -> dict[str, Any]:
+    """``count`` vm pods at once, as a kubelet given that many pods: every RunPodSandbox sent at
+    once, then in every pod that came up its container (COMMAND) created and started, all at once;
+    at the peak, ListPodSandbox must list them all READY and ListContainers their containers
+    RUNNING, an ExecSync in each must answer, and the host's memory is read (MemAvailable, and
+    the PSS of every process naming a pod's VM run directory, as the density part reads it); then
+    every container and pod stopped and removed at once. Failures are collected, not raised:
+    what is left is removed afterwards (and the leak check after it sees what could not be)."""
+    client = runtime.client
+    pods = [setup.pod(f"many-{i}") for i in range(count)]
+    steps: dict[str, dict[str, float]] = {pod.name: {} for pod in pods}
+    failures: list[str] = []
+    peak: dict[str, Any] = {}
+    available_before = host_mem_available_mib()
+    daemon_cpu_before, host_cpu_before = daemon_cpu_seconds(runtime), read_cpu_times()
+    for pod in pods:
+        await asyncio.to_thread(pod.prepare)
+
+    async def run_pod(pod: Pod) -> None:
+        request = cri.RunPodSandboxRequest(config=pod.config(), runtime_handler="vm")
+        reply = await attempt(
+            steps[pod.name],
+            "run_pod",
+            pod,
+            client.call(RUNTIME_SERVICE, "RunPodSandbox", request, RUN_POD_TIMEOUT),
+        )
+        pod.pod_id = reply.pod_sandbox_id
+
+    async def start_container(pod: Pod) -> None:
+        create = cri.CreateContainerRequest(
+            pod_sandbox_id=pod.pod_id, config=one_container(pod), sandbox_config=pod.config()
+        )
+        created = await attempt(
+            steps[pod.name],
+            "create",
+            pod,
+            client.call(RUNTIME_SERVICE, "CreateContainer", create, CREATE_TIMEOUT),
+        )
+        pod.container_id = created.container_id
+        start = cri.StartContainerRequest(container_id=pod.container_id)
+        await attempt(steps[pod.name], "start", pod, call(client, "StartContainer", start))
+        steps[pod.name]["containers"] = steps[pod.name]["create"] + steps[pod.name]["start"]
+
+    async def exec_answers(pod: Pod) -> None:
+        request = cri.ExecSyncRequest(
+            container_id=pod.container_id, cmd=EXEC, timeout=CONCURRENT_EXEC_TIMEOUT_S
+        )
+        reply = await attempt(
+            steps[pod.name], "exec_sync", pod,
+            client.call(RUNTIME_SERVICE, "ExecSync", request, CONCURRENT_EXEC_TIMEOUT_S + 30),
+        )  # fmt: skip
+        if reply.exit_code != 0 or reply.stdout != EXEC_OUTPUT:
+            raise RuntimeError(f"{pod.name}: ExecSync {EXEC}: exit {reply.exit_code}, {reply.stdout[:100]!r}")
+
+    async def down(pod: Pod) -> None:
+        calls = teardown(pod.container_id, pod.pod_id)
+        for phase, method, request in calls:
+            await attempt(steps[pod.name], phase, pod, call(client, method, request))
+        steps[pod.name]["down"] = sum(steps[pod.name][phase] for phase, _, _ in calls)
+
+    try:
+        up, run_wall = await all_at_once(pods, run_pod, failures)
+        host_cpu_busy_run_pod = load_percent(host_cpu_before, read_cpu_times())
+        running, containers_wall = await all_at_once(up, start_container, failures)
+        ours = {pod.pod_id for pod in up}
+        listed = (await call(client, "ListPodSandbox", cri.ListPodSandboxRequest())).items
+        listed_containers = (await call(client, "ListContainers", cri.ListContainersRequest())).containers
+        ready = [p.id for p in listed if p.id in ours and p.state == cri.PodSandboxState.SANDBOX_READY]
+        running_listed = [
+            c.id for c in listed_containers
+            if c.pod_sandbox_id in ours and c.state == cri.ContainerState.CONTAINER_RUNNING
+        ]  # fmt: skip
+        answered, exec_wall = await all_at_once(running, exec_answers, failures)
+        peak = peak_figures(runtime, up, host_cpu_busy_run_pod, daemon_cpu_before)
+    finally:
+        made = [pod for pod in pods if pod.pod_id]
+        done, down_wall = await all_at_once(made, down, failures)
+        if len(done) < len(made):
+            await remove_everything(client)
+        for pod in pods:
+            await asyncio.to_thread(pod.clean)
+    counts = {
+        "succeeded": len(done),
+        "run_pod_succeeded": len(up),
+        "containers_started": len(running),
+        "ready_listed": len(ready),
+        "running_listed": len(running_listed),
+        "exec_answered": len(answered),
+    }
+    return {
+        "pods": count,
+        **counts,
+        "all_succeeded": not failures and all(n == count for n in counts.values()),
+        "failures": failures,
+        "run_pod_wall_ms": round(run_wall * 1000, 1),
+        "containers_wall_ms": round(containers_wall * 1000, 1),
+        "up_wall_ms": round((run_wall + containers_wall) * 1000, 1),
+        "exec_wall_ms": round(exec_wall * 1000, 1),
+        "down_wall_ms": round(down_wall * 1000, 1),
+        "per_pod": {
+            phase: summarize(found)
+            for phase in CONCURRENT_PHASES
+            if (found := [steps[pod.name][phase] for pod in pods if phase in steps[pod.name]])
+        },
+        "vms": [pod_vm_name(pod) for pod in up],
+        "host_mem_available_mib_before": available_before,
+        "peak": peak,
+        "host_mem_available_mib_after": host_mem_available_mib(),
+    }
+
+
+async def concurrent_bare_boots(
+    aurae: AuraeClient, runtime: VmAuraed, image: Path, memory_mib: int, count: int
+) -> dict[str, Any]:
+    """The concurrent pods' peer: ``count`` bare boots (the ``bare`` series' VM) started at once,
+    the wall time until the last one's marker (Start's reply), and each boot's own total."""
+    start = time.monotonic()
+
+    async def boot(i: int) -> tuple[float, float]:
+        sent = time.monotonic()
+        total = (await bare_boot(aurae, runtime, image, memory_mib, f"bare-many-{i}"))["total"]
+        return sent - start + total, total  # (when its Start replied, from the first send; its own)
+
+    outcomes = await asyncio.gather(*(boot(i) for i in range(count)), return_exceptions=True)
+    booted = [o for o in outcomes if not isinstance(o, BaseException)]
+    return {
+        "vms": count,
+        "succeeded": len(booted),
+        "failures": [f"bare-many-{i}: {o}" for i, o in enumerate(outcomes) if isinstance(o, BaseException)],
+        "wall_ms": round(max((end for end, _ in booted), default=0.0) * 1000, 1),
+        "per_boot": summarize([total for _, total in booted]) if booted else {},
+    }
+
+
 async def container_running(client: AuraeClient, pod: Pod) -> None:
     """ContainerStatus: the pod's container RUNNING."""
     request = cri.ContainerStatusRequest(container_id=pod.container_id)
@@ -625,6 +869,42 @@ def qemu_argv(run_dir: Path) -> list[str]:
     return []
 
 
+async def optional_parts(
+    args: argparse.Namespace, aurae: AuraeClient, runtime: VmAuraed, setup: Setup, image: Path
+) -> dict[str, dict[str, Any]]:
+    """After the rounds, what was asked of ``--density`` and ``--concurrent`` (empty if not)."""
+    density, concurrent = {}, {}
+    if args.density:
+        density = await idle_density(runtime, dataclasses.replace(setup, image=DEBIAN_IMAGE), args.density)
+    if args.concurrent:
+        concurrent = await concurrent_with_peer(args, aurae, runtime, setup, image)
+    return {"density": density, "concurrent": concurrent}
+
+
+def logged_clones(
+    args: argparse.Namespace, log: str, concurrent: dict[str, Any]
+) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """The steps of the rounds' clones and of the concurrent pods' clones, as the daemon logged
+    them (none when cold). The warm-up rounds' come first and are left out (two vm pods a round,
+    vm and vm_debian), and so are the density pods', which come after the rounds'."""
+    if args.boot != "default":
+        return [], []
+    clones = clone_phases(log)
+    rounds = list(clones.values())[2 * args.warmup : 2 * (args.warmup + args.iterations)]
+    return rounds, [clones[vm] for vm in concurrent.get("vms", []) if vm in clones]
+
+
+async def concurrent_with_peer(
+    args: argparse.Namespace, aurae: AuraeClient, runtime: VmAuraed, setup: Setup, image: Path
+) -> dict[str, Any]:
+    """The concurrent pods, then their peer, each after ``--gap-ms`` idle."""
+    await asyncio.sleep(args.gap_ms / 1000)
+    concurrent = await concurrent_pods(runtime, setup, args.concurrent)
+    await asyncio.sleep(args.gap_ms / 1000)
+    peer = await concurrent_bare_boots(aurae, runtime, image, args.memory_mib, args.concurrent)
+    return {**concurrent, "bare_peer": peer}
+
+
 async def run(
     args: argparse.Namespace, runtime: VmAuraed, setup: Setup, image: Path, debian: BuiltImage
 ) -> dict[str, Any]:
@@ -635,7 +915,6 @@ async def run(
     memory: dict[str, list[float]] = {"vm": [], "vm_debian": []}  # the guests' MemAvailable, MiB
     runs: list[dict[str, Any]] = []
     warmup_run_pod: list[float] = []  # by default, the first may wait for the template's end
-    density: dict[str, Any] = {}
     async with runtime.daemon.client() as aurae:
         check = GuestCheck(aurae, runtime)
 
@@ -691,10 +970,7 @@ async def run(
                     if not args.json_only:
                         print(f"  round {i}: {kind} {measured['total']:.2f} s", file=sys.stderr)
             loadavg_after_rounds = [round(x, 2) for x in os.getloadavg()]
-            if args.density:
-                density = await idle_density(
-                    runtime, dataclasses.replace(setup, image=DEBIAN_IMAGE), args.density
-                )
+            after_rounds = await optional_parts(args, aurae, runtime, setup, image)
             left = await leaks(runtime, setup, before)
             listed = await aurae.call(VMS, "List", vms_pb.VmServiceListRequest(), timeout=30)
             if listed.vms:
@@ -707,20 +983,21 @@ async def run(
                 with contextlib.suppress(Exception):
                     await free_vm(aurae, name, runtime.made)
             await runtime.close()
+    rounds_clones, concurrent_clones = logged_clones(args, runtime.log(), after_rounds["concurrent"])
     return {
         "version": runtime.version,
         "series": series,
         "boots": boots,
         "memory": memory,
-        "density": density,
+        **after_rounds,
         "debian_image": debian_facts,
         "loadavg_after_rounds": loadavg_after_rounds,
         "runs": runs,
         "vm_pod_guest": check.seen,
         "leaks_after_rounds": left,
         "warmup_run_pod_s": warmup_run_pod,
-        # Each clone's steps, as the daemon logged them (its warm-up pods' first).
-        "clones": clone_phases(runtime.log())[args.warmup :] if args.boot == "default" else [],
+        "clones": rounds_clones,
+        "concurrent_clones": concurrent_clones,
         "template": template_made(runtime.log()) if args.boot == "default" else {},
     }
 
@@ -756,9 +1033,9 @@ def template_made(log: str) -> dict[str, float | str]:
     }
 
 
-def clone_phases(log: str) -> list[dict[str, float]]:
-    """Per clone of a vm pod, in order, in seconds (as every series here): its RAM copy, the
-    virtio-fs plug, the restore, the hotplug growing it to the pod's size and its guest's wait
+def clone_phases(log: str) -> dict[str, dict[str, float]]:
+    """Per clone of a vm pod (by its VM's name, in order), in seconds (as every series here): its
+    RAM copy, the virtio-fs plug, the restore, the hotplug growing it to the pod's size and its guest's wait
     for it to be online (part of the identity), the identity, its ready time as the handler
     logged it; and the MiB of data copied. From the daemon's log lines (auraed.vms.qemu, auraed.vms.guests,
     auraed.cri.vm)."""
@@ -776,7 +1053,7 @@ def clone_phases(log: str) -> list[dict[str, float]]:
             clones.setdefault(m[1], {})["hotplug"] = float(m[2]) / 1000
         if m := CLONE_LOG["onlined"].search(line):
             clones.setdefault(m[1], {})["guest_onlined"] = float(m[2]) / 1000
-    return list(clones.values())
+    return clones
 
 
 # ------------------------------------------------------------------------------ report
@@ -814,6 +1091,7 @@ def report(
     debian_over_busybox = ratio(debian["create"]["p50_ms"], lifecycle["vm"]["create"]["p50_ms"])
     available = {kind: round(percentile(sorted(values), 50), 1) for kind, values in results["memory"].items()}
     extra_mib = round(available["vm"] - available["vm_debian"], 1)
+    concurrent = concurrent_report(results)
     result: dict[str, Any] = {
         "benchmark": "cri_vm",
         "machine": machine,
@@ -850,6 +1128,7 @@ def report(
         "guest_mem_available_p50_mib": available,
         "guest_mem_available_debian_drop_beyond_busybox_mib": extra_mib,
         "density": results["density"],
+        "concurrent": concurrent,
         "loadavg_after_rounds": results["loadavg_after_rounds"],
         "runs": results["runs"],
         "leaks_after_rounds": results["leaks_after_rounds"],
@@ -870,11 +1149,28 @@ def report(
             "debian_extra_memory_mib_at_most": TARGET_EXTRA_MEMORY_MIB,
             "debian_extra_memory": verdict(extra_mib <= TARGET_EXTRA_MEMORY_MIB),
             "nothing_leaked": verdict(clean),
+            **({"concurrent_all_ready": verdict(concurrent["all_succeeded"])} if concurrent else {}),
         },
     }
     if not args.json_only:
         print_report(args, result)
     return result
+
+
+def concurrent_report(results: dict[str, Any]) -> dict[str, Any]:
+    """The concurrent pods' figures with their peer's, the ratio of the wall times until all were
+    up (every RunPodSandbox's reply; every bare boot's marker), and their clones' steps."""
+    concurrent = results["concurrent"]
+    if not concurrent:
+        return {}
+    peer = concurrent["bare_peer"]
+    return {
+        **{k: v for k, v in concurrent.items() if k != "vms"},
+        "ratio_run_pod_wall_over_bare_wall": ratio(concurrent["run_pod_wall_ms"], peer["wall_ms"]),
+        "clone_phases": stats_of(
+            [{k: v for k, v in c.items() if k != MIB_KEY} for c in results["concurrent_clones"]]
+        ),
+    }
 
 
 def stat_row(label: str, stats: dict[str, float]) -> list[object]:
@@ -949,6 +1245,8 @@ def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
             f"{density['guest_mem_available_mib']}; load average {density['loadavg_at_measure']}"
         )
     print_lines(lines)
+    if concurrent := result["concurrent"]:
+        print_concurrent(concurrent)
     found = result["leaks_after_rounds"]
     target = result["target"]
     cold = result["ratio_p50_run_pod_vm_over_bare"]
@@ -973,6 +1271,74 @@ def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
             f"{result['ratio_min_lifecycle_total_vm_over_cell']}x); the pod's 4 RPCs alone: "
             f"{pod_ratios['total']}x",
             f"nothing leaked: {target['nothing_leaked']}",
+        ]
+    )
+
+
+def print_concurrent(concurrent: dict[str, Any]) -> None:
+    per_pod, peer, peak = concurrent["per_pod"], concurrent["bare_peer"], concurrent["peak"]
+
+    def row(label: str, wall: object, stats: dict[str, float]) -> list[object]:
+        return [label, wall, *(stats.get(f"{stat}_ms", "-") for stat in ("p50", "p90", "max"))]
+
+    count = concurrent["pods"]
+    print_table(
+        f"{count} vm pods at once (ms): wall times, and each pod's step",
+        ["what (succeeded)", "wall", "p50", "p90", "max"],
+        [
+            row(
+                f"RunPodSandbox ({concurrent['run_pod_succeeded']}/{count})",
+                concurrent["run_pod_wall_ms"],
+                per_pod.get("run_pod", {}),
+            ),
+            row(
+                f"CreateContainer, then StartContainer ({concurrent['containers_started']})",
+                concurrent["containers_wall_ms"],
+                per_pod.get("containers", {}),
+            ),
+            row(
+                f"ExecSync ({concurrent['exec_answered']})",
+                concurrent["exec_wall_ms"],
+                per_pod.get("exec_sync", {}),
+            ),
+            row(
+                f"Stop and Remove, containers and pods ({concurrent['succeeded']})",
+                concurrent["down_wall_ms"],
+                per_pod.get("down", {}),
+            ),
+            row(
+                f"peer: bare boots at once ({peer['succeeded']}/{peer['vms']})",
+                peer["wall_ms"],
+                peer["per_boot"],
+            ),
+        ],
+    )
+    memory = (
+        f"host MemAvailable (MiB): {concurrent['host_mem_available_mib_before']} before, "
+        f"{peak.get('host_mem_available_mib', '-')} at the peak, "
+        f"{concurrent['host_mem_available_mib_after']} after"
+    )
+    pss = (
+        f"PSS of the pods' QEMU and virtiofsd at the peak: {peak.get('host_pss_mib_total', '-')} MiB "
+        f"({peak.get('host_pss_mib_mean', '-')} per pod); load average {peak.get('loadavg', '-')}"
+    )
+    print_lines(
+        [
+            f"{count} at once: {concurrent['succeeded']}/{count} went through, {concurrent['ready_listed']} "
+            f"listed READY, {concurrent['running_listed']} containers RUNNING, "
+            f"{concurrent['exec_answered']} ExecSync answered: {verdict(concurrent['all_succeeded'])}",
+            f"RunPodSandbox wall / the bare boots' wall: {concurrent['ratio_run_pod_wall_over_bare_wall']}x",
+            f"{memory}; {pss}",
+            f"CPU: the host {peak.get('host_cpu_busy_percent_during_run_pod', '-')}% busy during the "
+            f"RunPodSandbox calls; the pods' QEMU and virtiofsd {peak.get('pods_vmm_cpu_s_total', '-')} s "
+            f"({peak.get('pods_vmm_cpu_s_mean', '-')} s per pod), the daemon "
+            f"{peak.get('daemon_cpu_s', '-')} s until the peak",
+            "their clones' steps, p50 (max) ms: "
+            + ", ".join(
+                f"{step} {stats['p50_ms']:.0f} ({stats['max_ms']:.0f})"
+                for step, stats in concurrent["clone_phases"].items()
+            ),
+            *(f"failure: {failure}" for failure in concurrent["failures"]),
         ]
     )
 
@@ -1005,11 +1371,28 @@ def parse_args() -> argparse.Namespace:
         help="after the rounds, this many idle vm pods of the Debian image at once: the host memory "
         "(PSS of QEMU and virtiofsd) per pod (default 0: none)",
     )
+    parser.add_argument(
+        "--concurrent",
+        type=int,
+        nargs="?",
+        const=CONCURRENT_PODS,
+        default=0,
+        metavar="N",
+        help=f"after the rounds, N vm pods (busybox) at once (without N: {CONCURRENT_PODS}): every "
+        "RunPodSandbox at once, then their containers, all listed READY and RUNNING, an ExecSync in "
+        "each, all removed at once; the host memory at the peak; peer: N bare boots at once "
+        "(default 0: none)",
+    )
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
     args = parser.parse_args()
-    if args.iterations < 1 or args.warmup < 0 or args.gap_ms < 0 or args.memory_mib < 64 or args.density < 0:
+    if (
+        args.iterations < 1
+        or min(args.warmup, args.gap_ms, args.density, args.concurrent) < 0
+        or args.memory_mib < 64
+    ):
         parser.error(
-            "--iterations must be positive, --warmup, --gap-ms and --density not negative, --memory-mib >= 64"
+            "--iterations must be positive, --warmup, --gap-ms, --density and --concurrent not "
+            "negative, --memory-mib >= 64"
         )
     if os.geteuid() != 0:
         parser.exit(2, "cri_vm: needs root (pods: namespaces, cgroups, mounts, CNI; taps, QEMU)\n")

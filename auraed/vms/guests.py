@@ -478,7 +478,9 @@ class Guests:
         try:
             if handle is None:
                 raise VmError.precondition(f"VM {name} ended as it was restored")
-            reply = await send_identity(handle, message)
+            # Under load (many clones at once on few cores) taking the identity can take as
+            # long as a boot: the clone has the guest_ready_timeout a booting guest has.
+            reply = await send_identity(handle, message, self._ready_timeout)
         except VmError as exc:
             tail = self.vms.console_tail(name)
             await self.vms.stop_boot(name, handle, f"no identity: {exc.message}")

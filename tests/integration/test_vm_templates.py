@@ -8,19 +8,24 @@ RNG (``/proc/sys/kernel/random/uuid`` differs after the reseed), then stops and 
 second works on a copy of the image, as a restarted host would (a new Vms and Guests over the
 same store: the template is recovered, not made again): a clone's clock is the host's, not the
 template's (ten seconds behind by then), its SystemService reseeds and sets the time again, and
-changing the image rebuilds the template while a clone of the old one keeps serving.
+changing the image rebuilds the template while a clone of the old one keeps serving. The third
+freezes a clone as it is restored: it has the host's guest_ready_timeout to take its identity.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import shutil
+import signal
 import socket
 import ssl
 import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cryptography import x509
@@ -35,7 +40,7 @@ from auraed.metrics.prometheus import DaemonMetrics
 from auraed.metrics.sink import NO_METRICS, MetricsSink
 from auraed.pki import PkiPaths, ensure_dev_pki
 from auraed.vms.guests import Guests, GuestTrust
-from auraed.vms.model import State, VmSpec, parse_vm
+from auraed.vms.model import State, VmRecord, VmSpec, parse_vm
 from auraed.vms.servicer import VmServicer, status_message
 from auraed.vms.templates import AUTO_PREFIX, MEMORY_FILE, TemplateState
 from auraed.vms.vms import Vms
@@ -44,6 +49,7 @@ from tests.integration.test_vms import VmEnv
 pytestmark = pytest.mark.slow
 
 READY_TIMEOUT = 240.0  # a template's boot, or three clones' starts, on a loaded 2-core machine
+FROZEN_READY_TIMEOUT = 5.0  # the guest_ready_timeout of the host whose clone is frozen
 MEMORY_MIB = 384
 CELLS = "aurae.cells.v0.CellService"
 OBSERVE = "aurae.observe.v0.ObserveService"
@@ -60,11 +66,15 @@ async def env(guest_image: Path) -> AsyncIterator[VmEnv]:
 
 
 def guests_over(
-    env: VmEnv, pki: PkiPaths, image: Path, metrics: MetricsSink = NO_METRICS
+    env: VmEnv,
+    pki: PkiPaths,
+    image: Path,
+    metrics: MetricsSink = NO_METRICS,
+    ready_timeout: float = READY_TIMEOUT,
 ) -> tuple[Vms, Guests]:
     vms = env.vms()
     trust = GuestTrust(pki.ca_crt, pki.ca_key, env.root / "pki")
-    guests = Guests(vms, trust, image, READY_TIMEOUT, metrics=metrics)
+    guests = Guests(vms, trust, image, ready_timeout, metrics=metrics)
     return vms, guests
 
 
@@ -253,6 +263,51 @@ async def test_a_recovered_template_s_clones_get_the_host_s_clock_and_a_changed_
     for name in ("old", "new"):
         await guests.free(name, 0.0)
     await guests.remove_template("t2")
+    await guests.trust.close()
+
+
+async def test_a_clone_has_the_guest_ready_timeout_to_take_its_identity_not_a_fixed_one(
+    env: VmEnv, pki: PkiPaths, guest_image: Path
+) -> None:
+    """Taking its identity is part of a clone's getting ready: it has the guest_ready_timeout a
+    booting guest has (20 clones at once on 2 cores took 9-37 s to take theirs; a fixed 30 s
+    failed every one of them). Here the host's guests have FROZEN_READY_TIMEOUT and the clone's
+    VMM is frozen (SIGSTOP) as soon as it is restored, as a host too busy to run it would leave
+    it: the Start fails for the identity after that timeout, not after a deadline of its own."""
+    vms, guests = guests_over(env, pki, guest_image)
+    await guests.create_template("t3", vcpus=1, memory_mib=MEMORY_MIB)
+    await vms.close()
+    await guests.trust.close()
+
+    vms, guests = guests_over(env, pki, guest_image, ready_timeout=FROZEN_READY_TIMEOUT)
+    await guests.allocate(clone_spec("frozen", "t3"))
+    restore = vms.start
+    frozen: list[int] = []
+
+    async def restore_then_freeze(name: str, **how: Any) -> tuple[VmRecord, float | None]:
+        record, ready = await restore(name, **how)
+        assert record.run is not None
+        os.kill(record.run.pid, signal.SIGSTOP)
+        frozen.append(record.run.pid)
+        return record, ready
+
+    vms.start = restore_then_freeze  # type: ignore[method-assign]
+    started = time.monotonic()
+    try:
+        with pytest.raises(AuraeError) as failed:
+            async with asyncio.timeout(FROZEN_READY_TIMEOUT + 15):
+                await guests.boot("frozen")
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    took = time.monotonic() - started
+    assert failed.value.kind == ErrorKind.DEADLINE_EXCEEDED, failed.value
+    assert f"did not take its identity within {FROZEN_READY_TIMEOUT:g} s" in failed.value.message
+    assert frozen and took >= FROZEN_READY_TIMEOUT, took
+    assert vms.get("frozen").state != State.RUNNING  # stopped, never served
+    await guests.free("frozen", 0.0)
+    await guests.remove_template("t3")
     await guests.trust.close()
 
 
