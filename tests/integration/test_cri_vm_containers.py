@@ -544,6 +544,11 @@ async def the_logs_resume_after_kill_9(pod: VmPod, server: str) -> None:
     assert (await node.exec_sync(server, ["echo", "-n", "still here"])).stdout == b"still here"
     info = json.loads((await node.status_reply(server, verbose=True)).info["info"])
     assert info["pid"] > 0
+    # The new daemon binds in the pod's share, in the mount namespace it finds pinned.
+    after = await pod.run("after-restart", ["cat", "/etc/hostname"])
+    await node.wait_state(after, EXITED, TIMEOUT)
+    assert pod.lines("after-restart") == ["vm-pod-host"]
+    await node.remove(after)
 
     # Stop ends the process in the guest; remove forgets it; the log stays for the kubelet.
     await node.stop(ticker)
