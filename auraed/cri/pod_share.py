@@ -16,8 +16,9 @@ it private (nothing the host mounts later reaches it, nothing of it reaches the 
 the host at ``<runtime dir>/pod-shares/<pod id>/mnt`` (a bind of its nsfs file; found again
 after a restart of the daemon), and virtiofsd is started in it (``nsenter --mount``). The pins'
 directory, ``pod-shares``, is a private bind of itself on the host (Linux refuses to propagate a
-mount namespace's file, and a copy elsewhere would keep the namespace alive); the namespace
-itself drops its copy of it, and so the other pods' pins. In the pod's namespace, under
+mount namespace's file, and a copy elsewhere would keep the namespace alive); the pod's
+namespace drops its copies of the host's namespace pins, the other pods' among them
+(auraed.system.namespaces.create_mount_namespace). In the pod's namespace, under
 ``<runtime dir>/pod-shares/<pod id>/``:
 
 - ``points``: a tmpfs of the pod's own that only the host writes: the mount points
@@ -84,7 +85,7 @@ from auraed.system.mount_api import (
     open_beneath,
     set_mount_attributes,
 )
-from auraed.system.mounts import MOUNTINFO, read_mounts
+from auraed.system.mounts import MOUNTINFO, THREAD_MOUNTINFO, read_mounts
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +100,6 @@ POINTS_SOURCE = "aurae-pod-share"
 """The tmpfs's name in mountinfo."""
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _DIRECTORY = os.O_PATH | os.O_DIRECTORY
-_THREAD_MOUNTINFO = Path("/proc/thread-self/mountinfo")
-"""The mounts of the calling thread's namespace (a pod's, on a thread that entered it)."""
 _SEALED = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC
 
 
@@ -173,11 +172,9 @@ class PodShares:
         return self.served(pod_id)
 
     def _set_up(self, pod_id: str) -> None:
-        """In the pod's new mount namespace: its copy of the pins' mount dropped (the other
-        pods' pins with it: they would keep those namespaces alive), then ``points`` and
-        ``share`` mounted."""
+        """In the pod's new mount namespace (without the host's namespace pins, the other pods'
+        included): ``points`` and ``share`` mounted."""
         with contextlib.ExitStack() as stack:
-            detach(_keep(stack, os.open(self._root, _DIRECTORY | os.O_CLOEXEC)))
             root = _keep(stack, os.open(self._root, _DIRECTORY | os.O_CLOEXEC))
             pod = _keep(stack, open_beneath(root, pod_id, _DIRECTORY, into_mounts=False))
             at = _keep(stack, open_beneath(pod, POINTS, _DIRECTORY, into_mounts=False))
@@ -247,7 +244,7 @@ class PodShares:
         with self._opened(pod_id) as share:
             if share is None:
                 return
-            if _detach_all(share.served, self.served(pod_id), key, _THREAD_MOUNTINFO):
+            if _detach_all(share.served, self.served(pod_id), key, THREAD_MOUNTINFO):
                 _remove_tree(share.points, key)
 
     def remove(self, pod_id: str) -> None:
@@ -282,7 +279,7 @@ class PodShares:
     def _detach_share(self, pod_id: str) -> None:
         root = os.open(self._root, _DIRECTORY | os.O_CLOEXEC)
         try:
-            _detach_all(root, self._root, pod_id, _THREAD_MOUNTINFO)
+            _detach_all(root, self._root, pod_id, THREAD_MOUNTINFO)
         finally:
             os.close(root)
 

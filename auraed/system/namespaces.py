@@ -255,9 +255,14 @@ def socket_in_network_namespace(path: str | os.PathLike[str], family: int, kind:
 
 def create_mount_namespace(path: str | os.PathLike[str], set_up: Callable[[], None]) -> None:
     """Create a new mount namespace, a copy of the caller's with every mount in it private
-    (nothing mounted on either side later reaches the other), set up by ``set_up`` on the thread
-    that made it, and pinned by a bind mount on ``path`` (see pin_namespace): it then lives, with
-    no process in it, until unpin_namespace. Nothing is pinned when ``set_up`` fails.
+    (nothing mounted on either side later reaches the other) but for its namespace pins, set up
+    by ``set_up`` on the thread that made it, and pinned by a bind mount on ``path`` (see
+    pin_namespace): it then lives, with no process in it, until unpin_namespace. Nothing is
+    pinned when ``set_up`` fails.
+
+    The copies of the caller's pins (nsfs mounts: a pod's network namespace, another such mount
+    namespace) are detached: a private copy is not unmounted with its original, and would keep
+    that namespace, and what lives in it, until this one ends.
 
     The pin's mount must not be shared with another mount namespace: Linux refuses to copy a
     mount namespace's file by propagation (EINVAL), lest a namespace pin itself. Runs on a
@@ -267,6 +272,7 @@ def create_mount_namespace(path: str | os.PathLike[str], set_up: Callable[[], No
     def worker() -> int:
         unshare(CLONE_NEWNS)  # a filesystem context of the thread's own (CLONE_FS) with it
         mount(None, "/", None, MS_REC | MS_PRIVATE)
+        _drop_namespace_pins()
         set_up()
         return os.open(thread_namespace("mnt"), os.O_RDONLY | os.O_CLOEXEC)
 
@@ -275,6 +281,18 @@ def create_mount_namespace(path: str | os.PathLike[str], set_up: Callable[[], No
         pin_namespace(f"/proc/self/fd/{namespace}", target)
     finally:
         os.close(namespace)
+
+
+def _drop_namespace_pins() -> None:
+    """The calling thread's mount namespace's nsfs mounts detached, the last made first."""
+    from auraed.system.mounts import THREAD_MOUNTINFO, read_mounts
+
+    for entry in reversed(read_mounts(THREAD_MOUNTINFO)):
+        if entry.fs_type == "nsfs":
+            try:
+                umount(entry.mount_point, MNT_DETACH)
+            except OSError:
+                pass  # gone with one detached before it
 
 
 def enter_mount_namespace(path: str | os.PathLike[str]) -> None:

@@ -23,7 +23,7 @@ from auraed.containers.request import Mount
 from auraed.cri.errors import CriError
 from auraed.cri.pod_share import POINTS, SERVED, PodShares
 from auraed.system import namespaces
-from auraed.system.mounts import MountEntry, read_mounts
+from auraed.system.mounts import THREAD_MOUNTINFO, MountEntry, read_mounts
 
 POD = "0123456789abcdef" * 4
 
@@ -33,11 +33,9 @@ def mounts_below(path: Path) -> list[str]:
     return [e.mount_point for e in read_mounts() if e.mount_point.startswith(str(path))]
 
 
-def pod_mounts(shares: PodShares) -> dict[str, MountEntry]:
+def pod_mounts(shares: PodShares, pod: str = POD) -> dict[str, MountEntry]:
     """The mounts of the pod's namespace, by mount point (the topmost of each)."""
-    entries = namespaces.in_mount_namespace(
-        shares.namespace(POD), lambda: read_mounts(Path("/proc/thread-self/mountinfo"))
-    )
+    entries = namespaces.in_mount_namespace(shares.namespace(pod), lambda: read_mounts(THREAD_MOUNTINFO))
     return {entry.mount_point: entry for entry in entries}
 
 
@@ -255,3 +253,26 @@ def test_a_share_is_found_again_by_a_new_daemon_and_removed_whole(shares: PodSha
     assert mounts_below(root) == [] and not root.exists()
     with pytest.raises(CriError):
         again.bind(POD, "k1", (bind(volumes / "rw", "/v", "rprivate"),))
+
+
+def test_the_pods_namespace_holds_no_copy_of_the_hosts_namespace_pins(
+    shares: PodShares, tmp_path: Path
+) -> None:
+    """A namespace pinned on the host when the share is made (a cell pod's network namespace,
+    another pod's share): the pod's namespace drops its copy, which the host's unpin would not
+    reach, so the pinned namespace ends when the host lets it go."""
+    network = tmp_path / "net"
+    namespaces.create_network_namespace(network)
+    try:
+        shares.make(POD)
+        other = POD[::-1]
+        shares.make(other)  # after the first pod's share was pinned
+        kinds = {entry.fs_type for entry in pod_mounts(shares, other).values()}
+        assert "tmpfs" in kinds and "nsfs" not in kinds
+        assert [
+            e.mount_point for e in read_mounts() if e.fs_type == "nsfs" and str(tmp_path) in e.mount_point
+        ] == [str(network), str(shares.namespace(POD)), str(shares.namespace(other))]
+        shares.remove(other)
+        shares.remove(POD)
+    finally:
+        namespaces.remove_network_namespace(network)
