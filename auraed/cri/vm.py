@@ -245,6 +245,7 @@ class VmSandbox:
             memory_mib=memory_mib,
             hostname=pod.spec.hostname,
             shared_dir=str(shared),
+            shared_namespace=str(self._shares.namespace(pod.id)),
             cgroup_procs=cgroup_procs,
         )
         await self._guests.allocate(spec, net)
@@ -268,6 +269,7 @@ class VmSandbox:
         hostname: str,
         shared_dir: str,
         cgroup_procs: tuple[str, ...],
+        shared_namespace: str = "",
     ) -> VmSpec:
         return VmSpec(
             name=name,
@@ -284,6 +286,7 @@ class VmSandbox:
             backend="qemu",
             role=GUEST_ROLE,
             shared_dir=shared_dir,
+            shared_namespace=shared_namespace,
             cgroup_procs=cgroup_procs,
             # The host's template (made at daemon start, auraed.cri.vm_template): a clone grown to
             # the pod's size, its virtio-fs plugged as it resumes; cold when it cannot be

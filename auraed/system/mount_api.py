@@ -18,7 +18,7 @@ import os
 import struct
 from pathlib import Path
 
-from auraed.system.mounts import read_mounts
+from auraed.system.mounts import MOUNTINFO, read_mounts
 from auraed.system.namespaces import MNT_DETACH, umount
 
 log = logging.getLogger(__name__)
@@ -164,21 +164,24 @@ def detach(fd: int) -> bool:
     return True
 
 
-def mounts_below(top: Path) -> list[str]:
+def mounts_below(top: Path, mountinfo: Path = MOUNTINFO) -> list[str]:
     """The mount points at ``top`` and below it, shallowest first, each as often as something
-    is mounted there."""
+    is mounted there; in the namespace ``mountinfo`` shows (a thread's own after it entered one:
+    mounts.THREAD_MOUNTINFO)."""
     prefix = f"{top}/"
     found = [
-        e.mount_point for e in read_mounts() if e.mount_point == str(top) or e.mount_point.startswith(prefix)
+        e.mount_point
+        for e in read_mounts(mountinfo)
+        if e.mount_point == str(top) or e.mount_point.startswith(prefix)
     ]
     return sorted(found, key=lambda point: point.count("/"))
 
 
-def detach_all(dir_fd: int, directory: Path, name: str) -> bool:
+def detach_all(dir_fd: int, directory: Path, name: str, mountinfo: Path = MOUNTINFO) -> bool:
     """Detach every mount at ``name`` in ``directory`` and below it, each reached from
     ``dir_fd`` without following a link; the shallowest first (its submounts go with it).
     False, logged, when some could not be: then nothing there may be deleted."""
-    for point in mounts_below(directory / name):
+    for point in mounts_below(directory / name, mountinfo):
         try:
             fd = open_beneath(dir_fd, os.path.relpath(point, directory))
         except FileNotFoundError:
@@ -190,7 +193,7 @@ def detach_all(dir_fd: int, directory: Path, name: str) -> bool:
             detach(fd)
         finally:
             os.close(fd)
-    left = mounts_below(directory / name)
+    left = mounts_below(directory / name, mountinfo)
     if left:
         log.warning(
             "%s still holds mounts (%s): its mount points are left", directory / name, ", ".join(left)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MOUNTINFO = Path("/proc/self/mountinfo")
+THREAD_MOUNTINFO = Path("/proc/thread-self/mountinfo")
+"""The calling thread's: its own mount namespace's after it entered one (setns, unshare)."""
 _ESCAPE = re.compile(r"\\([0-7]{3})")
 
 

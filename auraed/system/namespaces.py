@@ -19,7 +19,12 @@ from auraed.system.threads import in_new_thread
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import socket
+    from collections.abc import Callable
+    from typing import TypeVar
 
+    T = TypeVar("T")
+
+CLONE_FS = 0x00000200
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
@@ -244,6 +249,72 @@ def socket_in_network_namespace(path: str | os.PathLike[str], family: int, kind:
     def worker() -> socket.socket:
         enter_network_namespace(path)
         return socket.socket(family, kind)
+
+    return in_new_thread(worker)
+
+
+def create_mount_namespace(path: str | os.PathLike[str], set_up: Callable[[], None]) -> None:
+    """Create a new mount namespace, a copy of the caller's with every mount in it private
+    (nothing mounted on either side later reaches the other) but for its namespace pins, set up
+    by ``set_up`` on the thread that made it, and pinned by a bind mount on ``path`` (see
+    pin_namespace): it then lives, with no process in it, until unpin_namespace. Nothing is
+    pinned when ``set_up`` fails.
+
+    The copies of the caller's pins (nsfs mounts: a pod's network namespace, another such mount
+    namespace) are detached: a private copy is not unmounted with its original, and would keep
+    that namespace, and what lives in it, until this one ends.
+
+    The pin's mount must not be shared with another mount namespace: Linux refuses to copy a
+    mount namespace's file by propagation (EINVAL), lest a namespace pin itself. Runs on a
+    short-lived thread of its own (in_new_thread), which the namespace outlives."""
+    target = os.fspath(path)
+
+    def worker() -> int:
+        unshare(CLONE_NEWNS)  # a filesystem context of the thread's own (CLONE_FS) with it
+        mount(None, "/", None, MS_REC | MS_PRIVATE)
+        _drop_namespace_pins()
+        set_up()
+        return os.open(thread_namespace("mnt"), os.O_RDONLY | os.O_CLOEXEC)
+
+    namespace = in_new_thread(worker)
+    try:
+        pin_namespace(f"/proc/self/fd/{namespace}", target)
+    finally:
+        os.close(namespace)
+
+
+def _drop_namespace_pins() -> None:
+    """The calling thread's mount namespace's nsfs mounts detached, the last made first."""
+    from auraed.system.mounts import THREAD_MOUNTINFO, read_mounts
+
+    for entry in reversed(read_mounts(THREAD_MOUNTINFO)):
+        if entry.fs_type == "nsfs":
+            try:
+                umount(entry.mount_point, MNT_DETACH)
+            except OSError:
+                pass  # gone with one detached before it
+
+
+def enter_mount_namespace(path: str | os.PathLike[str]) -> None:
+    """Move the calling thread into the mount namespace pinned at ``path``: only ever on a
+    short-lived thread of its own (in_new_thread). The thread first takes a filesystem context
+    (root, cwd) of its own: setns refuses a mount namespace to a thread sharing it (EINVAL)."""
+    unshare(CLONE_FS)
+    fd = os.open(os.fspath(path), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        setns(fd, CLONE_NEWNS)
+    finally:
+        os.close(fd)
+
+
+def in_mount_namespace(path: str | os.PathLike[str], work: Callable[[], T]) -> T:
+    """``work()`` run in the mount namespace pinned at ``path``, on a short-lived thread that
+    enters it (neither the caller's thread nor a pool's is moved); what it raises is raised here.
+    Descriptors are the process's: what ``work`` opens or is given stays usable on any thread."""
+
+    def worker() -> T:
+        enter_mount_namespace(path)
+        return work()
 
     return in_new_thread(worker)
 

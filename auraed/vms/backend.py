@@ -105,6 +105,7 @@ class LaunchSpec:
     run_dir: Path
     timeout: float = 30.0  # for the VMM to come up and report the guest running
     shared_dir: str = ""  # shared with the guest over virtio-fs (its tag: SHARE_TAG)
+    shared_namespace: str = ""  # the pinned mount namespace shared_dir is in ("": the daemon's)
     image: MemoryImage | None = None  # a template being made, or a clone to restore
     # The cgroup files (cgroup.procs) the VMM and its helpers join as they start (VmSpec's).
     cgroup_procs: tuple[str, ...] = ()

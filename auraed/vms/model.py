@@ -71,6 +71,9 @@ class VmSpec:
     # A host directory the guest mounts at auraed.bootargs.SHARE_MOUNT (virtio-fs): a pod's
     # volumes. "": none.
     shared_dir: str = ""
+    # The mount namespace (its pinned file) ``shared_dir`` is mounted in and virtiofsd serves it
+    # from: a vm pod's own (auraed.cri.pod_share). "": the daemon's.
+    shared_namespace: str = ""
     # A guest cloned from a template: "" boots cold, "auto" the host's template of its shape, or a
     # template's name (vms/templates.py).
     template: str = ""

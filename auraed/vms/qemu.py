@@ -13,7 +13,8 @@
 - QEMU runs sandboxed (``-sandbox on``: no spawning, no privilege changes) in its own session;
 - a shared directory (a pod's volumes) is served by virtiofsd (QEMU's, from qemu-system-common)
   over vhost-user: the guest's RAM is then a shared memfd (vhost-user needs to map it), and the
-  device is vhost-user-fs with the tag auraed.bootargs.SHARE_TAG. virtiofsd runs in its own
+  device is vhost-user-fs with the tag auraed.bootargs.SHARE_TAG. virtiofsd is started in the
+  directory's mount namespace when it has one (``nsenter --mount``), and runs in its own
   namespace sandbox and ends when QEMU disconnects; what the guest may write there is what the
   mounts of the directory allow in that namespace (a vm pod's share: auraed.cri.pod_share), and
   its xattrs are mapped (VIRTIOFS_XATTR_MAP: a guest's trusted.* is the host's user.virtiofs.*);
@@ -74,6 +75,8 @@ STATUS_TIMEOUT = 5.0
 QUIT_WAIT = 5.0
 VIRTIOFS_SOCKET = "virtiofs.sock"
 VIRTIOFSD_LOG = "virtiofsd.log"
+NSENTER = "nsenter"
+"""util-linux's, which starts virtiofsd in a shared directory's mount namespace."""
 VIRTIOFSD_START = 10.0
 """Seconds virtiofsd has to open its socket."""
 MICROVM = "microvm,x-option-roms=off,isa-serial=on,rtc=on"
@@ -539,6 +542,8 @@ class QemuBackend:
             "-o", "sandbox=namespace",
             "-o", f"xattrmap={VIRTIOFS_XATTR_MAP}",
         ]  # fmt: skip
+        if spec.shared_namespace:  # where the directory's mounts are (a vm pod's share)
+            argv = [NSENTER, f"--mount={spec.shared_namespace}", "--", *argv]
         with (spec.run_dir / VIRTIOFSD_LOG).open("ab") as output:
             process = subprocess.Popen(
                 common.in_cgroup(argv, spec.cgroup_procs), stdin=subprocess.DEVNULL, stdout=output,

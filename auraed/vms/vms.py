@@ -328,6 +328,7 @@ class Vms:
             run_dir=Path(record.run_dir),
             timeout=timeout,
             shared_dir=spec.shared_dir,
+            shared_namespace=spec.shared_namespace,
             image=image,
             cgroup_procs=spec.cgroup_procs,
             machine=spec.machine,

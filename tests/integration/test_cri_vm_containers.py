@@ -40,7 +40,7 @@ from tests.integration.test_cri_containers import (
 )
 from tests.integration.test_cri_containers import mirror as busybox_mirror
 from tests.integration.test_cri_streaming_rpcs import read_until
-from tests.integration.vm_pods_helpers import VMS, cgroups_of, qemu_of, vm_node_fixture
+from tests.integration.vm_pods_helpers import VMS, cgroups_of, in_share_namespace, qemu_of, vm_node_fixture
 from tests.support.cni import free_port, probe
 from tests.support.cri import (
     PREDEFINED_GROUP_IMAGE,
@@ -485,12 +485,12 @@ async def host_paths_reach_the_guest(pod: VmPod, tmp_path: Path) -> None:
     assert sorted(p.name for p in locked.iterdir()) == ["keep.txt"]
     (data / "in.txt").write_text("changed on the host\n")  # as a configMap's update
     assert (await node.exec_sync(volume, ["cat", "/data/in.txt"])).stdout == b"changed on the host\n"
-    shares = node.daemon.root / "run" / "pod-shares" / pod.pod_id / "share"
-    keys = {key.name for key in shares.iterdir()}
+    share = node.daemon.root / "run" / "pod-shares" / pod.pod_id
+    keys = in_share_namespace(share, "ls", str(share / "share")).split()
     assert len(keys) == 3  # each container's binds under one key: the server's, the client's, this
     await node.stop(volume)
     await node.remove(volume)
-    assert len(list(shares.iterdir())) == 2
+    assert len(in_share_namespace(share, "ls", str(share / "share")).split()) == 2
     assert (data / "in.txt").exists() and (locked / "keep.txt").exists()  # released, not removed
 
 
@@ -544,6 +544,11 @@ async def the_logs_resume_after_kill_9(pod: VmPod, server: str) -> None:
     assert (await node.exec_sync(server, ["echo", "-n", "still here"])).stdout == b"still here"
     info = json.loads((await node.status_reply(server, verbose=True)).info["info"])
     assert info["pid"] > 0
+    # The new daemon binds in the pod's share, in the mount namespace it finds pinned.
+    after = await pod.run("after-restart", ["cat", "/etc/hostname"])
+    await node.wait_state(after, EXITED, TIMEOUT)
+    assert pod.lines("after-restart") == ["vm-pod-host"]
+    await node.remove(after)
 
     # Stop ends the process in the guest; remove forgets it; the log stays for the kubelet.
     await node.stop(ticker)

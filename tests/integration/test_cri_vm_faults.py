@@ -101,6 +101,10 @@ async def test_a_guest_never_ready_fails_its_run_and_leaves_nothing(
                 assert (await aurae.call(VMS, "List", vms.VmServiceListRequest())).vms == []
             pods_dir = daemon.root / "run" / "pods"
             assert not pods_dir.exists() or list(pods_dir.iterdir()) == []
+            # The pod's share, its mount namespace's pin and the pins' own mount, all gone.
+            shares_dir = daemon.root / "run" / "pod-shares"
+            assert not shares_dir.exists()
+            assert str(shares_dir) not in Path("/proc/self/mountinfo").read_text()
         finally:
             await client.close()
 

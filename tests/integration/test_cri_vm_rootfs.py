@@ -43,7 +43,13 @@ from tests.integration.test_cri_containers import (
     mapping,
     userns_pod,
 )
-from tests.integration.vm_pods_helpers import leftovers_of_pod, module_vm_node, remove_every_pod, veths_on
+from tests.integration.vm_pods_helpers import (
+    in_share_namespace,
+    leftovers_of_pod,
+    module_vm_node,
+    remove_every_pod,
+    veths_on,
+)
 from tests.support.cri import (
     BUSYBOX_IMAGE,
     cri_client,
@@ -120,11 +126,11 @@ class RootfsPods:
 
 
 def bound_snapshots(shares: Path, pod_id: str) -> list[str]:
-    """The snapshot directories (their names) bound in the pod's share on the host, as mountinfo
-    says: each mount's root in its filesystem, for mount points below the share."""
+    """The snapshot directories (their names) bound in the pod's share, as the mountinfo of its
+    mount namespace says: each mount's root in its filesystem, for mount points below the share."""
     served = f"{shares / pod_id / 'share'}/"
     found = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+    for line in in_share_namespace(shares / pod_id, "cat", "/proc/self/mountinfo").splitlines():
         fields = line.split()
         root, point = fields[3], fields[4]
         if point.startswith(served) and "/images/snapshots/" in root:

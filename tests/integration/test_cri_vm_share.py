@@ -170,6 +170,42 @@ async def test_a_read_only_volumes_writable_submount_stays_writable(shared_pod: 
     assert (volumes.below_non_recursive / "file").exists() and not (volumes.non_recursive / "top").exists()
 
 
+def host_mounts() -> list[tuple[str, str, str]]:
+    """The host's mounts (this process's namespace, the daemon's): (mount point, type, source)."""
+    found = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields, _, filesystem = line.partition(" - ")
+        kind, source = filesystem.split(" ")[:2]
+        found.append((fields.split(" ")[4], kind, source))
+    return found
+
+
+async def test_the_host_holds_no_mount_of_the_pods_volumes(shared_pod: SharedPod) -> None:
+    """The share's mounts are in the pod's own mount namespace: on the host only its pin (a
+    bind of the namespace's file) is below the pod's share directory, and each tmpfs below a
+    volume is mounted once, the host's own."""
+    share, volumes = shared_pod.share, shared_pod.volumes
+    mounts = host_mounts()
+    assert [(point, kind) for point, kind, _ in mounts if point.startswith(f"{share}/")] == [
+        (f"{share}/mnt", "nsfs")
+    ]
+    below = sorted(point for point, kind, source in mounts if (kind, source) == ("tmpfs", "below"))
+    assert below == sorted([str(volumes.below_recursive), str(volumes.below_non_recursive)])
+
+
+async def test_the_host_removes_its_mount_below_a_volume_while_the_pod_lives(shared_pod: SharedPod) -> None:
+    """critest's readonly specs' clean-up: the host unmounts the tmpfs it mounted below a volume
+    a running container holds, then removes the mount point. With the share's copy in the
+    host's namespace the rmdir failed (EBUSY); in the pod's own Linux detaches it."""
+    volumes = shared_pod.volumes
+    assert (await shared_pod.run("touch /nrro/tmpfs/before && echo BEFORE")) == ["BEFORE"]
+    subprocess.run(["umount", str(volumes.below_non_recursive)], check=True)
+    volumes.below_non_recursive.rmdir()
+    assert not volumes.below_non_recursive.exists()
+    # The container goes on; the directory is gone from the volume it sees too.
+    assert await shared_pod.run("ls /nrro; cat /ro/keep.txt") == ["keep"]
+
+
 async def test_bidirectional_propagation_is_refused_at_the_vm_boundary(shared_pod: SharedPod) -> None:
     """critest's "mount with 'rshared'" asks that a mount the container makes reach the host: a
     guest's mounts never do, so CreateContainer says so (docs: the specs a VM boundary refuses)."""
@@ -250,6 +286,9 @@ async def test_the_pod_is_removed_whatever_its_guest_left(shared_pod: SharedPod)
     await node.stop_pod(shared_pod.pod_id)
     await node.remove_pod(shared_pod.pod_id)
     assert leftovers_of_pod(node.daemon, node.network, shared_pod.pod_id) == {}
+    # Its namespace's pin went with it, and the pins' own mount with the node's last share.
+    assert not shared_pod.share.parent.exists()
+    assert [point for point, _, _ in host_mounts() if point.startswith(str(shared_pod.share.parent))] == []
     log = node.daemon.log()
     assert "in a pod's share" not in log and "still holds mounts" not in log
     mounts = Path("/proc/self/mountinfo").read_text().splitlines()

@@ -139,6 +139,17 @@ def veths_on(bridge: str) -> list[str]:
     return sorted(link["ifname"] for link in json.loads(out or "[]"))
 
 
+def in_share_namespace(share: Path, *command: str) -> str:
+    """What ``command`` prints run in the mount namespace of the vm pod whose share directory is
+    ``share`` (``<runtime dir>/pod-shares/<pod id>``, its pin ``mnt``): where the share's mounts
+    are (auraed.cri.pod_share); "" when the pod has none any more."""
+    pin = share / "mnt"
+    if not pin.exists():
+        return ""
+    run = subprocess.run(["nsenter", f"--mount={pin}", *command], capture_output=True, text=True, check=True)
+    return run.stdout
+
+
 def leftovers_of_pod(daemon: DaemonProcess, network: CniNetwork, pod_id: str) -> dict[str, object]:
     """Whatever of the pod ``pod_id`` (its VM ``pod-<id[:16]>``) is still on the host: its QEMU
     and virtiofsd, its directory and pinned namespaces, its share, its VM's run dir, its pod
