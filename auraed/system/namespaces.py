@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import os
 
+from auraed.system.mounts import THREAD_MOUNTINFO, read_mounts
 from auraed.system.threads import in_new_thread
 
 TYPE_CHECKING = False
@@ -285,8 +286,6 @@ def create_mount_namespace(path: str | os.PathLike[str], set_up: Callable[[], No
 
 def _drop_namespace_pins() -> None:
     """The calling thread's mount namespace's nsfs mounts detached, the last made first."""
-    from auraed.system.mounts import THREAD_MOUNTINFO, read_mounts
-
     for entry in reversed(read_mounts(THREAD_MOUNTINFO)):
         if entry.fs_type == "nsfs":
             try:
