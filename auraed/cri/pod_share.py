@@ -75,8 +75,8 @@ from auraed.containers.request import Mount
 from auraed.cri.errors import CriError
 from auraed.errors import ErrorKind
 from auraed.system import namespaces
+from auraed.system.idmapped_mounts import IdmapRefused, idmap_tree
 from auraed.system.mount_api import (
-    MOUNT_ATTR_IDMAP,
     MOUNT_ATTR_NODEV,
     MOUNT_ATTR_NOEXEC,
     MOUNT_ATTR_NOSUID,
@@ -366,9 +366,13 @@ def _idmap(tree: int, mount: Mount, userns_fd: int, recursive: bool) -> None:
     """The detached ``tree`` (every mount of it with ``recursive``) idmapped by ``userns_fd``;
     FAILED_PRECONDITION when a filesystem of it cannot be (the kernel's EINVAL)."""
     try:
-        set_mount_attributes(tree, set_flags=MOUNT_ATTR_IDMAP, userns_fd=userns_fd, recursive=recursive)
-    except OSError as exc:
-        why = "its filesystem cannot be idmapped" if exc.errno == errno.EINVAL else exc.strerror or str(exc)
+        idmap_tree(tree, mount.source, userns_fd, recursive=recursive)
+    except (IdmapRefused, OSError) as exc:
+        why = (
+            f"its filesystem ({exc.fs_type}) cannot be idmapped"
+            if isinstance(exc, IdmapRefused)
+            else exc.strerror or str(exc)
+        )
         raise CriError(
             ErrorKind.FAILED_PRECONDITION,
             f"cannot map {mount.source} for the pod's user namespace ({why}): a pod with hostUsers: "

@@ -55,14 +55,7 @@ def attach_idmapped_clone(
     IdmapRefused when ``source``'s filesystem takes no idmap; OSError for anything else."""
     tree = mount_api.clone_tree(source, recursive=recursive)
     try:
-        try:
-            mount_api.set_mount_attributes(
-                tree, set_flags=mount_api.MOUNT_ATTR_IDMAP | attributes, userns_fd=userns_fd
-            )
-        except OSError as exc:
-            if exc.errno in _REFUSALS:
-                raise IdmapRefused(os.fspath(source), _fs_type(source)) from exc
-            raise
+        idmap_tree(tree, source, userns_fd, attributes=attributes)
         if stat.S_ISDIR(os.fstat(tree).st_mode):
             target.mkdir(mode=mode)
         else:
@@ -74,6 +67,27 @@ def attach_idmapped_clone(
             os.close(place)
     finally:
         os.close(tree)
+
+
+def idmap_tree(
+    tree: int,
+    source: str | os.PathLike[str],
+    userns_fd: int,
+    *,
+    recursive: bool = False,
+    attributes: int = 0,
+) -> None:
+    """Map the detached ``tree`` (an open_tree clone of ``source``; every mount of it with
+    ``recursive``) by the user namespace ``userns_fd``, with the MOUNT_ATTR_* ``attributes`` set
+    too. IdmapRefused when a filesystem of it takes no idmap; OSError for anything else."""
+    try:
+        mount_api.set_mount_attributes(
+            tree, set_flags=mount_api.MOUNT_ATTR_IDMAP | attributes, userns_fd=userns_fd, recursive=recursive
+        )
+    except OSError as exc:
+        if exc.errno in _REFUSALS:
+            raise IdmapRefused(os.fspath(source), _fs_type(source)) from exc
+        raise
 
 
 def _fs_type(source: str | os.PathLike[str]) -> str:
