@@ -44,7 +44,7 @@ from auraed.errors import AuraeError, ErrorKind
 from auraed.system.netns_dial import open_connection_in
 from auraed.system.tasks import run_to_end
 from auraed.vms.guests import GUEST_BASE_MIB, Guests
-from auraed.vms.model import GUEST_ROLE, NetInfo, State, VmSpec
+from auraed.vms.model import NetInfo, State, VmSpec
 from auraed.vms.pod_tap import join_tap, unjoin_tap
 from auraed.vms.templates import AUTO
 
@@ -271,20 +271,14 @@ class VmSandbox:
         cgroup_procs: tuple[str, ...],
         shared_namespace: str = "",
     ) -> VmSpec:
-        return VmSpec(
-            name=name,
-            vcpus=vcpus,
-            memory_mib=memory_mib,
-            kernel="",
-            initramfs="",
-            root_disk="",
-            extra_disks=(),
+        return VmSpec.guest(
+            name,
+            vcpus,
+            memory_mib,
             # The pod's hostname for the guest (the last auraed.hostname wins over the VM's name,
             # which stays its identity: its certificate and the host's channel name it).
             kernel_args=(f"auraed.hostname={hostname}",) if hostname else (),
-            network=True,
             backend="qemu",
-            role=GUEST_ROLE,
             shared_dir=shared_dir,
             shared_namespace=shared_namespace,
             cgroup_procs=cgroup_procs,

@@ -43,7 +43,7 @@ from auraed.orka.model import (
 from auraed.system.tasks import run_to_end
 from auraed.vms.guest_calls import call_guest, place_in_guest
 from auraed.vms.guests import GUEST_BASE_MIB, Guests
-from auraed.vms.model import GUEST_ROLE, MAX_VCPUS, VmSpec, host_memory_mib
+from auraed.vms.model import MAX_VCPUS, VmSpec, host_memory_mib
 from auraed.vms.placement import GuestEndpoint, ImagePlacer
 
 log = logging.getLogger(__name__)
@@ -117,19 +117,7 @@ class GuestRunner:
         name = workload.name
         vcpus, memory_mib = guest_size(workload.spec, self._sizing)
         workload.at(f"booting its guest VM {name} ({vcpus} vCPU{'s' if vcpus > 1 else ''}, {memory_mib} MiB)")
-        spec = VmSpec(
-            name=name,
-            vcpus=vcpus,
-            memory_mib=memory_mib,
-            kernel="",
-            initramfs="",
-            root_disk="",
-            extra_disks=(),
-            kernel_args=(),
-            network=True,
-            backend="",
-            role=GUEST_ROLE,
-        )
+        spec = VmSpec.guest(name, vcpus, memory_mib)
         await self._guests.allocate(spec)  # undoes itself when it fails
         try:
             booted = await self._guests.boot(name)

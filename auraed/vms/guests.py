@@ -526,18 +526,15 @@ class Guests:
         """Make (or rebuild, when its files changed) template ``name``; files default to the
         guest image's. Returns once it is ready."""
         spec = self.complete(
-            VmSpec(
-                name=name,
-                vcpus=vcpus,
-                memory_mib=memory_mib,
+            VmSpec.guest(
+                name,
+                vcpus,
+                memory_mib,
                 kernel=kernel,
                 initramfs=initramfs,
                 root_disk=root_disk,
-                extra_disks=(),
                 kernel_args=kernel_args,
-                network=True,
                 backend="qemu",
-                role=GUEST_ROLE,
             )
         )
         backend = choose_backend("qemu", self.vms.backends)

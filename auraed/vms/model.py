@@ -84,6 +84,37 @@ class VmSpec:
     # pod's guest: cri_vm_machine).
     machine: str = ""
 
+    @classmethod
+    def guest(
+        cls,
+        name: str,
+        vcpus: int,
+        memory_mib: int,
+        *,
+        kernel: str = "",
+        initramfs: str = "",
+        root_disk: str = "",
+        kernel_args: tuple[str, ...] = (),
+        backend: str = "",
+        **fields: Any,
+    ) -> VmSpec:
+        """A networked guest (the guest role) with no extra disk; its files, left empty, are the
+        host's guest image's (Guests.complete fills them in). ``fields``: the optional ones."""
+        return cls(
+            name=name,
+            vcpus=vcpus,
+            memory_mib=memory_mib,
+            kernel=kernel,
+            initramfs=initramfs,
+            root_disk=root_disk,
+            extra_disks=(),
+            kernel_args=kernel_args,
+            network=True,
+            backend=backend,
+            role=GUEST_ROLE,
+            **fields,
+        )
+
     def files(self) -> list[tuple[str, str]]:
         """(field, path) of every file the VM boots from."""
         files = [("vm.kernel", self.kernel)]
