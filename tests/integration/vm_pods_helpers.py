@@ -60,15 +60,23 @@ def vm_node_fixture(*extra_args: str, name: str = "vm_node") -> Callable[..., An
         with cni_network(tmp_path) as network:
             config = mirrors_config(mirror)
             daemon = vm_daemon(daemon_factory, network, guest_image, pki, *extra_args, config_text=config)
-            node = Node(daemon, network, cri_client(daemon), "", tmp_path / "logs")
-            try:
-                node.image_id = await pull_image(node.client, BUSYBOX_IMAGE)
+            async with _serving(daemon, network, tmp_path / "logs") as node:
                 yield node
-                await remove_every_pod(node)
-            finally:
-                await node.client.close()
 
     return vm_node
+
+
+@contextlib.asynccontextmanager
+async def _serving(daemon: DaemonProcess, network: CniNetwork, logs: Path) -> AsyncIterator[Node]:
+    """The daemon's CRI client as a Node, busybox pulled; at the end every pod stopped and
+    removed, and the client closed."""
+    node = Node(daemon, network, cri_client(daemon), "", logs)
+    try:
+        node.image_id = await pull_image(node.client, BUSYBOX_IMAGE)
+        yield node
+        await remove_every_pod(node)
+    finally:
+        await node.client.close()
 
 
 @contextlib.asynccontextmanager
@@ -89,13 +97,8 @@ async def module_vm_node(
         daemon = DaemonProcess(root, pki, args, mirrors_config(mirror))
         try:
             daemon.start()
-            node = Node(daemon, network, cri_client(daemon), "", work / "logs")
-            try:
-                node.image_id = await pull_image(node.client, BUSYBOX_IMAGE)
+            async with _serving(daemon, network, work / "logs") as node:
                 yield node
-                await remove_every_pod(node)
-            finally:
-                await node.client.close()
         finally:
             daemon.stop()
             remove_daemon_leftovers(daemon)
